@@ -1,0 +1,42 @@
+# The two commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck wheel-smoke redis-server clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -c constraints.txt -e '.[test,dev,embedded]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+# Real-server tests need redis-server; install it when we are root, else they skip
+# loudly (and fail when CI is set).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else \
+	    echo "WARNING: redis-server not found and cannot be installed; real-server tests will skip"; \
+	  fi; }
+
+test: $(STAMP) redis-server
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict registry
+
+wheel-smoke: $(STAMP)
+	bash .ci/wheel-smoke
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,51 @@
+-- _prelude.lua: shared by every script; registry/scripts.py puts it in front of each
+-- script body before loading, so one SCRIPT LOAD still carries one self-contained script.
+--
+-- Rules every script follows (see DESIGN.md):
+--   * a block hash stays a string from ARGV to reply; Lua numbers are doubles and
+--     would round hashes above 2^53, so `tonumber` is never applied to a hash;
+--   * `unpack` is chunked (CHUNK values at a time): Lua's C stack holds about 8,000;
+--   * every key comes from KEYS; the channel name is not a key and comes from ARGV.
+
+local CHUNK = 4000
+
+-- Remove the fields list[from..to] (distinct hashes) from the HASH `key`.
+-- Appends each removed hash to `removed_hashes`, its old value (block id) to
+-- `removed_ids`, and "block_id:hash" to `pair_texts` when that table is given.
+local function remove_fields(key, list, from, to, removed_hashes, removed_ids, pair_texts)
+  for first = from, to, CHUNK do
+    local last = math.min(first + CHUNK - 1, to)
+    local ids = redis.call('HMGET', key, unpack(list, first, last))
+    local found = {}
+    for i = 1, last - first + 1 do
+      local id = ids[i]
+      if id then
+        local hash = list[first + i - 1]
+        found[#found + 1] = hash
+        removed_hashes[#removed_hashes + 1] = hash
+        removed_ids[#removed_ids + 1] = id
+        if pair_texts then
+          pair_texts[#pair_texts + 1] = id .. ':' .. hash
+        end
+      end
+    end
+    if #found > 0 then
+      redis.call('HDEL', key, unpack(found))
+    end
+  end
+end
+
+-- Number one eviction notice, append it to the capped stream and publish it.
+-- kind: 'evict' | 'cascade' | 'replace' | 'clear'; pairs_text: "bid:hash bid:hash ..." or ''.
+-- Channel message: "<seq> <kind>[ <bid>:<hash> ...]". Returns the sequence number.
+local function publish_notice(meta_key, stream_key, channel, stream_maxlen, kind, pairs_text)
+  local seq = redis.call('HINCRBY', meta_key, 'notice_seq', 1)
+  redis.call('XADD', stream_key, 'MAXLEN', '~', stream_maxlen, '*',
+    'seq', seq, 'kind', kind, 'pairs', pairs_text)
+  local message = seq .. ' ' .. kind
+  if pairs_text ~= '' then
+    message = message .. ' ' .. pairs_text
+  end
+  redis.call('PUBLISH', channel, message)
+  return seq
+end

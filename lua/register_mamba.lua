@@ -1,0 +1,36 @@
+-- register_mamba: add (hash -> block id) entries for blocks that hold a Mamba state
+-- checkpoint. A hash that already pointed at another block id loses that old entry:
+-- it is announced with a 'replace' notice so the owner of the old slot frees it.
+--
+-- KEYS[1]  pcr:{node-0}:mamba              HASH hash -> block id with Mamba state
+-- KEYS[2]  pcr:{node-0}:meta               HASH schema, notice_seq
+-- KEYS[3]  pcr:{node-0}:mamba-evictions    STREAM of notices, capped
+-- ARGV[1]  pcr:{node-0}:mamba-evicted      channel for the notice
+-- ARGV[2]  "10000"                         approximate stream cap (MAXLEN ~)
+-- ARGV[3..] hash1, block_id1, hash2, block_id2, ...; hashes > 0, distinct (caller checks)
+--
+-- Returns: array of the block ids whose entries were replaced (usually empty).
+-- Calls:   HSETNX, HMGET, HSET, HINCRBY, XADD, PUBLISH
+redis.call('HSETNX', KEYS[2], 'schema', '1')
+local replaced_ids, pair_texts = {}, {}
+local n = #ARGV
+for first = 3, n, CHUNK do
+  local last = math.min(first + CHUNK - 1, n)
+  local fields = {}
+  for i = first, last, 2 do
+    fields[#fields + 1] = ARGV[i]
+  end
+  local old_ids = redis.call('HMGET', KEYS[1], unpack(fields))
+  for j = 1, #fields do
+    local old_id = old_ids[j]
+    if old_id and old_id ~= ARGV[first + 2 * j - 1] then
+      replaced_ids[#replaced_ids + 1] = old_id
+      pair_texts[#pair_texts + 1] = old_id .. ':' .. fields[j]
+    end
+  end
+  redis.call('HSET', KEYS[1], unpack(ARGV, first, last))
+end
+if #replaced_ids > 0 then
+  publish_notice(KEYS[2], KEYS[3], ARGV[1], ARGV[2], 'replace', table.concat(pair_texts, ' '))
+end
+return replaced_ids

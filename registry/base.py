@@ -1,0 +1,155 @@
+"""The seed's twelve-method API, written once over four storage primitives.
+
+``RegistryBase`` checks arguments, handles empty input without touching storage,
+and fires the Mamba-evict callback; subclasses only store and look up. So the Redis
+registry and the in-memory reference share one meaning by construction, and the
+differential tests compare storage engines, not two copies of the rules.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+
+from registry.validation import (
+    eviction_hashes,
+    lookup_hashes,
+    registration,
+    search_length,
+)
+
+MambaEvictCallback = Callable[[list[int]], None]
+
+
+class RegistryBase(ABC):
+    """``hash -> block_id`` registry for KV blocks and Mamba state blocks."""
+
+    def __init__(self) -> None:
+        self._on_mamba_evicted: MambaEvictCallback | None = None
+
+    # -- callback ---------------------------------------------------------------
+
+    def set_mamba_evict_callback(self, cb: MambaEvictCallback | None) -> None:
+        """Wire ``cb(block_ids)``, fired once per call that removed Mamba entries.
+
+        It runs in the calling thread of this process, after the removal is stored.
+        ``None`` unwires it. Other processes learn of removals from the notices.
+        """
+        if cb is not None and not callable(cb):
+            raise TypeError(f"callback must be callable or None, not {type(cb).__name__}")
+        self._on_mamba_evicted = cb
+
+    def _notify(self, block_ids: list[int]) -> None:
+        if block_ids and self._on_mamba_evicted is not None:
+            self._on_mamba_evicted(block_ids)
+
+    # -- KV ---------------------------------------------------------------------
+
+    def match_kv_prefix(self, hashes: Sequence[int]) -> tuple[list[int], int]:
+        """Block ids of the longest cached prefix and its last block's hash (0 if none).
+
+        The prefix ends at the first hash that is not cached (or is a -1/0 sentinel):
+        a hole in the middle never yields block ids beyond it.
+        """
+        wanted = lookup_hashes(hashes)
+        for i, h in enumerate(wanted):
+            if h <= 0:
+                del wanted[i:]
+                break
+        if not wanted:
+            return [], 0
+        block_ids = self._match_kv_prefix(wanted)
+        return block_ids, (wanted[len(block_ids) - 1] if block_ids else 0)
+
+    def register_kv(self, block_ids: Sequence[int], hashes: Sequence[int]) -> None:
+        """Add ``hash -> block_id`` entries; the last writer wins for an existing hash."""
+        entries = registration(block_ids, hashes, skip_sentinels=False)
+        if entries:
+            self._register_kv(entries)
+
+    def evict_kv(self, hashes: Iterable[int]) -> set[int]:
+        """Drop KV entries (ignoring -1), cascading to Mamba; return the hashes removed."""
+        wanted = eviction_hashes(hashes)
+        if not wanted:
+            return set()
+        removed, mamba_block_ids = self._evict_kv(wanted)
+        self._notify(mamba_block_ids)
+        return removed
+
+    # -- Mamba ------------------------------------------------------------------
+
+    def match_mamba_farthest(self, hashes: Sequence[int]) -> int:
+        """One past the farthest index whose hash has Mamba state; 0 if none."""
+        wanted = lookup_hashes(hashes)
+        return self._match_mamba_farthest(wanted) if wanted else 0
+
+    def find_mamba_backoff(self, hashes: Sequence[int], search_len: int) -> int:
+        """``match_mamba_farthest`` within ``hashes[:search_len]`` (clamped; <= 0 gives 0)."""
+        limit = search_length(search_len)
+        wanted = lookup_hashes(hashes)
+        if limit <= 0 or not wanted:
+            return 0
+        return self._match_mamba_farthest(wanted[:limit])
+
+    def register_mamba(self, block_ids: Sequence[int], hashes: Sequence[int]) -> None:
+        """Add ``hash -> block_id`` entries, skipping hashes <= 0.
+
+        A hash that pointed at another block id loses that old entry, which counts
+        as a Mamba removal (callback and 'replace' notice): its slot is stale.
+        """
+        entries = registration(block_ids, hashes, skip_sentinels=True)
+        if entries:
+            self._notify(self._register_mamba(entries))
+
+    def evict_mamba(self, hashes: Iterable[int]) -> set[int]:
+        """Drop Mamba entries (ignoring -1); return the hashes actually removed."""
+        wanted = eviction_hashes(hashes)
+        if not wanted:
+            return set()
+        removed, block_ids = self._evict_mamba(wanted)
+        self._notify(block_ids)
+        return removed
+
+    # -- reset ------------------------------------------------------------------
+
+    def clear_kv(self) -> None:
+        """Drop every KV entry (Mamba entries stay; no callback, as in the seed)."""
+        self._clear(kv=True, mamba=False)
+
+    def clear_mamba(self) -> None:
+        """Drop every Mamba entry (no callback; listeners get a 'clear' notice)."""
+        self._clear(kv=False, mamba=True)
+
+    def reset(self) -> None:
+        """Drop every KV and Mamba entry; the callback stays wired."""
+        self._clear(kv=True, mamba=True)
+
+    # -- storage primitives -----------------------------------------------------
+
+    @abstractmethod
+    def _match_kv_prefix(self, hashes: list[int]) -> list[int]:
+        """Block ids of ``hashes[:k]`` for the largest k with all of them cached."""
+
+    @abstractmethod
+    def _register_kv(self, entries: dict[int, int]) -> None:
+        """Store ``entries`` (hash -> block id) in the KV map."""
+
+    @abstractmethod
+    def _evict_kv(self, hashes: list[int]) -> tuple[set[int], list[int]]:
+        """Remove distinct ``hashes`` from KV and Mamba; (KV hashes removed, Mamba ids)."""
+
+    @abstractmethod
+    def _match_mamba_farthest(self, hashes: list[int]) -> int:
+        """One past the last index of ``hashes`` present in the Mamba map; 0 if none."""
+
+    @abstractmethod
+    def _register_mamba(self, entries: dict[int, int]) -> list[int]:
+        """Store ``entries`` in the Mamba map; return block ids of replaced entries."""
+
+    @abstractmethod
+    def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], list[int]]:
+        """Remove distinct ``hashes`` from the Mamba map; (hashes removed, their ids)."""
+
+    @abstractmethod
+    def _clear(self, *, kv: bool, mamba: bool) -> None:
+        """Drop every entry of the chosen maps, atomically together."""

@@ -1,0 +1,90 @@
+"""Every Redis key and channel name of the registry, built in one place.
+
+Hash-tag rule: all keys of one namespace put the namespace between ``{`` and ``}``
+(``pcr:{node-0}:kv``). Redis Cluster hashes only that part, so every key a script
+touches for one namespace lives in one slot and one Lua call never crosses slots.
+That is why a namespace may not contain braces and the key prefix may not contain
+``{`` (Redis uses the first ``{`` of a key).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from dataclasses import dataclass
+
+DEFAULT_KEY_PREFIX = "pcr"
+MAX_NAME_LENGTH = 200
+
+
+def _check_name(kind: str, value: object) -> str:
+    """Return ``value`` if it is a usable namespace or key prefix, else raise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{kind} must be a str, not {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{kind} must not be empty")
+    if len(value) > MAX_NAME_LENGTH:
+        raise ValueError(f"{kind} is {len(value)} characters long; the limit is {MAX_NAME_LENGTH}")
+    for char in value:
+        if char in "{}":
+            raise ValueError(f"{kind} {value!r} must not contain '{{' or '}}' (hash-tag delimiters)")
+        if char.isspace() or unicodedata.category(char)[0] == "C":
+            raise ValueError(
+                f"{kind} {value!r} must not contain whitespace or control characters"
+            )
+    return value
+
+
+def validate_namespace(namespace: object) -> str:
+    """Check a namespace: a non-empty printable string without braces or whitespace."""
+    return _check_name("namespace", namespace)
+
+
+def validate_key_prefix(key_prefix: object) -> str:
+    """Check a key prefix: the same rules as a namespace."""
+    return _check_name("key_prefix", key_prefix)
+
+
+@dataclass(frozen=True)
+class NamespaceKeys:
+    """The keys and the channel of one namespace (one block pool)."""
+
+    namespace: str
+    key_prefix: str = DEFAULT_KEY_PREFIX
+
+    def __post_init__(self) -> None:
+        validate_namespace(self.namespace)
+        validate_key_prefix(self.key_prefix)
+
+    @property
+    def base(self) -> str:
+        """The common start of every name: ``pcr:{NS}``."""
+        return f"{self.key_prefix}:{{{self.namespace}}}"
+
+    @property
+    def kv(self) -> str:
+        """HASH: block hash (decimal) -> KV block id (decimal)."""
+        return f"{self.base}:kv"
+
+    @property
+    def mamba(self) -> str:
+        """HASH: block hash (decimal) -> block id that holds a Mamba state checkpoint."""
+        return f"{self.base}:mamba"
+
+    @property
+    def meta(self) -> str:
+        """HASH: ``schema`` version and ``notice_seq``, the last eviction-notice number."""
+        return f"{self.base}:meta"
+
+    @property
+    def mamba_evictions(self) -> str:
+        """STREAM (capped): a durable copy of every eviction notice, for replay."""
+        return f"{self.base}:mamba-evictions"
+
+    @property
+    def mamba_evicted_channel(self) -> str:
+        """Pub/sub channel on which eviction notices are published."""
+        return f"{self.base}:mamba-evicted"
+
+    def all_keys(self) -> tuple[str, ...]:
+        """Every key (not the channel) of the namespace."""
+        return (self.kv, self.mamba, self.meta, self.mamba_evictions)

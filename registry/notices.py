@@ -1,0 +1,79 @@
+"""Eviction notices: what a Mamba removal publishes, and how to read it back.
+
+Each script that removes Mamba entries numbers one notice per call with
+``HINCRBY meta notice_seq 1``, appends it to the capped stream
+``pcr:{NS}:mamba-evictions`` (fields ``seq``, ``kind``, ``pairs``) and publishes it on
+the channel ``pcr:{NS}:mamba-evicted`` as one text line::
+
+    42 evict 17:8815920390121 18:77123     <- seq, kind, block_id:hash pairs
+    43 clear                                <- every Mamba entry dropped
+
+Kinds: ``evict`` (evict_mamba), ``cascade`` (evict_kv), ``replace`` (register_mamba
+moved a hash to another block id), ``clear`` (clear_mamba, reset; no pairs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+KINDS = ("evict", "cascade", "replace", "clear")
+
+
+@dataclass(frozen=True)
+class EvictionNotice:
+    """One numbered notice: which (block_id, hash) pairs left the Mamba hash."""
+
+    seq: int
+    kind: str
+    pairs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def cleared(self) -> bool:
+        """True for a ``clear``: every entry went, listed or not."""
+        return self.kind == "clear"
+
+
+def _text(value: object) -> str:
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("ascii")
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"notice field is {type(value).__name__}, expected str or bytes")
+
+
+def _parse(seq_text: str, kind: str, pair_words: list[str]) -> EvictionNotice:
+    if not seq_text.isdigit():
+        raise ValueError(f"notice sequence {seq_text!r} is not a positive integer")
+    if kind not in KINDS:
+        raise ValueError(f"unknown notice kind {kind!r}")
+    pairs = []
+    for word in pair_words:
+        block_id, sep, h = word.partition(":")
+        if not (sep and block_id.isdigit() and h.isdigit()):
+            raise ValueError(f"malformed block_id:hash pair {word!r}")
+        pairs.append((int(block_id), int(h)))
+    if kind == "clear" and pairs:
+        raise ValueError("a clear notice carries no pairs")
+    return EvictionNotice(int(seq_text), kind, tuple(pairs))
+
+
+def parse_notice(message: str | bytes) -> EvictionNotice:
+    """Decode a channel message; ``ValueError`` if it is not a well-formed notice."""
+    try:
+        words = _text(message).split(" ")
+    except UnicodeDecodeError as exc:
+        raise ValueError("notice is not ASCII text") from exc
+    if len(words) < 2:
+        raise ValueError(f"notice {message!r:.80} has no kind")
+    return _parse(words[0], words[1], [w for w in words[2:] if w])
+
+
+def parse_stream_entry(fields: Mapping[object, object]) -> EvictionNotice:
+    """Decode the fields of one ``mamba-evictions`` stream entry."""
+    by_name = {_text(k): _text(v) for k, v in fields.items()}
+    try:
+        seq, kind, pairs = by_name["seq"], by_name["kind"], by_name["pairs"]
+    except KeyError as exc:
+        raise ValueError(f"stream entry lacks field {exc.args[0]!r}") from None
+    return _parse(seq, kind, pairs.split())
