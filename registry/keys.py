@@ -26,11 +26,11 @@ def _check_name(kind: str, value: object) -> str:
         raise ValueError(f"{kind} is {len(value)} characters long; the limit is {MAX_NAME_LENGTH}")
     for char in value:
         if char in "{}":
-            raise ValueError(f"{kind} {value!r} must not contain '{{' or '}}' (hash-tag delimiters)")
-        if char.isspace() or unicodedata.category(char)[0] == "C":
             raise ValueError(
-                f"{kind} {value!r} must not contain whitespace or control characters"
+                f"{kind} {value!r} must not contain '{{' or '}}' (hash-tag delimiters)"
             )
+        if char.isspace() or unicodedata.category(char)[0] == "C":
+            raise ValueError(f"{kind} {value!r} must not contain whitespace or control characters")
     return value
 
 

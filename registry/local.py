@@ -42,9 +42,7 @@ class LocalPrefixCacheRegistry(RegistryBase):
         return 0
 
     def _register_mamba(self, entries: dict[int, int]) -> list[int]:
-        replaced = [
-            old for h, new in entries.items() if (old := self.mamba.get(h, new)) != new
-        ]
+        replaced = [old for h, new in entries.items() if (old := self.mamba.get(h, new)) != new]
         self.mamba.update(entries)
         return replaced
 

@@ -83,7 +83,10 @@ class PrefixCacheRegistry(RegistryBase):
         return self.keys.namespace
 
     def __repr__(self) -> str:
-        return f"PrefixCacheRegistry(namespace={self.namespace!r}, key_prefix={self.keys.key_prefix!r})"
+        return (
+            f"PrefixCacheRegistry(namespace={self.namespace!r}, "
+            f"key_prefix={self.keys.key_prefix!r})"
+        )
 
     def load_scripts(self) -> None:
         """Load every script now (SCRIPT LOAD), so the first calls need no retry."""

@@ -50,9 +50,7 @@ def eviction_hashes(hashes: object) -> list[int]:
     return [h for h in dict.fromkeys(lookup_hashes(hashes)) if h > NO_PARENT]
 
 
-def registration(
-    block_ids: object, hashes: object, *, skip_sentinels: bool
-) -> dict[int, int]:
+def registration(block_ids: object, hashes: object, *, skip_sentinels: bool) -> dict[int, int]:
     """``{hash: block_id}`` for a bulk register, last value winning for a repeated hash.
 
     With ``skip_sentinels`` (Mamba), pairs whose hash is -1 or 0 are dropped; without
@@ -66,7 +64,7 @@ def registration(
         )
     entries: dict[int, int] = {}
     lowest = NO_HASH if skip_sentinels else 1
-    for i, (raw_id, raw_hash) in enumerate(zip(id_list, hash_list)):
+    for i, (raw_id, raw_hash) in enumerate(zip(id_list, hash_list, strict=True)):
         block_id = _as_int(raw_id, "block_ids", i)
         h = _as_int(raw_hash, "hashes", i)
         if not 0 <= block_id <= MAX_BLOCK_ID:

@@ -1,0 +1,122 @@
+"""Backends for the conformance suite: in-memory, fakeredis, real Redis, real Cluster.
+
+The real servers are started once per session on free ports (``tests/servers.py``);
+each test works in namespaces of its own, so tests never see each other's keys.
+Without a ``redis-server`` binary the real backends skip loudly, or fail under CI.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import fakeredis
+import pytest
+
+from registry import LocalPrefixCacheRegistry, PrefixCacheRegistry, RegistryBase
+from tests.servers import RedisClusterServers, RedisServer, require_redis_server
+
+BACKENDS = ("local", "fakeredis", "redis", "cluster")
+REDIS_BACKENDS = ("fakeredis", "redis", "cluster")
+
+
+def new_namespace() -> str:
+    """A namespace no other test uses."""
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real standalone redis-server for the session."""
+    require_redis_server()
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    """One real 3-master Redis Cluster for the session."""
+    require_redis_server()
+    with RedisClusterServers() as cluster:
+        yield cluster
+
+
+@dataclass
+class Backend:
+    """Makes registries (and raw clients) of one storage kind for one test."""
+
+    name: str
+    make_client: Callable[..., Any] | None
+    _clients: list[Any] = field(default_factory=list)
+
+    @property
+    def is_redis(self) -> bool:
+        return self.make_client is not None
+
+    def client(self, **options: Any) -> Any:
+        """A new raw client to this backend's server (not for ``local``)."""
+        assert self.make_client is not None, "the local backend has no Redis client"
+        client = self.make_client(**options)
+        self._clients.append(client)
+        return client
+
+    def registry(
+        self, namespace: str | None = None, *, decode_responses: bool = False, **options: Any
+    ) -> RegistryBase:
+        """A registry on a fresh namespace (or the one given)."""
+        if not self.is_redis:
+            return LocalPrefixCacheRegistry()
+        client = self.client(decode_responses=decode_responses)
+        return PrefixCacheRegistry(client, namespace or new_namespace(), **options)
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
+
+
+def make_backend(name: str, request: pytest.FixtureRequest) -> Backend:
+    if name == "local":
+        return Backend(name, None)
+    if name == "fakeredis":
+        server = fakeredis.FakeServer()
+        return Backend(name, lambda **kw: fakeredis.FakeRedis(server=server, **kw))
+    if name == "redis":
+        real: RedisServer = request.getfixturevalue("redis_server")
+        return Backend(name, real.client)
+    cluster: RedisClusterServers = request.getfixturevalue("redis_cluster")
+    return Backend(name, cluster.client)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """Each of the four storage kinds in turn."""
+    made = make_backend(request.param, request)
+    yield made
+    made.close()
+
+
+@pytest.fixture(params=REDIS_BACKENDS)
+def redis_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """Each Redis storage kind in turn (fakeredis, a real server, a real cluster)."""
+    made = make_backend(request.param, request)
+    yield made
+    made.close()
+
+
+def registry_state(registry: RegistryBase) -> tuple[dict[int, int], dict[int, int]]:
+    """The (kv, mamba) mappings a registry holds, read straight from its storage."""
+    if isinstance(registry, LocalPrefixCacheRegistry):
+        return dict(registry.kv), dict(registry.mamba)
+    assert isinstance(registry, PrefixCacheRegistry)
+    client, keys = registry.client, registry.keys
+    return (
+        {int(k): int(v) for k, v in client.hgetall(keys.kv).items()},
+        {int(k): int(v) for k, v in client.hgetall(keys.mamba).items()},
+    )
+
+
+def dump_keys(registry: PrefixCacheRegistry) -> dict[str, Any]:
+    """Byte-exact snapshot of every key of a registry's namespace (``DUMP``)."""
+    return {key: registry.client.dump(key) for key in registry.keys.all_keys()}

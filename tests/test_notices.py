@@ -1,0 +1,130 @@
+"""Every Mamba removal publishes a numbered notice and appends it to the stream."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from registry import EvictionNotice, PrefixCacheRegistry, parse_notice, parse_stream_entry
+from tests.conftest import Backend
+
+H = [1111, 2222, 3333, 4444]
+
+
+def next_notice(pubsub: Any, timeout: float = 5.0) -> EvictionNotice:
+    """The next message on the subscribed channel, parsed (poll with a deadline)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        message = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if message is not None:
+            return parse_notice(message["data"])
+    raise AssertionError("no notice arrived")
+
+
+def stream_notices(reg: PrefixCacheRegistry) -> list[EvictionNotice]:
+    return [parse_stream_entry(f) for _, f in reg.client.xrange(reg.keys.mamba_evictions)]
+
+
+def subscribe(backend: Backend, reg: PrefixCacheRegistry) -> Any:
+    pubsub = backend.client().pubsub()
+    pubsub.subscribe(reg.keys.mamba_evicted_channel)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # wait for the subscription to be confirmed
+        message = pubsub.get_message(timeout=0.1)
+        if message is not None and message["type"] == "subscribe":
+            return pubsub
+    raise AssertionError("subscription not confirmed")
+
+
+def test_each_removal_kind_publishes_one_numbered_notice(redis_backend: Backend) -> None:
+    reg = redis_backend.registry()
+    assert isinstance(reg, PrefixCacheRegistry)
+    pubsub = subscribe(redis_backend, reg)
+    try:
+        reg.register_kv([1, 2, 3, 4], H)
+        reg.register_mamba([1, 2, 3], H[:3])
+        reg.evict_mamba([H[0], H[3]])  # only H[0] has Mamba state
+        reg.evict_kv([H[1]])  # cascades to H[1]'s Mamba entry
+        reg.register_mamba([9], [H[2]])  # replaces (3, H[2])
+        reg.evict_kv([H[3]])  # no Mamba entry: no notice
+        reg.clear_mamba()
+        reg.clear_mamba()  # nothing left: no notice
+        reg.register_mamba([4], [H[3]])
+        reg.reset()
+        expected = [
+            EvictionNotice(1, "evict", ((1, H[0]),)),
+            EvictionNotice(2, "cascade", ((2, H[1]),)),
+            EvictionNotice(3, "replace", ((3, H[2]),)),
+            EvictionNotice(4, "clear"),
+            EvictionNotice(5, "clear"),
+        ]
+        assert [next_notice(pubsub) for _ in expected] == expected
+        assert pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2) is None
+        assert stream_notices(reg) == expected
+        assert int(reg.client.hget(reg.keys.meta, "notice_seq")) == 5
+    finally:
+        pubsub.close()
+
+
+def test_notice_lists_every_pair_of_a_bulk_eviction(redis_backend: Backend) -> None:
+    reg = redis_backend.registry()
+    assert isinstance(reg, PrefixCacheRegistry)
+    hashes = [2**63 - 1 - i for i in range(9_000)]
+    reg.register_kv(range(9_000), hashes)
+    reg.register_mamba(range(9_000), hashes)
+    reg.evict_kv(hashes)
+    (notice,) = stream_notices(reg)
+    assert notice.kind == "cascade"
+    assert sorted(notice.pairs) == sorted(zip(range(9_000), hashes, strict=True))
+
+
+def test_stream_is_capped(redis_backend: Backend) -> None:
+    reg = redis_backend.registry(notice_stream_maxlen=10)
+    assert isinstance(reg, PrefixCacheRegistry)
+    for i in range(1, 401):
+        reg.register_mamba([i], [i])
+        reg.evict_mamba([i])
+    length = reg.client.xlen(reg.keys.mamba_evictions)
+    # MAXLEN ~ trims whole stream nodes (100 entries by default), never below the cap.
+    assert 10 <= length <= 10 + 100
+    assert stream_notices(reg)[-1] == EvictionNotice(400, "evict", ((400, 400),))
+
+
+def test_sequence_survives_reset(redis_backend: Backend) -> None:
+    reg = redis_backend.registry()
+    assert isinstance(reg, PrefixCacheRegistry)
+    reg.register_mamba([1], [H[0]])
+    reg.reset()
+    reg.register_mamba([1], [H[0]])
+    reg.evict_mamba([H[0]])
+    assert [n.seq for n in stream_notices(reg)] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"",
+        b"7",
+        b"x evict 1:2",
+        b"7 nope 1:2",
+        b"7 evict 1-2",
+        b"7 evict a:2",
+        b"7 clear 1:2",
+        b"\xff\xfe",
+        b"-3 evict 1:2",
+    ],
+)
+def test_malformed_notices_are_rejected(message: bytes) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - each case has its own message
+        parse_notice(message)
+
+
+def test_notice_parsing_accepts_str_and_bytes() -> None:
+    expected = EvictionNotice(12, "cascade", ((5, 2**63 - 1), (6, 7)))
+    assert parse_notice("12 cascade 5:9223372036854775807 6:7") == expected
+    assert parse_notice(b"12 cascade 5:9223372036854775807 6:7") == expected
+    assert parse_notice("13 clear").cleared
+    with pytest.raises(ValueError, match="lacks field"):
+        parse_stream_entry({b"seq": b"1", b"kind": b"evict"})
