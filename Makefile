@@ -29,8 +29,8 @@ test: $(STAMP) redis-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check registry gpu tests examples
+	$(BIN)/ruff format --check registry gpu tests examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict registry
