@@ -10,7 +10,8 @@
 -- ARGV[2]  "10000"                         approximate stream cap (MAXLEN ~)
 -- ARGV[3..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
 --
--- Returns: { {hashes removed from KV}, {block ids of cascaded Mamba entries} }
+-- Returns: { {hashes removed from KV}, {block ids of cascaded Mamba entries},
+--            {their hashes}, notice sequence number (0 when no Mamba entry went) }
 -- Calls:   HMGET, HDEL, HINCRBY, XADD, PUBLISH
 local kv_hashes, kv_ids = {}, {}
 remove_fields(KEYS[1], ARGV, 3, #ARGV, kv_hashes, kv_ids, nil)
@@ -18,7 +19,8 @@ local mamba_hashes, mamba_ids, pair_texts = {}, {}, {}
 if #kv_hashes > 0 then
   remove_fields(KEYS[2], kv_hashes, 1, #kv_hashes, mamba_hashes, mamba_ids, pair_texts)
 end
+local seq = 0
 if #mamba_ids > 0 then
-  publish_notice(KEYS[3], KEYS[4], ARGV[1], ARGV[2], 'cascade', table.concat(pair_texts, ' '))
+  seq = publish_notice(KEYS[3], KEYS[4], ARGV[1], ARGV[2], 'cascade', table.concat(pair_texts, ' '))
 end
-return {kv_hashes, mamba_ids}
+return {kv_hashes, mamba_ids, mamba_hashes, seq}

@@ -9,10 +9,13 @@
 -- ARGV[2]  "10000"                         approximate stream cap (MAXLEN ~)
 -- ARGV[3..] hash1, block_id1, hash2, block_id2, ...; hashes > 0, distinct (caller checks)
 --
--- Returns: array of the block ids whose entries were replaced (usually empty).
--- Calls:   HSETNX, HMGET, HSET, HINCRBY, XADD, PUBLISH
+-- Returns: { {block ids whose entries were replaced}, {their hashes}, stamp }: stamp is
+--          the namespace's notice number after this call; only a notice numbered above
+--          it can remove the entries just written (block ids are reused, so a slot
+--          owner needs this to ignore late notices about an older registration).
+-- Calls:   HSETNX, HMGET, HSET, HGET, HINCRBY, XADD, PUBLISH
 redis.call('HSETNX', KEYS[2], 'schema', '1')
-local replaced_ids, pair_texts = {}, {}
+local replaced_ids, replaced_hashes, pair_texts = {}, {}, {}
 local n = #ARGV
 for first = 3, n, CHUNK do
   local last = math.min(first + CHUNK - 1, n)
@@ -25,6 +28,7 @@ for first = 3, n, CHUNK do
     local old_id = old_ids[j]
     if old_id and old_id ~= ARGV[first + 2 * j - 1] then
       replaced_ids[#replaced_ids + 1] = old_id
+      replaced_hashes[#replaced_hashes + 1] = fields[j]
       pair_texts[#pair_texts + 1] = old_id .. ':' .. fields[j]
     end
   end
@@ -33,4 +37,4 @@ end
 if #replaced_ids > 0 then
   publish_notice(KEYS[2], KEYS[3], ARGV[1], ARGV[2], 'replace', table.concat(pair_texts, ' '))
 end
-return replaced_ids
+return {replaced_ids, replaced_hashes, tonumber(redis.call('HGET', KEYS[2], 'notice_seq') or '0')}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 
+from registry.notices import EvictionNotice
 from registry.validation import (
     eviction_hashes,
     lookup_hashes,
@@ -19,6 +20,7 @@ from registry.validation import (
 )
 
 MambaEvictCallback = Callable[[list[int]], None]
+EvictionHook = Callable[[EvictionNotice], None]
 
 
 class RegistryBase(ABC):
@@ -26,6 +28,7 @@ class RegistryBase(ABC):
 
     def __init__(self) -> None:
         self._on_mamba_evicted: MambaEvictCallback | None = None
+        self._eviction_hooks: tuple[EvictionHook, ...] = ()
 
     # -- callback ---------------------------------------------------------------
 
@@ -39,9 +42,28 @@ class RegistryBase(ABC):
             raise TypeError(f"callback must be callable or None, not {type(cb).__name__}")
         self._on_mamba_evicted = cb
 
-    def _notify(self, block_ids: list[int]) -> None:
-        if block_ids and self._on_mamba_evicted is not None:
-            self._on_mamba_evicted(block_ids)
+    def add_eviction_hook(self, hook: EvictionHook) -> None:
+        """Also pass every notice this object's calls publish to ``hook``, in-process.
+
+        Unlike the seed callback, a hook sees clears too, and each notice's sequence
+        number and (block_id, hash) pairs, which a slot owner needs because block ids
+        are reused. The Mamba slot pool attaches itself this way.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, not {type(hook).__name__}")
+        self._eviction_hooks = (*self._eviction_hooks, hook)
+
+    def remove_eviction_hook(self, hook: EvictionHook) -> None:
+        """Detach a hook added with ``add_eviction_hook`` (no error if absent)."""
+        self._eviction_hooks = tuple(h for h in self._eviction_hooks if h != hook)
+
+    def _notify(self, notice: EvictionNotice | None) -> None:
+        if notice is None:
+            return
+        if notice.pairs and self._on_mamba_evicted is not None:
+            self._on_mamba_evicted([block_id for block_id, _ in notice.pairs])
+        for hook in self._eviction_hooks:
+            hook(notice)
 
     # -- KV ---------------------------------------------------------------------
 
@@ -72,8 +94,8 @@ class RegistryBase(ABC):
         wanted = eviction_hashes(hashes)
         if not wanted:
             return set()
-        removed, mamba_block_ids = self._evict_kv(wanted)
-        self._notify(mamba_block_ids)
+        removed, notice = self._evict_kv(wanted)
+        self._notify(notice)
         return removed
 
     # -- Mamba ------------------------------------------------------------------
@@ -97,18 +119,39 @@ class RegistryBase(ABC):
         A hash that pointed at another block id loses that old entry, which counts
         as a Mamba removal (callback and 'replace' notice): its slot is stale.
         """
+        self.register_mamba_stamped(block_ids, hashes)
+
+    def register_mamba_stamped(self, block_ids: Sequence[int], hashes: Sequence[int]) -> int:
+        """``register_mamba``, returning the namespace's notice number right after it.
+
+        Only a notice numbered above this stamp can remove the entries just written: a
+        slot owner uses it to ignore a late notice about an earlier registration of the
+        same (block_id, hash). With nothing to register it returns 0 and sends nothing.
+        """
         entries = registration(block_ids, hashes, skip_sentinels=True)
-        if entries:
-            self._notify(self._register_mamba(entries))
+        if not entries:
+            return 0
+        notice, stamp = self._register_mamba(entries)
+        self._notify(notice)
+        return stamp
 
     def evict_mamba(self, hashes: Iterable[int]) -> set[int]:
         """Drop Mamba entries (ignoring -1); return the hashes actually removed."""
         wanted = eviction_hashes(hashes)
         if not wanted:
             return set()
-        removed, block_ids = self._evict_mamba(wanted)
-        self._notify(block_ids)
+        removed, notice = self._evict_mamba(wanted)
+        self._notify(notice)
         return removed
+
+    def mamba_block_ids(self, hashes: Sequence[int]) -> list[int | None]:
+        """The block id holding Mamba state for each hash, or None; one atomic read."""
+        wanted = lookup_hashes(hashes)
+        return self._mamba_block_ids(wanted) if wanted else []
+
+    def notice_sequence(self) -> int:
+        """The number of the last eviction notice of this namespace (0 if none yet)."""
+        return self._notice_sequence()
 
     # -- reset ------------------------------------------------------------------
 
@@ -117,12 +160,12 @@ class RegistryBase(ABC):
         self._clear(kv=True, mamba=False)
 
     def clear_mamba(self) -> None:
-        """Drop every Mamba entry (no callback; listeners get a 'clear' notice)."""
-        self._clear(kv=False, mamba=True)
+        """Drop every Mamba entry (no callback; hooks and listeners get a 'clear' notice)."""
+        self._notify(self._clear(kv=False, mamba=True))
 
     def reset(self) -> None:
         """Drop every KV and Mamba entry; the callback stays wired."""
-        self._clear(kv=True, mamba=True)
+        self._notify(self._clear(kv=True, mamba=True))
 
     # -- storage primitives -----------------------------------------------------
 
@@ -135,21 +178,30 @@ class RegistryBase(ABC):
         """Store ``entries`` (hash -> block id) in the KV map."""
 
     @abstractmethod
-    def _evict_kv(self, hashes: list[int]) -> tuple[set[int], list[int]]:
-        """Remove distinct ``hashes`` from KV and Mamba; (KV hashes removed, Mamba ids)."""
+    def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
+        """Remove distinct ``hashes`` from KV and Mamba; (KV hashes removed, notice)."""
 
     @abstractmethod
     def _match_mamba_farthest(self, hashes: list[int]) -> int:
         """One past the last index of ``hashes`` present in the Mamba map; 0 if none."""
 
     @abstractmethod
-    def _register_mamba(self, entries: dict[int, int]) -> list[int]:
-        """Store ``entries`` in the Mamba map; return block ids of replaced entries."""
+    def _register_mamba(self, entries: dict[int, int]) -> tuple[EvictionNotice | None, int]:
+        """Store ``entries`` in the Mamba map; (notice of replaced entries, stamp)."""
 
     @abstractmethod
-    def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], list[int]]:
-        """Remove distinct ``hashes`` from the Mamba map; (hashes removed, their ids)."""
+    def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
+        """Remove distinct ``hashes`` from the Mamba map; (hashes removed, notice)."""
 
     @abstractmethod
-    def _clear(self, *, kv: bool, mamba: bool) -> None:
-        """Drop every entry of the chosen maps, atomically together."""
+    def _mamba_block_ids(self, hashes: list[int]) -> list[int | None]:
+        """The Mamba map's value for each hash, None where absent."""
+
+    @abstractmethod
+    def _notice_sequence(self) -> int:
+        """The last notice number of the namespace."""
+
+    @abstractmethod
+    def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
+        """Drop every entry of the chosen maps, atomically together; a clear notice
+        when Mamba entries went."""

@@ -32,6 +32,12 @@ class RedisClient(Protocol):
 
     def register_script(self, script: str) -> Any: ...
 
+    def script_load(self, script: str) -> Any: ...
+
+    def xrevrange(
+        self, name: str, max: str = "+", min: str = "-", count: int | None = None
+    ) -> Any: ...
+
 
 def client_from_url(url: str, *, cluster: bool | None = None, **options: Any) -> Any:
     """Build a redis-py client for ``url``.

@@ -1,13 +1,15 @@
 """``LocalPrefixCacheRegistry``: the same API and meaning, in process memory.
 
 It is the reference model the differential tests compare the Redis registry with,
-and a drop-in for a single process that needs no sharing. Not thread-safe: guard it
-with a lock if several threads use one instance.
+and a drop-in for a single process that needs no sharing. It numbers its eviction
+notices like the Redis registry (hooks receive them) but publishes nowhere. Not
+thread-safe: guard it with a lock if several threads use one instance.
 """
 
 from __future__ import annotations
 
 from registry.base import RegistryBase
+from registry.notices import EvictionNotice
 
 
 class LocalPrefixCacheRegistry(RegistryBase):
@@ -17,6 +19,13 @@ class LocalPrefixCacheRegistry(RegistryBase):
         super().__init__()
         self.kv: dict[int, int] = {}
         self.mamba: dict[int, int] = {}
+        self.notice_seq = 0
+
+    def _notice(self, kind: str, pairs: list[tuple[int, int]]) -> EvictionNotice | None:
+        if not pairs and kind != "clear":
+            return None
+        self.notice_seq += 1
+        return EvictionNotice(self.notice_seq, kind, tuple(pairs))
 
     def _match_kv_prefix(self, hashes: list[int]) -> list[int]:
         block_ids = []
@@ -30,10 +39,10 @@ class LocalPrefixCacheRegistry(RegistryBase):
     def _register_kv(self, entries: dict[int, int]) -> None:
         self.kv.update(entries)
 
-    def _evict_kv(self, hashes: list[int]) -> tuple[set[int], list[int]]:
+    def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
         removed = {h for h in hashes if self.kv.pop(h, None) is not None}
-        mamba_ids = [self.mamba.pop(h) for h in hashes if h in removed and h in self.mamba]
-        return removed, mamba_ids
+        pairs = [(self.mamba.pop(h), h) for h in hashes if h in removed and h in self.mamba]
+        return removed, self._notice("cascade", pairs)
 
     def _match_mamba_farthest(self, hashes: list[int]) -> int:
         for i in range(len(hashes) - 1, -1, -1):
@@ -41,22 +50,28 @@ class LocalPrefixCacheRegistry(RegistryBase):
                 return i + 1
         return 0
 
-    def _register_mamba(self, entries: dict[int, int]) -> list[int]:
-        replaced = [old for h, new in entries.items() if (old := self.mamba.get(h, new)) != new]
+    def _register_mamba(self, entries: dict[int, int]) -> tuple[EvictionNotice | None, int]:
+        replaced = [
+            (old, h) for h, new in entries.items() if (old := self.mamba.get(h, new)) != new
+        ]
         self.mamba.update(entries)
-        return replaced
+        notice = self._notice("replace", replaced)
+        return notice, self.notice_seq
 
-    def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], list[int]]:
-        removed, block_ids = set(), []
-        for h in hashes:
-            block_id = self.mamba.pop(h, None)
-            if block_id is not None:
-                removed.add(h)
-                block_ids.append(block_id)
-        return removed, block_ids
+    def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
+        pairs = [(self.mamba.pop(h), h) for h in hashes if h in self.mamba]
+        return {h for _, h in pairs}, self._notice("evict", pairs)
 
-    def _clear(self, *, kv: bool, mamba: bool) -> None:
+    def _mamba_block_ids(self, hashes: list[int]) -> list[int | None]:
+        return [self.mamba.get(h) for h in hashes]
+
+    def _notice_sequence(self) -> int:
+        return self.notice_seq
+
+    def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
         if kv:
             self.kv.clear()
-        if mamba:
+        if mamba and self.mamba:
             self.mamba.clear()
+            return self._notice("clear", [])
+        return None

@@ -22,6 +22,8 @@ OPERATIONS = (
     "clear_kv",
     "clear_mamba",
     "reset",
+    "mamba_block_ids",
+    "notice_sequence",
 )
 PRELUDE = "_prelude"
 

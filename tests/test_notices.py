@@ -128,3 +128,52 @@ def test_notice_parsing_accepts_str_and_bytes() -> None:
     assert parse_notice("13 clear").cleared
     with pytest.raises(ValueError, match="lacks field"):
         parse_stream_entry({b"seq": b"1", b"kind": b"evict"})
+
+
+def test_hooks_receive_the_published_notices(backend: Backend) -> None:
+    reg = backend.registry()
+    seen: list[EvictionNotice] = []
+    reg.add_eviction_hook(seen.append)
+    reg.register_kv([1, 2], H[:2])
+    assert reg.register_mamba_stamped([1, 2], H[:2]) == 0  # no notice numbered yet
+    reg.evict_kv(H[:1])
+    assert reg.register_mamba_stamped([5], H[1:2]) == 2  # its own replace notice is #2
+    reg.clear_mamba()
+    assert seen == [
+        EvictionNotice(1, "cascade", ((1, H[0]),)),
+        EvictionNotice(2, "replace", ((2, H[1]),)),
+        EvictionNotice(3, "clear"),
+    ]
+    assert reg.notice_sequence() == 3
+    reg.remove_eviction_hook(seen.append)
+    reg.register_mamba([1], H[:1])
+    reg.evict_mamba(H[:1])
+    assert len(seen) == 3
+
+
+def test_mamba_block_ids_reads_each_hash(backend: Backend) -> None:
+    reg = backend.registry()
+    reg.register_mamba([4, 0], [H[0], H[2]])
+    assert reg.mamba_block_ids([H[0], H[1], H[2], -1]) == [4, None, 0, None]
+    assert reg.mamba_block_ids([]) == []
+    many = list(range(1, 10_001))
+    reg.register_mamba(many, many)
+    assert reg.mamba_block_ids([*many, 10_001]) == [*many, None]
+
+
+def test_notices_after_reads_the_stream_back(redis_backend: Backend) -> None:
+    reg = redis_backend.registry()
+    assert isinstance(reg, PrefixCacheRegistry)
+    assert reg.notices_after(0) == []
+    for i in range(1, 8):
+        reg.register_mamba([i], [i])
+        reg.evict_mamba([i])
+    everything = stream_notices(reg)
+    assert [n.seq for n in everything] == list(range(1, 8))
+    assert reg.notices_after(0, page=3) == everything
+    assert reg.notices_after(4, page=2) == everything[4:]
+    assert reg.notices_after(7) == []
+    assert reg.notices_after(9) is None  # numbers went backwards: the namespace was wiped
+    reg.client.xtrim(reg.keys.mamba_evictions, maxlen=2, approximate=False)
+    assert reg.notices_after(5) == everything[5:]
+    assert reg.notices_after(4) is None  # notice 5 was trimmed away: reconcile instead

@@ -1,5 +1,6 @@
-"""Differential test: random sequences of all twelve operations on a Redis registry
-give the same results, callbacks and final state as the in-memory reference."""
+"""Differential test: random sequences of all twelve operations (and the read helpers)
+on a Redis registry give the same results, callbacks, notices and final state as the
+in-memory reference."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from registry import LocalPrefixCacheRegistry, RegistryBase
+from registry import EvictionNotice, LocalPrefixCacheRegistry, RegistryBase
 from tests.conftest import Backend, registry_state
 
 # A small pool so that operations collide; it includes hashes that a double would round.
@@ -30,6 +31,10 @@ def machine_for(make_registry: Callable[[], RegistryBase]) -> type[RuleBasedStat
             self.real_fired: list[list[int]] = []
             self.model.set_mamba_evict_callback(self.model_fired.append)
             self.real.set_mamba_evict_callback(self.real_fired.append)
+            self.model_notices: list[EvictionNotice] = []
+            self.real_notices: list[EvictionNotice] = []
+            self.model.add_eviction_hook(self.model_notices.append)
+            self.real.add_eviction_hook(self.real_notices.append)
 
         @rule(hashes=st.lists(any_hashes, max_size=8))
         def match_kv_prefix(self, hashes: list[int]) -> None:
@@ -58,8 +63,13 @@ def machine_for(make_registry: Callable[[], RegistryBase]) -> type[RuleBasedStat
         @rule(pairs=st.lists(st.tuples(block_ids, any_hashes), max_size=6))
         def register_mamba(self, pairs: list[tuple[int, int]]) -> None:
             ids, hashes = [p[0] for p in pairs], [p[1] for p in pairs]
-            self.real.register_mamba(ids, hashes)
-            self.model.register_mamba(ids, hashes)
+            assert self.real.register_mamba_stamped(
+                ids, hashes
+            ) == self.model.register_mamba_stamped(ids, hashes)
+
+        @rule(hashes=st.lists(any_hashes, max_size=8))
+        def mamba_block_ids(self, hashes: list[int]) -> None:
+            assert self.real.mamba_block_ids(hashes) == self.model.mamba_block_ids(hashes)
 
         @rule(hashes=st.lists(any_hashes, max_size=6))
         def evict_mamba(self, hashes: list[int]) -> None:
@@ -89,6 +99,8 @@ def machine_for(make_registry: Callable[[], RegistryBase]) -> type[RuleBasedStat
         def same_state_and_callbacks(self) -> None:
             assert registry_state(self.real) == registry_state(self.model)
             assert self.real_fired == self.model_fired
+            assert self.real_notices == self.model_notices
+            assert self.real.notice_sequence() == self.model.notice_sequence()
 
     return RegistryComparison
 
