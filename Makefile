@@ -7,9 +7,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck wheel-smoke redis-server clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -c constraints.txt -e '.[test,dev,embedded]'
+	$(PIP) install -c constraints.txt -e '.[test,dev,embedded,gpu]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check registry gpu tests examples
 
 typecheck: $(STAMP)
-	$(BIN)/mypy --strict registry
+	$(BIN)/mypy --strict registry gpu
 
 wheel-smoke: $(STAMP)
 	bash .ci/wheel-smoke

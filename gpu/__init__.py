@@ -2,3 +2,17 @@
 
 Imports ``registry``; ``registry`` never imports this package.
 """
+
+from __future__ import annotations
+
+from gpu.listener import EvictionListener, ListenerCounts
+from gpu.slot_pool import MambaSlotPool, Pair, PoolCounts, PoolExhausted
+
+__all__ = [
+    "EvictionListener",
+    "ListenerCounts",
+    "MambaSlotPool",
+    "Pair",
+    "PoolCounts",
+    "PoolExhausted",
+]

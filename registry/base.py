@@ -20,7 +20,7 @@ from registry.validation import (
 )
 
 MambaEvictCallback = Callable[[list[int]], None]
-EvictionHook = Callable[[EvictionNotice], None]
+EvictionHook = Callable[[EvictionNotice], object]
 
 
 class RegistryBase(ABC):

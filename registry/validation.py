@@ -19,7 +19,8 @@ MAX_HASH = 2**63 - 1
 MAX_BLOCK_ID = 2**63 - 1
 
 
-def _as_int(value: object, what: str, position: int) -> int:
+def as_int(value: object, what: str, position: int) -> int:
+    """``value`` as an int (``operator.index``); ``TypeError`` naming ``what[position]``."""
     if isinstance(value, bool):
         raise TypeError(f"{what}[{position}] is a bool; expected an int")
     try:
@@ -38,7 +39,7 @@ def _as_list(values: object, what: str) -> list[object]:
 
 def lookup_hashes(hashes: object, what: str = "hashes") -> list[int]:
     """Hashes to look up or evict: real hashes, or the sentinels -1 / 0 (never stored)."""
-    result = [_as_int(h, what, i) for i, h in enumerate(_as_list(hashes, what))]
+    result = [as_int(h, what, i) for i, h in enumerate(_as_list(hashes, what))]
     for i, h in enumerate(result):
         if not NO_HASH <= h <= MAX_HASH:
             raise ValueError(f"{what}[{i}] = {h} is outside [-1, 2^63-1]")
@@ -65,8 +66,8 @@ def registration(block_ids: object, hashes: object, *, skip_sentinels: bool) -> 
     entries: dict[int, int] = {}
     lowest = NO_HASH if skip_sentinels else 1
     for i, (raw_id, raw_hash) in enumerate(zip(id_list, hash_list, strict=True)):
-        block_id = _as_int(raw_id, "block_ids", i)
-        h = _as_int(raw_hash, "hashes", i)
+        block_id = as_int(raw_id, "block_ids", i)
+        h = as_int(raw_hash, "hashes", i)
         if not 0 <= block_id <= MAX_BLOCK_ID:
             raise ValueError(f"block_ids[{i}] = {block_id} is outside [0, 2^63-1]")
         if not lowest <= h <= MAX_HASH:

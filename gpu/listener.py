@@ -1,0 +1,235 @@
+"""``EvictionListener``: frees a pool's slots when their Mamba entries leave Redis.
+
+Pub/sub is a hint, not the truth: it drops messages while the subscriber is away.
+So the listener
+
+* subscribes first, then catches up (reconciles on its first start), so nothing
+  published during start-up is lost;
+* applies notices in sequence order; on a gap it replays the missing notices from the
+  capped stream, or reconciles against the registry when the stream no longer has them;
+* after every (re)subscription, which redis-py performs by itself after a dropped
+  connection, it catches up the same way; a sequence that went backwards (the
+  namespace was wiped, the server restarted empty) makes it reconcile;
+* skips and counts malformed messages.
+
+It never frees blindly: the pool frees a slot only for the exact (block_id, hash) and
+only if the notice is newer than the slot's registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from gpu.slot_pool import MambaSlotPool
+from registry import EvictionNotice, PrefixCacheRegistry, parse_notice
+from registry.client import client_from_url
+from registry.keys import DEFAULT_KEY_PREFIX
+
+log = logging.getLogger(__name__)
+
+CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+@dataclass(frozen=True)
+class ListenerCounts:
+    """What the listener has done since it was created."""
+
+    applied: int  # notices applied in order from the channel
+    duplicates: int  # notices already covered (seen before, or by a catch-up)
+    gaps: int  # sequence gaps detected on the channel
+    replays: int  # catch-ups served from the stream
+    reconciles: int  # catch-ups that reconciled against the registry
+    reconnects: int  # re-subscriptions after the first
+    malformed: int  # channel messages that were not notices
+    errors: int  # other failures in the loop (logged)
+    last_seq: int  # the notice number everything up to which is applied
+
+
+class EvictionListener:
+    """A background thread applying a namespace's eviction notices to a slot pool."""
+
+    def __init__(
+        self,
+        client_or_url: Any,
+        namespace: str,
+        pool: MambaSlotPool,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        poll_interval: float = 0.05,
+        resync_interval: float = 30.0,
+        max_backoff: float = 2.0,
+    ) -> None:
+        client = client_from_url(client_or_url) if isinstance(client_or_url, str) else client_or_url
+        self._owns_client = isinstance(client_or_url, str)
+        self.client = client
+        self.registry = PrefixCacheRegistry(client, namespace, key_prefix=key_prefix)
+        self.channel = self.registry.keys.mamba_evicted_channel
+        self.pool = pool
+        self.poll_interval = poll_interval
+        self.resync_interval = resync_interval
+        self.max_backoff = max_backoff
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._last_seq: int | None = None
+        self._subscriptions = 0
+        self._applied = self._duplicates = self._gaps = self._replays = 0
+        self._reconciles = self._malformed = self._errors = 0
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self, timeout: float = 10.0) -> EvictionListener:
+        """Start the thread; return once it is subscribed and caught up."""
+        if self._thread is not None:
+            raise RuntimeError("the listener was already started")
+        self._thread = threading.Thread(
+            target=self._run, name=f"eviction-listener[{self.registry.namespace}]", daemon=True
+        )
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise TimeoutError(f"the listener did not subscribe within {timeout} s")
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and wait for it (at most ``timeout`` seconds)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("eviction listener did not stop within %.1f s", timeout)
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> EvictionListener:
+        """Start (unless already started); ``__exit__`` stops."""
+        return self if self._thread is not None else self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def counts(self) -> ListenerCounts:
+        with self._lock:
+            return ListenerCounts(
+                applied=self._applied,
+                duplicates=self._duplicates,
+                gaps=self._gaps,
+                replays=self._replays,
+                reconciles=self._reconciles,
+                reconnects=max(0, self._subscriptions - 1),
+                malformed=self._malformed,
+                errors=self._errors,
+                last_seq=self._last_seq or 0,
+            )
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        pubsub: Any = None
+        backoff = self.poll_interval
+        next_resync = time.monotonic() + self.resync_interval
+        while not self._stop.is_set():
+            try:
+                if pubsub is None:
+                    pubsub = self.client.pubsub()
+                    pubsub.subscribe(self.channel)
+                message = pubsub.get_message(timeout=self.poll_interval)
+                if message is not None:
+                    kind = _text(message["type"])
+                    if kind == "subscribe":
+                        with self._lock:
+                            self._subscriptions += 1
+                        self._catch_up()
+                        self._ready.set()
+                        backoff = self.poll_interval
+                    elif kind == "message":
+                        self._handle(message["data"])
+                if self._ready.is_set() and time.monotonic() >= next_resync:
+                    next_resync = time.monotonic() + self.resync_interval
+                    self._catch_up()
+            except CONNECTION_ERRORS as exc:
+                log.info(
+                    "eviction listener lost its connection (%s); reconnecting", type(exc).__name__
+                )
+                _close(pubsub)
+                pubsub = None
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.max_backoff)
+            except Exception:
+                log.exception("eviction listener error")
+                with self._lock:
+                    self._errors += 1
+                _close(pubsub)
+                pubsub = None
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.max_backoff)
+        _close(pubsub)
+
+    def _handle(self, data: Any) -> None:
+        try:
+            notice = parse_notice(data)
+        except ValueError as exc:
+            log.warning("skipping a malformed message on %s: %s", self.channel, exc)
+            with self._lock:
+                self._malformed += 1
+            return
+        last = self._last_seq
+        if last is not None and notice.seq <= last:
+            with self._lock:
+                self._duplicates += 1
+            return
+        if last is not None and notice.seq == last + 1:
+            self.pool.apply_notice(notice)
+            with self._lock:
+                self._applied += 1
+                self._last_seq = notice.seq
+            return
+        with self._lock:
+            self._gaps += 1
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Bring the pool up to the registry's latest notice: replay the notices after
+        the last applied one from the stream, or reconcile when that is impossible."""
+        newest = self.registry.notice_sequence()
+        last = self._last_seq
+        replay: list[EvictionNotice] | None = None
+        if last is not None and newest >= last:
+            replay = self.registry.notices_after(last)
+        if replay is None:
+            # First start, a wiped namespace, or a trimmed stream: compare with the truth.
+            # The registry is read after ``newest``, so it reflects every notice <= newest.
+            self.pool.reconcile(self.registry)
+            with self._lock:
+                self._reconciles += 1
+                self._last_seq = newest
+            return
+        for notice in replay:
+            self.pool.apply_notice(notice)
+        with self._lock:
+            if replay:
+                self._replays += 1
+                self._last_seq = replay[-1].seq
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _close(pubsub: Any) -> None:
+    if pubsub is not None:
+        try:
+            pubsub.close()
+        except Exception:  # the connection is already gone
+            log.debug("closing a broken pubsub failed", exc_info=True)

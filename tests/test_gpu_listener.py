@@ -1,0 +1,326 @@
+"""EvictionListener: notices from anywhere free the right slots, and nothing is lost
+or wrongly freed across gaps, dropped connections and garbage on the channel."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gpu import EvictionListener, MambaSlotPool
+from registry import PrefixCacheRegistry
+from tests.conftest import Backend, make_backend, new_namespace
+from tests.gpu_helpers import make_pool, states, wait_until
+from tests.servers import RedisServer
+
+A, B, C = 1111, 2222, 3333
+
+
+@pytest.fixture(params=["fakeredis", "redis", "cluster"])
+def listener_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    made = make_backend(request.param, request)
+    yield made
+    made.close()
+
+
+def node(backend: Backend, **pool_options: Any) -> tuple[PrefixCacheRegistry, MambaSlotPool]:
+    """A serving node: its registry and its slot pool."""
+    reg = backend.registry()
+    assert isinstance(reg, PrefixCacheRegistry)
+    return reg, make_pool(reg, **pool_options)
+
+
+def listen(backend: Backend, reg: PrefixCacheRegistry, pool: MambaSlotPool) -> EvictionListener:
+    return EvictionListener(backend.client(), reg.namespace, pool).start()
+
+
+def test_notices_from_another_registry_free_the_slots(listener_backend: Backend) -> None:
+    reg, pool = node(listener_backend)
+    pool.store([1, 2, 3], [A, B, C], *states(3))
+    elsewhere = listener_backend.registry(reg.namespace)  # no hook: only the channel tells
+    with listen(listener_backend, reg, pool) as listener:
+        elsewhere.register_kv([2], [B])
+        elsewhere.evict_kv([B])  # cascade
+        elsewhere.evict_mamba([C])
+        wait_until(lambda: pool.pairs() == {(1, A)}, what="slots of B and C freed")
+        elsewhere.clear_mamba()
+        wait_until(lambda: pool.counts().in_use == 0, what="clear applied")
+        counts = listener.counts()
+    assert counts.applied == 3
+    assert counts.last_seq == 3
+    assert (counts.gaps, counts.malformed, counts.errors) == (0, 0, 0)
+    assert not listener.alive
+
+
+def test_local_hook_and_listener_together_free_each_slot_once(listener_backend: Backend) -> None:
+    reg, pool = node(listener_backend, slots=64)
+    ids = list(range(40))
+    pool.store(ids, [10_000 + i for i in ids], *states(40))
+    with listen(listener_backend, reg, pool) as listener:
+        for i in range(0, 40, 4):
+            reg.evict_mamba([10_000 + i, 10_000 + i + 1])  # the hook frees at once
+        wait_until(lambda: listener.counts().applied == 10, what="listener saw every notice")
+        pool.store([100], [A], *states(1))
+    counts = pool.counts()
+    assert counts.freed == 20  # not 40: the listener's copies freed nothing
+    assert pool.pairs() == {(i, 10_000 + i) for i in ids if i % 4 >= 2} | {(100, A)}
+
+
+def test_start_catches_up_with_what_happened_before(listener_backend: Backend) -> None:
+    reg, pool = node(listener_backend)
+    pool.store([1, 2], [A, B], *states(2))
+    listener_backend.registry(reg.namespace).evict_mamba([A])  # while no listener runs
+    with listen(listener_backend, reg, pool) as listener:
+        assert pool.pairs() == {(2, B)}
+        assert listener.counts().reconciles == 1
+
+
+def test_block_id_reuse_race(listener_backend: Backend) -> None:
+    """Block 5 is evicted (hash A), then stored again with hash B, and again with A,
+    before the listener handles the old notices: the newer states stay."""
+    reg, pool = node(listener_backend)
+    pool.store([5], [A], *states(1))
+    elsewhere = listener_backend.registry(reg.namespace)
+    gate = threading.Event()
+    listener = EvictionListener(listener_backend.client(), reg.namespace, pool)
+    handle = listener._handle
+
+    def delayed_handle(data: Any) -> None:
+        gate.wait(10)
+        handle(data)
+
+    listener._handle = delayed_handle  # type: ignore[method-assign]
+    with listener.start():
+        elsewhere.evict_mamba([A])  # notice 1: (5, A), held back by the gate
+        pool.store([5], [B], *states(1, seed=1))
+        assert pool.holds(5, B)
+        elsewhere.evict_mamba([B])  # notice 2: (5, B)
+        pool.store([5], [A], *states(1, seed=2))  # the very same pair as notice 1
+        gate.set()
+        wait_until(lambda: listener.counts().last_seq == 2, what="both notices handled")
+        assert pool.holds(5, A)
+        assert pool.counts().in_use == 1
+
+
+def test_malformed_messages_do_not_stop_the_listener(listener_backend: Backend) -> None:
+    reg, pool = node(listener_backend)
+    pool.store([1, 2], [A, B], *states(2))
+    publisher = listener_backend.client()
+    with listen(listener_backend, reg, pool) as listener:
+        for garbage in [b"", b"hello", b"9 evict 1:x", b"\xff\xfe", b"1 clear 1:2", b"x" * 10_000]:
+            publisher.publish(reg.keys.mamba_evicted_channel, garbage)
+        listener_backend.registry(reg.namespace).evict_mamba([A])
+        wait_until(lambda: pool.pairs() == {(2, B)}, what="the valid notice applied")
+        counts = listener.counts()
+        assert counts.malformed == 6
+        assert listener.alive
+
+
+def test_gap_is_replayed_from_the_stream(listener_backend: Backend) -> None:
+    reg, pool = node(listener_backend)
+    pool.store([1, 2], [A, B], *states(2))
+    elsewhere = listener_backend.registry(reg.namespace)
+    listener = EvictionListener(listener_backend.client(), reg.namespace, pool)
+    handle, dropped = listener._handle, []
+
+    def drop_first(data: Any) -> None:
+        if not dropped:
+            dropped.append(data)  # as if pub/sub lost it
+            return
+        handle(data)
+
+    listener._handle = drop_first  # type: ignore[method-assign]
+    with listener.start():
+        elsewhere.evict_mamba([A])  # lost on the channel
+        elsewhere.evict_mamba([B])  # arrives: a gap
+        wait_until(lambda: pool.counts().in_use == 0, what="both slots freed")
+        counts = listener.counts()
+    assert (counts.gaps, counts.replays, counts.last_seq) == (1, 1, 2)
+
+
+def test_gap_past_the_trimmed_stream_reconciles(listener_backend: Backend) -> None:
+    reg, pool = node(listener_backend)
+    pool.store([1, 2], [A, B], *states(2))
+    elsewhere = listener_backend.registry(reg.namespace)
+    listener = EvictionListener(listener_backend.client(), reg.namespace, pool)
+    handle, dropped = listener._handle, []
+
+    def drop_first(data: Any) -> None:
+        if not dropped:
+            dropped.append(data)
+            reg.client.xtrim(reg.keys.mamba_evictions, maxlen=0, approximate=False)
+            return
+        handle(data)
+
+    listener._handle = drop_first  # type: ignore[method-assign]
+    with listener.start():
+        elsewhere.evict_mamba([A])
+        elsewhere.evict_mamba([B])
+        wait_until(lambda: pool.counts().in_use == 0, what="both slots freed")
+        counts = listener.counts()
+    assert counts.gaps == 1
+    assert counts.reconciles == 2  # the start, then the trimmed gap
+
+
+def test_stop_is_bounded_and_idempotent(listener_backend: Backend) -> None:
+    reg, pool = node(listener_backend)
+    listener = listen(listener_backend, reg, pool)
+    started = time.monotonic()
+    listener.stop(timeout=5)
+    listener.stop(timeout=5)
+    assert not listener.alive
+    assert time.monotonic() - started < 5
+    with pytest.raises(RuntimeError, match="already started"):
+        listener.start()
+
+
+def test_listener_from_url(redis_server: RedisServer) -> None:
+    reg = PrefixCacheRegistry(redis_server.client(), new_namespace())
+    pool = make_pool(reg)
+    pool.store([1], [A], *states(1))
+    with EvictionListener(redis_server.url, reg.namespace, pool):
+        PrefixCacheRegistry.from_url(redis_server.url, reg.namespace).evict_mamba([A])
+        wait_until(lambda: pool.counts().in_use == 0, what="slot freed")
+    reg.client.close()
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    from registry import PrefixCacheRegistry
+    url, namespace, hashes = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    reg = PrefixCacheRegistry.from_url(url, namespace)
+    reg.load_scripts()
+    sent = {}
+    for h in hashes:
+        sent[h] = time.monotonic()
+        assert reg.evict_mamba([h]) == {h}
+        time.sleep(0.002)
+    print(json.dumps(sent))
+    """
+)
+
+
+def test_eviction_in_another_process_frees_the_slot(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    reg = PrefixCacheRegistry(client, new_namespace())
+    freed_at: dict[int, float] = {}
+    pool = make_pool(
+        reg,
+        slots=256,
+        on_free=lambda pairs: freed_at.update(
+            dict.fromkeys((h for _, h in pairs), time.monotonic())
+        ),
+    )
+    hashes = [50_000 + i for i in range(200)]
+    pool.store(list(range(200)), hashes, *states(200))
+    with EvictionListener(client, reg.namespace, pool) as listener:
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, redis_server.url, reg.namespace, json.dumps(hashes)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        sent = {int(h): t for h, t in json.loads(done.stdout).items()}
+        wait_until(lambda: len(freed_at) == 200, what="every slot freed")
+        assert listener.counts().applied == 200
+    assert pool.counts().in_use == 0
+    latencies = sorted((freed_at[h] - sent[h]) * 1e3 for h in hashes)
+    p50 = statistics.median(latencies)
+    p99 = latencies[int(len(latencies) * 0.99) - 1]
+    print(f"\nnotice-to-free latency over 200 evictions: p50 {p50:.3f} ms, p99 {p99:.3f} ms")
+    client.close()
+
+
+def test_connection_kills_lose_nothing_and_free_nothing_wrongly(redis_server: RedisServer) -> None:
+    """While another thread evicts and stores thousands of entries, the listener's
+    connection is killed again and again; in the end the pool matches the registry."""
+    client = redis_server.client()
+    reg = PrefixCacheRegistry(client, new_namespace())
+    pool = make_pool(reg, slots=3_000)
+    engine = PrefixCacheRegistry(redis_server.client(), reg.namespace)  # evicts, no hook
+    rng = random.Random(7)
+    live = list(range(2_500))
+    pool.store(live, [90_000 + b for b in live], *states(2_500))
+    stop = threading.Event()
+    evicted = 0
+
+    def churn() -> None:
+        nonlocal evicted
+        next_id = 10_000
+        while not stop.is_set():
+            batch = [live.pop(rng.randrange(len(live))) for _ in range(min(20, len(live)))]
+            evicted += len(engine.evict_mamba([90_000 + b for b in batch]))
+            fresh = list(range(next_id, next_id + 15))
+            next_id += 15
+            pool.store(fresh, [90_000 + b for b in fresh], *states(15))
+            live.extend(fresh)
+
+    admin = redis_server.client()
+    with EvictionListener(redis_server.client(), reg.namespace, pool) as listener:
+        worker = threading.Thread(target=churn)
+        worker.start()
+        kills, deadline = 0, time.monotonic() + 60
+        while (kills < 50 or evicted < 3_000) and time.monotonic() < deadline:
+            kills += admin.client_kill_filter(_type="pubsub")
+            time.sleep(0.005)
+        stop.set()
+        worker.join(60)
+        assert not worker.is_alive()
+        registered = {int(h): int(b) for h, b in client.hgetall(reg.keys.mamba).items()}
+        expected = {(b, h) for h, b in registered.items()}
+        wait_until(lambda: pool.pairs() == expected, timeout=20, what="pool == registry")
+        counts = listener.counts()
+    assert evicted >= 3_000
+    assert kills >= 50
+    assert counts.reconnects >= 1
+    assert pool.counts().in_use == len(registered)  # nothing leaked
+    assert {b for b, _ in pool.pairs()} == set(live)  # nothing wrongly freed
+    print(
+        f"\nfault test: {evicted} evicted, {kills} connection kills, "
+        f"{counts.reconnects} re-subscriptions, {counts.replays} replays, "
+        f"{counts.reconciles} reconciles, {counts.gaps} gaps"
+    )
+    for c in (client, admin, engine.client):
+        c.close()
+
+
+def test_notice_lost_while_disconnected_is_recovered_on_resubscribe(
+    redis_server: RedisServer,
+) -> None:
+    """The last notice goes out while the listener's connection is dead and nothing
+    follows it: only the catch-up after re-subscribing can free that slot."""
+    client = redis_server.client()
+    reg = PrefixCacheRegistry(client, new_namespace())
+    pool = make_pool(reg)
+    pool.store([1, 2], [A, B], *states(2))
+    elsewhere = PrefixCacheRegistry(redis_server.client(), reg.namespace)
+    listener = EvictionListener(redis_server.client(), reg.namespace, pool)
+    gate, handle = threading.Event(), listener._handle
+
+    def gated(data: Any) -> None:
+        gate.wait(10)
+        handle(data)
+
+    listener._handle = gated  # type: ignore[method-assign]
+    with listener.start():
+        elsewhere.evict_mamba([B])  # notice 1: the listener is stuck handling it
+        wait_until(lambda: client.client_kill_filter(_type="pubsub") == 1, what="a kill")
+        elsewhere.evict_mamba([A])  # notice 2: published to nobody
+        gate.set()
+        wait_until(lambda: pool.counts().in_use == 0, what="the lost notice recovered")
+        counts = listener.counts()
+    assert counts.reconnects == 1
+    assert counts.last_seq == 2
+    for c in (client, elsewhere.client):
+        c.close()
