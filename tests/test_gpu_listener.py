@@ -324,3 +324,31 @@ def test_notice_lost_while_disconnected_is_recovered_on_resubscribe(
     assert counts.last_seq == 2
     for c in (client, elsewhere.client):
         c.close()
+
+
+def test_server_restart_empties_the_pool_and_the_listener_carries_on() -> None:
+    """A restarted Redis keeps nothing: the registry is empty, so every slot goes;
+    notices numbered from 1 again are applied, not taken for old ones."""
+    from tests.servers import require_redis_server
+
+    require_redis_server()
+    with RedisServer() as server:
+        client = server.client()
+        reg = PrefixCacheRegistry(client, new_namespace())
+        pool = make_pool(reg)
+        pool.store([1, 2, 3], [A, B, C], *states(3))
+        elsewhere = PrefixCacheRegistry(server.client(), reg.namespace)
+        with EvictionListener(server.client(), reg.namespace, pool) as listener:
+            elsewhere.evict_mamba([C])
+            wait_until(lambda: listener.counts().last_seq == 1, what="first notice")
+            server.restart()
+            wait_until(lambda: pool.counts().in_use == 0, timeout=20, what="slots freed")
+            pool.store([4], [A], *states(1))  # the node re-registers what it holds
+            elsewhere.evict_mamba([A])  # notice 1 of the new server
+            wait_until(lambda: pool.counts().in_use == 0, what="new notice applied")
+            counts = listener.counts()
+            assert listener.alive
+        assert counts.reconnects >= 1
+        assert counts.reconciles >= 2
+        for c in (client, elsewhere.client):
+            c.close()
