@@ -5,9 +5,31 @@
 --   * a block hash stays a string from ARGV to reply; Lua numbers are doubles and
 --     would round hashes above 2^53, so `tonumber` is never applied to a hash;
 --   * `unpack` is chunked (CHUNK values at a time): Lua's C stack holds about 8,000;
---   * every key comes from KEYS; the channel name is not a key and comes from ARGV.
+--   * every key comes from KEYS; the channel name is not a key and comes from ARGV;
+--   * a write script's ARGV[1] is the caller's owner epoch ('' for a caller that owns
+--     nothing, such as an operator); a superseded owner's write changes nothing.
 
 local CHUNK = 4000
+
+-- Owner fencing. Returns an error reply when `epoch` is set and is not the namespace's
+-- current epoch (in meta), so the caller returns it before writing anything.
+local function stale_epoch(meta_key, epoch)
+  if epoch == '' then
+    return nil
+  end
+  local current = redis.call('HGET', meta_key, 'epoch')
+  if current == epoch then
+    return nil
+  end
+  return redis.error_reply('STALE_EPOCH namespace epoch is ' .. (current or 'unset')
+    .. ', this owner holds ' .. epoch)
+end
+
+-- The server's clock in milliseconds (leases use it, so client clocks never matter).
+local function now_ms()
+  local time = redis.call('TIME')
+  return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+end
 
 -- Remove the fields list[from..to] (distinct hashes) from the HASH `key`.
 -- Appends each removed hash to `removed_hashes`, its old value (block id) to

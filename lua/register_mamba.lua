@@ -3,21 +3,25 @@
 -- it is announced with a 'replace' notice so the owner of the old slot frees it.
 --
 -- KEYS[1]  pcr:{node-0}:mamba              HASH hash -> block id with Mamba state
--- KEYS[2]  pcr:{node-0}:meta               HASH schema, notice_seq
+-- KEYS[2]  pcr:{node-0}:meta               HASH schema, epoch, notice_seq
 -- KEYS[3]  pcr:{node-0}:mamba-evictions    STREAM of notices, capped
--- ARGV[1]  pcr:{node-0}:mamba-evicted      channel for the notice
--- ARGV[2]  "10000"                         approximate stream cap (MAXLEN ~)
--- ARGV[3..] hash1, block_id1, hash2, block_id2, ...; hashes > 0, distinct (caller checks)
+-- ARGV[1]  "3" or ""                       the caller's owner epoch ('' = not an owner)
+-- ARGV[2]  pcr:{node-0}:mamba-evicted      channel for the notice
+-- ARGV[3]  "10000"                         approximate stream cap (MAXLEN ~)
+-- ARGV[4..] hash1, block_id1, hash2, block_id2, ...; hashes > 0, distinct (caller checks)
 --
 -- Returns: { {block ids whose entries were replaced}, {their hashes}, stamp }: stamp is
 --          the namespace's notice number after this call; only a notice numbered above
 --          it can remove the entries just written (block ids are reused, so a slot
---          owner needs this to ignore late notices about an older registration).
--- Calls:   HSETNX, HMGET, HSET, HGET, HINCRBY, XADD, PUBLISH
+--          owner needs this to ignore late notices about an older registration);
+--          error STALE_EPOCH when the caller's epoch was superseded.
+-- Calls:   HGET, HSETNX, HMGET, HSET, HINCRBY, XADD, PUBLISH
+local stale = stale_epoch(KEYS[2], ARGV[1])
+if stale then return stale end
 redis.call('HSETNX', KEYS[2], 'schema', '1')
 local replaced_ids, replaced_hashes, pair_texts = {}, {}, {}
 local n = #ARGV
-for first = 3, n, CHUNK do
+for first = 4, n, CHUNK do
   local last = math.min(first + CHUNK - 1, n)
   local fields = {}
   for i = first, last, 2 do
@@ -35,6 +39,6 @@ for first = 3, n, CHUNK do
   redis.call('HSET', KEYS[1], unpack(ARGV, first, last))
 end
 if #replaced_ids > 0 then
-  publish_notice(KEYS[2], KEYS[3], ARGV[1], ARGV[2], 'replace', table.concat(pair_texts, ' '))
+  publish_notice(KEYS[2], KEYS[3], ARGV[2], ARGV[3], 'replace', table.concat(pair_texts, ' '))
 end
 return {replaced_ids, replaced_hashes, tonumber(redis.call('HGET', KEYS[2], 'notice_seq') or '0')}

@@ -7,21 +7,33 @@ package never imports torch.
 
 from __future__ import annotations
 
-from registry.base import MambaEvictCallback, RegistryBase
+from registry.base import EvictionHook, MambaEvictCallback, RegistryBase
+from registry.errors import RegistryError, StaleEpochError
 from registry.hashing import block_hashes
 from registry.keys import NamespaceKeys
 from registry.local import LocalPrefixCacheRegistry
+from registry.membership import Heartbeat, NodeIndex, gc, live_nodes
 from registry.notices import EvictionNotice, parse_notice, parse_stream_entry
 from registry.redis_registry import PrefixCacheRegistry
+from registry.routing import NodeScore, PrefixRouter
 
 __all__ = [
+    "EvictionHook",
     "EvictionNotice",
+    "Heartbeat",
     "LocalPrefixCacheRegistry",
     "MambaEvictCallback",
     "NamespaceKeys",
+    "NodeIndex",
+    "NodeScore",
     "PrefixCacheRegistry",
+    "PrefixRouter",
     "RegistryBase",
+    "RegistryError",
+    "StaleEpochError",
     "block_hashes",
+    "gc",
+    "live_nodes",
     "parse_notice",
     "parse_stream_entry",
 ]

@@ -44,6 +44,12 @@ def validate_key_prefix(key_prefix: object) -> str:
     return _check_name("key_prefix", key_prefix)
 
 
+def node_index_key(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """ZSET of every namespace that announced a lease: member namespace, score lease end
+    (server clock, ms). Not tagged: it lives on one shard of its own."""
+    return f"{validate_key_prefix(key_prefix)}:nodes"
+
+
 @dataclass(frozen=True)
 class NamespaceKeys:
     """The keys and the channel of one namespace (one block pool)."""
@@ -72,7 +78,8 @@ class NamespaceKeys:
 
     @property
     def meta(self) -> str:
-        """HASH: ``schema`` version and ``notice_seq``, the last eviction-notice number."""
+        """HASH: ``schema``, ``epoch`` (owner fencing), ``notice_seq`` (last eviction
+        notice), ``lease_until`` (owner lease end, server clock in ms)."""
         return f"{self.base}:meta"
 
     @property

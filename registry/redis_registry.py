@@ -4,19 +4,28 @@ Every method is one EVALSHA (one round trip; none for empty input) of the script
 named after it in ``lua/``. Scripts are redis-py ``Script`` objects, which reload
 themselves on NOSCRIPT after a restart, a failover or ``SCRIPT FLUSH``.
 
-Thread safety: the object keeps no mutable state besides the callback, and a
-redis-py client is thread-safe, so one instance may be shared by many threads.
+An owner (the serving node whose GPU holds the blocks) calls ``claim()`` once at
+start: its writes then carry its epoch and fail with ``StaleEpochError`` once another
+process claimed the namespace. Readers (routers, tools) and operators do not claim.
+
+Thread safety: the object keeps no mutable state besides the callback, hooks and the
+epoch it claimed, and a redis-py client is thread-safe, so one instance may be shared
+by many threads.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from registry.base import RegistryBase
 from registry.client import RedisClient, client_from_url
+from registry.errors import StaleEpochError
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
+from registry.membership import DEFAULT_LEASE_TTL, Heartbeat, NodeIndex
 from registry.notices import EvictionNotice, parse_stream_entry
-from registry.scripts import OPERATIONS, script_source
+from registry.scripts import register_scripts
 from registry.validation import flatten
 
 DEFAULT_NOTICE_STREAM_MAXLEN = 10_000
@@ -46,16 +55,25 @@ class PrefixCacheRegistry(RegistryBase):
             )
         self.client = client
         self.notice_stream_maxlen = notice_stream_maxlen
-        self._scripts = {op: client.register_script(script_source(op)) for op in OPERATIONS}
+        self.epoch: int | None = None
+        self.lease_ttl = DEFAULT_LEASE_TTL
+        self._scripts = register_scripts(client)
+        self._index: NodeIndex | None = None
         k = self.keys
-        # Fixed KEYS and leading ARGV of each script, built once.
-        self._notice_args = (k.mamba_evicted_channel, notice_stream_maxlen)
+        # Fixed KEYS and leading ARGV of each script, built once (and on claim).
         self._kv_keys = (k.kv,)
         self._mamba_keys = (k.mamba,)
-        self._register_kv_keys = (k.kv, k.meta)
+        self._kv_write_keys = (k.kv, k.meta)
         self._evict_kv_keys = (k.kv, k.mamba, k.meta, k.mamba_evictions)
         self._mamba_write_keys = (k.mamba, k.meta, k.mamba_evictions)
         self._meta_keys = (k.meta,)
+        self._set_epoch(None)
+
+    def _set_epoch(self, epoch: int | None) -> None:
+        self.epoch = epoch
+        fence = "" if epoch is None else str(epoch)
+        self._fence_args = (fence,)
+        self._notice_args = (fence, self.keys.mamba_evicted_channel, self.notice_stream_maxlen)
 
     @classmethod
     def from_url(
@@ -96,7 +114,59 @@ class PrefixCacheRegistry(RegistryBase):
             script.sha = self.client.script_load(script.script)
 
     def _run(self, operation: str, keys: tuple[str, ...], args: Any) -> Any:
-        return self._scripts[operation](keys=keys, args=args)
+        try:
+            return self._scripts[operation](keys=keys, args=args)
+        except ResponseError as exc:
+            if str(exc).startswith("STALE_EPOCH"):
+                raise StaleEpochError(self.namespace, self.epoch, str(exc)) from None
+            raise
+
+    # -- ownership ----------------------------------------------------------------------
+
+    def claim(self, lease_ttl: float = DEFAULT_LEASE_TTL) -> int:
+        """Become the namespace's owner: take a new epoch, drop the previous incarnation's
+        entries (a 'clear' notice tells listeners), start a lease and announce it.
+
+        From now on this object's writes carry the epoch; once another process claims
+        the namespace (or the lease runs out and ``gc`` removes it) they raise
+        ``StaleEpochError`` and change nothing. Returns the epoch.
+        """
+        self.lease_ttl = _lease_seconds(lease_ttl)
+        epoch, lease_until = self._run(
+            "claim",
+            self._evict_kv_keys,
+            (self.keys.mamba_evicted_channel, self.notice_stream_maxlen, self._lease_ms()),
+        )
+        self._set_epoch(int(epoch))
+        self._node_index().announce(self.namespace, int(lease_until))
+        return int(epoch)
+
+    def renew(self) -> float:
+        """Extend the lease by ``lease_ttl``; return its end (server clock, Unix seconds).
+
+        Raises ``StaleEpochError`` when superseded, ``RuntimeError`` before ``claim``.
+        """
+        if self.epoch is None:
+            raise RuntimeError("renew() needs an owner: call claim() first")
+        lease_until = int(self._run("renew", self._meta_keys, (self.epoch, self._lease_ms())))
+        self._node_index().announce(self.namespace, lease_until)
+        return lease_until / 1000
+
+    def start_heartbeat(self, interval: float | None = None) -> Heartbeat:
+        """Renew the lease from a daemon thread every ``interval`` s (default: a third of
+        the lease). ``Heartbeat.stop()`` ends it; ``Heartbeat.lost`` is set if superseded."""
+        if self.epoch is None:
+            raise RuntimeError("start_heartbeat() needs an owner: call claim() first")
+        beat = self.lease_ttl / 3 if interval is None else _lease_seconds(interval)
+        return Heartbeat(self.renew, beat, name=f"heartbeat[{self.namespace}]")
+
+    def _lease_ms(self) -> int:
+        return max(1, round(self.lease_ttl * 1000))
+
+    def _node_index(self) -> NodeIndex:
+        if self._index is None:
+            self._index = NodeIndex(self.client, self.keys.key_prefix)
+        return self._index
 
     # -- storage primitives -----------------------------------------------------
 
@@ -104,7 +174,7 @@ class PrefixCacheRegistry(RegistryBase):
         return [int(b) for b in self._run("match_kv_prefix", self._kv_keys, hashes)]
 
     def _register_kv(self, entries: dict[int, int]) -> None:
-        self._run("register_kv", self._register_kv_keys, flatten(entries))
+        self._run("register_kv", self._kv_write_keys, [*self._fence_args, *flatten(entries)])
 
     def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
         removed, mamba_ids, mamba_hashes, seq = self._run(
@@ -142,7 +212,7 @@ class PrefixCacheRegistry(RegistryBase):
         if kv and mamba:
             seq = self._run("reset", self._evict_kv_keys, self._notice_args)
         elif kv:
-            self._run("clear_kv", self._kv_keys, ())
+            self._run("clear_kv", self._kv_write_keys, self._fence_args)
             return None
         else:
             seq = self._run("clear_mamba", self._mamba_write_keys, self._notice_args)
@@ -192,3 +262,11 @@ def _notice(seq: Any, kind: str, block_ids: Any, hashes: Any) -> EvictionNotice 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _lease_seconds(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"a lease length must be a number of seconds, not {type(value).__name__}")
+    if not 0.001 <= value <= 86_400 * 365:
+        raise ValueError(f"a lease length must lie between 1 ms and a year, not {value}")
+    return float(value)

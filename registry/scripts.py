@@ -7,10 +7,12 @@ each loaded script is still one self-contained, atomic unit on the server.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cache
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import Any
 
 OPERATIONS = (
     "match_kv_prefix",
@@ -24,7 +26,21 @@ OPERATIONS = (
     "reset",
     "mamba_block_ids",
     "notice_sequence",
+    "claim",
+    "renew",
+    "announce",
+    "live_nodes",
+    "gc_namespace",
+    "forget_node",
+    "score",
 )
+
+
+def register_scripts(client: Any, operations: Iterable[str] = OPERATIONS) -> dict[str, Any]:
+    """``{operation: Script}`` for ``client`` (no round trip: redis-py hashes locally)."""
+    return {op: client.register_script(script_source(op)) for op in operations}
+
+
 PRELUDE = "_prelude"
 
 

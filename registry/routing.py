@@ -1,0 +1,135 @@
+"""``PrefixRouter``: which live node already holds the longest prefix of a prompt.
+
+The router asks Redis directly (the registry is the truth there), so restarts and lost
+events cannot leave it with stale copies. One ``score`` costs one round trip per Redis
+node, whatever the number of namespaces: a pipeline on a standalone server; on Redis
+Cluster redis-py's cluster pipeline groups the calls by shard, writes to every shard,
+then reads every reply, so the shards work at the same time. Each namespace's score is
+one script (``lua/score.lua``): a binary search over the parent chain for the KV prefix,
+then a short backward scan for Mamba state, and -1 for a namespace without a live lease.
+
+A router never writes and never claims an epoch. It is thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
+from registry.membership import NodeIndex
+from registry.scripts import script_source
+from registry.validation import lookup_hashes
+
+
+@dataclass(frozen=True)
+class NodeScore:
+    """How much of a prompt one live node has cached, in blocks."""
+
+    namespace: str
+    kv_prefix: int  # leading blocks with KV cached
+    mamba_prefix: int  # leading blocks usable with Mamba state (farthest checkpoint <= kv_prefix)
+    usable: int  # what routing ranks by: mamba_prefix for hybrid models, else kv_prefix
+
+
+class PrefixRouter:
+    """Scores live nodes for a prompt's block hashes and picks the best one."""
+
+    def __init__(
+        self,
+        client: Any,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        *,
+        hybrid: bool = True,
+        live_cache_ttl: float = 1.0,
+    ) -> None:
+        self.client = client
+        self.key_prefix = key_prefix
+        self.hybrid = hybrid
+        self.live_cache_ttl = live_cache_ttl
+        self._index = NodeIndex(client, key_prefix)
+        self._source = script_source("score")
+        self._sha = client.register_script(self._source).sha
+        self._lock = threading.Lock()
+        self._live: tuple[float, list[str]] = (float("-inf"), [])
+        self._keys: dict[str, NamespaceKeys] = {}
+
+    def live_nodes(self) -> list[str]:
+        """Namespaces with a live lease (cached for ``live_cache_ttl`` seconds; a node
+        that died within that time is still never scored: each score checks its lease)."""
+        with self._lock:
+            fetched_at, names = self._live
+        if time.monotonic() - fetched_at < self.live_cache_ttl:
+            return names
+        names = self._index.live()
+        with self._lock:
+            self._live = (time.monotonic(), names)
+        return names
+
+    def score(
+        self, hashes: Sequence[int], namespaces: Iterable[str] | None = None
+    ) -> dict[str, NodeScore]:
+        """Per live namespace (all, or those given), the cached prefix of ``hashes``."""
+        wanted = lookup_hashes(hashes)
+        for i, h in enumerate(wanted):
+            if h <= 0:  # a sentinel never matches: the prefix cannot pass it
+                del wanted[i:]
+                break
+        names = (
+            self.live_nodes() if namespaces is None else [validate_namespace(n) for n in namespaces]
+        )
+        if not names:
+            return {}
+        replies = self._run_pipeline(names, wanted)
+        scores = {}
+        for name, reply in zip(names, replies, strict=True):
+            if isinstance(reply, Exception):
+                raise reply
+            if reply == -1:
+                continue  # no live lease: never scored
+            kv_prefix, mamba_prefix = int(reply[0]), int(reply[1])
+            usable = mamba_prefix if self.hybrid else kv_prefix
+            scores[name] = NodeScore(name, kv_prefix, mamba_prefix, usable)
+        return scores
+
+    def best(
+        self,
+        hashes: Sequence[int],
+        load: Mapping[str, float] | None = None,
+        namespaces: Iterable[str] | None = None,
+    ) -> str | None:
+        """The live node with the longest usable prefix; ties go to the lowest ``load``
+        (missing = 0), then to the first namespace in sort order. None if none is live."""
+        scores = self.score(hashes, namespaces)
+        if not scores:
+            return None
+        loads = load or {}
+        return min(
+            scores.values(), key=lambda s: (-s.usable, loads.get(s.namespace, 0), s.namespace)
+        ).namespace
+
+    def _keys_of(self, namespace: str) -> NamespaceKeys:
+        keys = self._keys.get(namespace)
+        if keys is None:
+            keys = self._keys[namespace] = NamespaceKeys(namespace, self.key_prefix)
+        return keys
+
+    def _run_pipeline(self, names: list[str], hashes: list[int]) -> list[Any]:
+        replies = self._execute(names, hashes)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            self.client.script_load(self._source)  # after a restart or SCRIPT FLUSH
+            replies = self._execute(names, hashes)
+        return replies
+
+    def _execute(self, names: list[str], hashes: list[int]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            keys = self._keys_of(name)
+            pipe.execute_command("EVALSHA", self._sha, 3, keys.kv, keys.mamba, keys.meta, *hashes)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
