@@ -85,7 +85,7 @@ class PrefixRouter:
         )
         if not names:
             return {}
-        replies = self._run_pipeline(names, wanted)
+        replies = self._run_pipeline(names, [b"%d" % h for h in wanted])  # encoded once
         scores = {}
         for name, reply in zip(names, replies, strict=True):
             if isinstance(reply, Exception):
@@ -119,14 +119,14 @@ class PrefixRouter:
             keys = self._keys[namespace] = NamespaceKeys(namespace, self.key_prefix)
         return keys
 
-    def _run_pipeline(self, names: list[str], hashes: list[int]) -> list[Any]:
+    def _run_pipeline(self, names: list[str], hashes: list[bytes]) -> list[Any]:
         replies = self._execute(names, hashes)
         if any(isinstance(r, NoScriptError) for r in replies):
             self.client.script_load(self._source)  # after a restart or SCRIPT FLUSH
             replies = self._execute(names, hashes)
         return replies
 
-    def _execute(self, names: list[str], hashes: list[int]) -> list[Any]:
+    def _execute(self, names: list[str], hashes: list[bytes]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for name in names:
             keys = self._keys_of(name)
