@@ -125,50 +125,46 @@ def test_malformed_messages_do_not_stop_the_listener(listener_backend: Backend) 
         assert listener.alive
 
 
-def test_gap_is_replayed_from_the_stream(listener_backend: Backend) -> None:
-    reg, pool = node(listener_backend)
-    pool.store([1, 2], [A, B], *states(2))
-    elsewhere = listener_backend.registry(reg.namespace)
-    listener = EvictionListener(listener_backend.client(), reg.namespace, pool)
+def listener_losing_first_notice(
+    backend: Backend, reg: PrefixCacheRegistry, pool: MambaSlotPool, trim_stream: bool
+) -> EvictionListener:
+    """A listener whose first channel message is lost, as if pub/sub had dropped it;
+    with ``trim_stream`` the stream loses it too, so only a reconcile can recover."""
+    listener = EvictionListener(backend.client(), reg.namespace, pool)
     handle, dropped = listener._handle, []
 
     def drop_first(data: Any) -> None:
-        if not dropped:
-            dropped.append(data)  # as if pub/sub lost it
+        if dropped:
+            handle(data)
             return
-        handle(data)
+        dropped.append(data)
+        if trim_stream:
+            reg.client.xtrim(reg.keys.mamba_evictions, maxlen=0, approximate=False)
 
     listener._handle = drop_first  # type: ignore[method-assign]
-    with listener.start():
+    return listener
+
+
+@pytest.mark.parametrize(
+    ("trim_stream", "replays", "reconciles"),
+    [(False, 1, 1), (True, 0, 2)],
+    ids=["replay", "trimmed"],
+)
+def test_a_gap_is_caught_up(
+    listener_backend: Backend, trim_stream: bool, replays: int, reconciles: int
+) -> None:
+    """A lost notice shows up as a gap: replayed from the stream, or reconciled when the
+    stream was trimmed (the first reconcile is the start's)."""
+    reg, pool = node(listener_backend)
+    pool.store([1, 2], [A, B], *states(2))
+    elsewhere = listener_backend.registry(reg.namespace)
+    with listener_losing_first_notice(listener_backend, reg, pool, trim_stream) as listener:
         elsewhere.evict_mamba([A])  # lost on the channel
         elsewhere.evict_mamba([B])  # arrives: a gap
         wait_until(lambda: pool.counts().in_use == 0, what="both slots freed")
         counts = listener.counts()
-    assert (counts.gaps, counts.replays, counts.last_seq) == (1, 1, 2)
-
-
-def test_gap_past_the_trimmed_stream_reconciles(listener_backend: Backend) -> None:
-    reg, pool = node(listener_backend)
-    pool.store([1, 2], [A, B], *states(2))
-    elsewhere = listener_backend.registry(reg.namespace)
-    listener = EvictionListener(listener_backend.client(), reg.namespace, pool)
-    handle, dropped = listener._handle, []
-
-    def drop_first(data: Any) -> None:
-        if not dropped:
-            dropped.append(data)
-            reg.client.xtrim(reg.keys.mamba_evictions, maxlen=0, approximate=False)
-            return
-        handle(data)
-
-    listener._handle = drop_first  # type: ignore[method-assign]
-    with listener.start():
-        elsewhere.evict_mamba([A])
-        elsewhere.evict_mamba([B])
-        wait_until(lambda: pool.counts().in_use == 0, what="both slots freed")
-        counts = listener.counts()
-    assert counts.gaps == 1
-    assert counts.reconciles == 2  # the start, then the trimmed gap
+    assert (counts.gaps, counts.replays, counts.reconciles) == (1, replays, reconciles)
+    assert counts.last_seq == 2
 
 
 def test_stop_is_bounded_and_idempotent(listener_backend: Backend) -> None:
