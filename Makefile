@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/pcr simulate
 
 # Real-server tests need redis-server; install it when we are root, else they skip
 # loudly (and fail when CI is set).

@@ -1,0 +1,332 @@
+"""A simulated fleet of serving nodes sharing prefix-cache state through Redis.
+
+Each node owns a namespace (``claim``), a bounded KV block pool with reference counts
+and leaf-first LRU eviction (a block whose descendants are cached is never evicted),
+and a Mamba slot pool (small CPU tensors) with its eviction listener. Every request is
+served the way a hybrid engine would: match the KV prefix, find the farthest Mamba
+checkpoint inside it and restore it, evict to make room, register the new blocks, and
+checkpoint the Mamba state of the prompt's last block. A router sends each request to a
+node, round-robin or by prefix (``PrefixRouter.best``). At the end the run checks that
+the pools and the registry agree: no leaked slot, no wrongly freed slot, no registry
+entry pointing at a freed block.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from gpu.listener import EvictionListener
+from gpu.slot_pool import MambaSlotPool
+from gpu.workload import Request, Workload, WorkloadConfig
+from registry import PrefixCacheRegistry, PrefixRouter, block_hashes
+
+ROUTERS = ("round-robin", "prefix")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Sizes of the simulated fleet."""
+
+    nodes: int = 4
+    kv_blocks: int = 512  # per node
+    mamba_slots: int = 32  # per node
+    block_size: int = 16
+    layers: int = 2
+    conv_shape: tuple[int, ...] = (4, 8)
+    ssm_shape: tuple[int, ...] = (4, 8)
+    key_prefix: str = "pcr"
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+
+
+class KVBlockPool:
+    """A node's KV block allocator: reference counts, parent links, and leaf-first LRU.
+
+    Only blocks nobody uses and no cached block descends from are evictable, oldest
+    use first; evicting a leaf may make its parent one.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.free = list(range(capacity - 1, -1, -1))
+        self.hash_of: dict[int, int] = {}
+        self.parent: dict[int, int | None] = {}
+        self.children: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+
+    def allocate(self, h: int, parent: int | None) -> int:
+        block = self.free.pop()
+        self.hash_of[block] = h
+        self.parent[block] = parent
+        self.children[block] = 0
+        self.refs[block] = 1
+        if parent is not None:
+            self.children[parent] += 1
+            self.evictable.pop(parent, None)
+        return block
+
+    def acquire(self, block: int) -> None:
+        self.refs[block] += 1
+        self.evictable.pop(block, None)
+
+    def release(self, block: int) -> None:
+        self.refs[block] -= 1
+        self._maybe_evictable(block)
+
+    def victims(self, count: int) -> list[int]:
+        """Up to ``count`` evictable blocks, least recently used first (leaves only)."""
+        return list(self.evictable)[:count]
+
+    def drop(self, block: int) -> None:
+        """Forget an evicted block (it must be a leaf nobody uses)."""
+        assert self.refs[block] == 0, f"block {block} is in use"
+        assert self.children[block] == 0, f"block {block} has cached descendants"
+        self.evictable.pop(block, None)
+        parent = self.parent.pop(block)
+        del self.hash_of[block], self.children[block], self.refs[block]
+        self.free.append(block)
+        if parent is not None:
+            self.children[parent] -= 1
+            self._maybe_evictable(parent)
+
+    def _maybe_evictable(self, block: int) -> None:
+        if self.refs[block] == 0 and self.children[block] == 0:
+            self.evictable[block] = None
+            self.evictable.move_to_end(block)
+
+
+@dataclass
+class Totals:
+    """What a run counted, summed over the fleet."""
+
+    requests: int = 0
+    prompt_blocks: int = 0
+    kv_hit_blocks: int = 0
+    usable_hit_blocks: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens_saved: int = 0
+    kv_evictions: int = 0
+    mamba_restores: int = 0
+    mamba_restore_misses: int = 0
+    deferred_requests: int = 0  # no KV room even after eviction (all blocks in use)
+
+
+class Node:
+    """One serving node: its registry, KV pool, Mamba slot pool and listener."""
+
+    def __init__(self, client: Any, namespace: str, config: FleetConfig, timings: Timings) -> None:
+        self.config = config
+        self.timings = timings
+        self.registry = PrefixCacheRegistry(client, namespace, key_prefix=config.key_prefix)
+        self.registry.claim(lease_ttl=60.0)
+        self.kv = KVBlockPool(config.kv_blocks)
+        self.mamba = MambaSlotPool(
+            self.registry, config.mamba_slots, config.layers, config.conv_shape, config.ssm_shape
+        )
+        self.listener = EvictionListener(
+            client, namespace, self.mamba, key_prefix=config.key_prefix
+        )
+        self.listener.start()
+        self._conv_out = torch.empty((config.layers, *config.conv_shape))
+        self._ssm_out = torch.empty((config.layers, *config.ssm_shape))
+
+    @property
+    def namespace(self) -> str:
+        return self.registry.namespace
+
+    def serve(self, request: Request, totals: Totals) -> None:
+        """Prefill one prompt the way a hybrid engine does, against the registry."""
+        size = self.config.block_size
+        hashes = block_hashes(request.tokens, size)
+        totals.requests += 1
+        totals.prompt_tokens += len(request.tokens)
+        if not hashes:
+            return
+        reg, timed = self.registry, self.timings.timed
+        with timed("match_kv_prefix"):
+            cached, _ = reg.match_kv_prefix(hashes)
+        matched = len(cached)
+        usable = 0
+        if matched:
+            with timed("match_mamba_farthest"):
+                usable = reg.match_mamba_farthest(hashes[:matched])
+        if usable and self.mamba.restore(
+            cached[usable - 1], self._conv_out, self._ssm_out, expected_hash=hashes[usable - 1]
+        ):
+            totals.mamba_restores += 1
+        elif usable:
+            totals.mamba_restore_misses += 1
+            usable = 0
+        for block in cached:
+            self.kv.acquire(block)
+        blocks = list(cached)
+        missing = len(hashes) - matched
+        if missing > len(self.kv.free) and not self._evict(missing - len(self.kv.free), totals):
+            totals.deferred_requests += 1
+            for block in blocks:
+                self.kv.release(block)
+            return
+        parent = blocks[-1] if blocks else None
+        for h in hashes[matched:]:
+            parent = self.kv.allocate(h, parent)
+            blocks.append(parent)
+        if missing:
+            with timed("register_kv"):
+                reg.register_kv(blocks[matched:], hashes[matched:])
+        # Checkpoint the Mamba state at the prompt's last block (a later turn restores it).
+        if not self.mamba.holds(blocks[-1], hashes[-1]):
+            conv = torch.randn((self.config.layers, 1, *self.config.conv_shape))
+            ssm = torch.randn((self.config.layers, 1, *self.config.ssm_shape))
+            with timed("store_mamba (register_mamba)"):
+                self.mamba.store([blocks[-1]], [hashes[-1]], conv, ssm)
+        totals.prompt_blocks += len(hashes)
+        totals.kv_hit_blocks += matched
+        totals.usable_hit_blocks += usable
+        totals.prefill_tokens_saved += usable * size
+        for block in blocks:
+            self.kv.release(block)
+
+    def _evict(self, count: int, totals: Totals) -> bool:
+        """Free ``count`` KV blocks, leaves first, through the registry (cascading to
+        Mamba, whose notice frees the slots); False when not enough are evictable."""
+        while count > 0:
+            victims = self.kv.victims(count)
+            if not victims:
+                return False
+            with self.timings.timed("evict_kv"):
+                self.registry.evict_kv([self.kv.hash_of[b] for b in victims])
+            for block in victims:
+                self.kv.drop(block)
+            totals.kv_evictions += len(victims)
+            count -= len(victims)
+        return True
+
+    def consistency(self) -> dict[str, int]:
+        """Disagreements between this node's pools and the registry (all must be 0)."""
+        client: Any = self.registry.client
+        keys = self.registry.keys
+        kv_entries = {int(h): int(b) for h, b in client.hgetall(keys.kv).items()}
+        mamba_entries = {(int(b), int(h)) for h, b in client.hgetall(keys.mamba).items()}
+        slots = self.mamba.pairs()
+        allocated = {(b, h) for b, h in self.kv.hash_of.items()}
+        return {
+            "leaked_mamba_slots": len(slots - mamba_entries),
+            "wrongly_freed_slots": len(mamba_entries - slots),
+            "entries_pointing_at_freed_blocks": sum(
+                1 for h, b in kv_entries.items() if self.kv.hash_of.get(b) != h
+            ),
+            "blocks_missing_from_registry": len(
+                allocated - {(b, h) for h, b in kv_entries.items()}
+            ),
+        }
+
+    def close(self) -> None:
+        self.listener.stop()
+        self.mamba.close()
+
+
+class Timings:
+    """Wall-clock latency of each registry operation, in milliseconds."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = defaultdict(list)
+
+    @contextmanager
+    def timed(self, operation: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.samples[operation].append((time.perf_counter() - start) * 1000)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        result = {}
+        for operation, samples in sorted(self.samples.items()):
+            ordered = sorted(samples)
+            result[operation] = {
+                "calls": len(ordered),
+                "p50_ms": round(statistics.median(ordered), 4),
+                "p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 4),
+            }
+        return result
+
+
+def simulate(
+    client: Any,
+    config: FleetConfig,
+    router: str,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the workload through a fleet routed by ``router``; return the figures."""
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {router!r}")
+    timings = Timings()
+    tag = "rr" if router == "round-robin" else router
+    nodes = [Node(client, f"sim-{tag}-node-{i}", config, timings) for i in range(config.nodes)]
+    names = [n.namespace for n in nodes]
+    by_name = dict(zip(names, nodes, strict=True))
+    prefix_router = PrefixRouter(client, config.key_prefix)
+    assigned: dict[str, int] = dict.fromkeys(names, 0)
+    totals = Totals()
+    started = time.perf_counter()
+    try:
+        for request in Workload(config.workload):
+            if router == "prefix":
+                hashes = block_hashes(request.tokens, config.block_size)
+                with timings.timed("route (score all nodes)"):
+                    target = prefix_router.best(hashes, load=assigned, namespaces=names) or names[0]
+            else:
+                target = names[request.number % len(names)]
+            assigned[target] += 1
+            by_name[target].serve(request, totals)
+            if progress is not None:
+                progress(request.number + 1, config.workload.requests)
+        elapsed = time.perf_counter() - started
+        consistency = _settle(nodes)
+    finally:
+        for node in nodes:
+            node.close()
+    listener_counts = [asdict(n.listener.counts()) for n in nodes]
+    pool_counts = [asdict(n.mamba.counts()) for n in nodes]
+    return {
+        "router": router,
+        "nodes": config.nodes,
+        "requests": totals.requests,
+        "seed": config.workload.seed,
+        "hit_rate_blocks": _ratio(totals.kv_hit_blocks, totals.prompt_blocks),
+        "usable_hit_rate_blocks": _ratio(totals.usable_hit_blocks, totals.prompt_blocks),
+        "hit_rate_tokens": _ratio(totals.prefill_tokens_saved, totals.prompt_tokens),
+        "totals": asdict(totals),
+        "requests_per_node": assigned,
+        "latency_ms": timings.summary(),
+        "consistency": consistency,
+        "mamba": {key: sum(c[key] for c in pool_counts) for key in pool_counts[0]},
+        "listener": {key: sum(c[key] for c in listener_counts) for key in listener_counts[0]},
+        "seconds": round(elapsed, 3),
+    }
+
+
+def _settle(nodes: list[Node], timeout: float = 10.0) -> dict[str, int]:
+    """Let every listener catch up, then sum the disagreements (they must be 0)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        caught_up = all(n.listener.counts().last_seq >= n.registry.notice_sequence() for n in nodes)
+        if caught_up or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    total: dict[str, int] = defaultdict(int)
+    for node in nodes:
+        for key, value in node.consistency().items():
+            total[key] += value
+    return dict(total)
+
+
+def _ratio(part: int, whole: int) -> float:
+    return round(part / whole, 4) if whole else 0.0
