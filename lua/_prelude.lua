@@ -32,34 +32,36 @@ local function now_ms()
 end
 
 -- Remove the fields list[from..to] (distinct hashes) from the HASH `key`.
--- Appends each removed hash to `removed_hashes`, its old value (block id) to
--- `removed_ids`, and "block_id:hash" to `pair_texts` when that table is given.
-local function remove_fields(key, list, from, to, removed_hashes, removed_ids, pair_texts)
+-- Appends each removed hash to `removed_hashes`, and "block_id:hash" to `pair_texts`
+-- when that table is given (the block id is the field's old value). Returns the count.
+local function remove_fields(key, list, from, to, removed_hashes, pair_texts)
+  local count = #removed_hashes
   for first = from, to, CHUNK do
     local last = math.min(first + CHUNK - 1, to)
     local ids = redis.call('HMGET', key, unpack(list, first, last))
-    local found = {}
+    local start = count
     for i = 1, last - first + 1 do
       local id = ids[i]
       if id then
         local hash = list[first + i - 1]
-        found[#found + 1] = hash
-        removed_hashes[#removed_hashes + 1] = hash
-        removed_ids[#removed_ids + 1] = id
+        count = count + 1
+        removed_hashes[count] = hash
         if pair_texts then
-          pair_texts[#pair_texts + 1] = id .. ':' .. hash
+          pair_texts[count] = id .. ':' .. hash
         end
       end
     end
-    if #found > 0 then
-      redis.call('HDEL', key, unpack(found))
+    if count > start then
+      redis.call('HDEL', key, unpack(removed_hashes, start + 1, count))
     end
   end
+  return count
 end
 
 -- Number one eviction notice, append it to the capped stream and publish it.
 -- kind: 'evict' | 'cascade' | 'replace' | 'clear'; pairs_text: "bid:hash bid:hash ..." or ''.
--- Channel message: "<seq> <kind>[ <bid>:<hash> ...]". Returns the sequence number.
+-- Channel message: "<seq> <kind>[ <bid>:<hash> ...]". Returns that message, which is
+-- also what the calling script replies with: the caller parses the notice it made.
 local function publish_notice(meta_key, stream_key, channel, stream_maxlen, kind, pairs_text)
   local seq = redis.call('HINCRBY', meta_key, 'notice_seq', 1)
   redis.call('XADD', stream_key, 'MAXLEN', '~', stream_maxlen, '*',
@@ -69,5 +71,5 @@ local function publish_notice(meta_key, stream_key, channel, stream_maxlen, kind
     message = message .. ' ' .. pairs_text
   end
   redis.call('PUBLISH', channel, message)
-  return seq
+  return message
 end

@@ -8,12 +8,12 @@
 -- ARGV[2]  pcr:{node-0}:mamba-evicted      channel for the notice
 -- ARGV[3]  "10000"                         approximate stream cap (MAXLEN ~)
 --
--- Returns: integer, the notice's sequence number, or 0 when there was nothing to drop;
+-- Returns: the text of the 'clear' notice ("<seq> clear"), or "" when there was nothing;
 --          error STALE_EPOCH when the caller's epoch was superseded.
 -- Calls:   HGET, UNLINK, HINCRBY, XADD, PUBLISH
 local stale = stale_epoch(KEYS[2], ARGV[1])
 if stale then return stale end
 if redis.call('UNLINK', KEYS[1]) == 0 then
-  return 0
+  return ''
 end
 return publish_notice(KEYS[2], KEYS[3], ARGV[2], ARGV[3], 'clear', '')

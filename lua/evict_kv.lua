@@ -11,20 +11,24 @@
 -- ARGV[3]  "10000"                         approximate stream cap (MAXLEN ~)
 -- ARGV[4..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
 --
--- Returns: { {hashes removed from KV}, {block ids of cascaded Mamba entries},
---            {their hashes}, notice sequence number (0 when no Mamba entry went) };
+-- Returns: { removed, notice }: removed is the number of hashes removed from KV when
+--          that is all of them (the usual case: nothing to list), else their list;
+--          notice is "" or the text of the one notice for the cascaded Mamba entries,
+--          "<seq> cascade <block_id>:<hash> ..." as published;
 --          error STALE_EPOCH when the caller's epoch was superseded.
--- Calls:   HGET, HMGET, HDEL, HINCRBY, XADD, PUBLISH
+-- Calls:   HGET, HMGET, HDEL, EXISTS, HINCRBY, XADD, PUBLISH
 local stale = stale_epoch(KEYS[3], ARGV[1])
 if stale then return stale end
-local kv_hashes, kv_ids = {}, {}
-remove_fields(KEYS[1], ARGV, 4, #ARGV, kv_hashes, kv_ids, nil)
-local mamba_hashes, mamba_ids, pair_texts = {}, {}, {}
-if #kv_hashes > 0 then
-  remove_fields(KEYS[2], kv_hashes, 1, #kv_hashes, mamba_hashes, mamba_ids, pair_texts)
+local kv_hashes = {}
+local removed = remove_fields(KEYS[1], ARGV, 4, #ARGV, kv_hashes, nil)
+local notice = ''
+if removed > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
+  local mamba_hashes, pair_texts = {}, {}
+  if remove_fields(KEYS[2], kv_hashes, 1, removed, mamba_hashes, pair_texts) > 0 then
+    notice = publish_notice(KEYS[3], KEYS[4], ARGV[2], ARGV[3], 'cascade', table.concat(pair_texts, ' '))
+  end
 end
-local seq = 0
-if #mamba_ids > 0 then
-  seq = publish_notice(KEYS[3], KEYS[4], ARGV[2], ARGV[3], 'cascade', table.concat(pair_texts, ' '))
+if removed == #ARGV - 3 then
+  return {removed, notice}
 end
-return {kv_hashes, mamba_ids, mamba_hashes, seq}
+return {kv_hashes, notice}

@@ -8,15 +8,14 @@
 -- ARGV[3]  "10000"                         approximate stream cap (MAXLEN ~)
 -- ARGV[4..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
 --
--- Returns: { {hashes removed}, {their block ids}, notice sequence number (0 if none) };
+-- Returns: the text of the notice, "<seq> evict <block_id>:<hash> ...", which lists what
+--          was removed, or "" when nothing was;
 --          error STALE_EPOCH when the caller's epoch was superseded.
 -- Calls:   HGET, HMGET, HDEL, HINCRBY, XADD, PUBLISH
 local stale = stale_epoch(KEYS[2], ARGV[1])
 if stale then return stale end
-local hashes, ids, pair_texts = {}, {}, {}
-remove_fields(KEYS[1], ARGV, 4, #ARGV, hashes, ids, pair_texts)
-local seq = 0
-if #ids > 0 then
-  seq = publish_notice(KEYS[2], KEYS[3], ARGV[2], ARGV[3], 'evict', table.concat(pair_texts, ' '))
+local hashes, pair_texts = {}, {}
+if remove_fields(KEYS[1], ARGV, 4, #ARGV, hashes, pair_texts) == 0 then
+  return ''
 end
-return {hashes, ids, seq}
+return publish_notice(KEYS[2], KEYS[3], ARGV[2], ARGV[3], 'evict', table.concat(pair_texts, ' '))

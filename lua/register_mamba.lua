@@ -10,7 +10,8 @@
 -- ARGV[3]  "10000"                         approximate stream cap (MAXLEN ~)
 -- ARGV[4..] hash1, block_id1, hash2, block_id2, ...; hashes > 0, distinct (caller checks)
 --
--- Returns: { {block ids whose entries were replaced}, {their hashes}, stamp }: stamp is
+-- Returns: { notice, stamp }: notice is "" or the text of the 'replace' notice listing
+--          the (old block id, hash) entries that were replaced; stamp is
 --          the namespace's notice number after this call; only a notice numbered above
 --          it can remove the entries just written (block ids are reused, so a slot
 --          owner needs this to ignore late notices about an older registration);
@@ -19,7 +20,7 @@
 local stale = stale_epoch(KEYS[2], ARGV[1])
 if stale then return stale end
 redis.call('HSETNX', KEYS[2], 'schema', '1')
-local replaced_ids, replaced_hashes, pair_texts = {}, {}, {}
+local pair_texts = {}
 local n = #ARGV
 for first = 4, n, CHUNK do
   local last = math.min(first + CHUNK - 1, n)
@@ -31,14 +32,13 @@ for first = 4, n, CHUNK do
   for j = 1, #fields do
     local old_id = old_ids[j]
     if old_id and old_id ~= ARGV[first + 2 * j - 1] then
-      replaced_ids[#replaced_ids + 1] = old_id
-      replaced_hashes[#replaced_hashes + 1] = fields[j]
       pair_texts[#pair_texts + 1] = old_id .. ':' .. fields[j]
     end
   end
   redis.call('HSET', KEYS[1], unpack(ARGV, first, last))
 end
-if #replaced_ids > 0 then
-  publish_notice(KEYS[2], KEYS[3], ARGV[2], ARGV[3], 'replace', table.concat(pair_texts, ' '))
+local notice = ''
+if #pair_texts > 0 then
+  notice = publish_notice(KEYS[2], KEYS[3], ARGV[2], ARGV[3], 'replace', table.concat(pair_texts, ' '))
 end
-return {replaced_ids, replaced_hashes, tonumber(redis.call('HGET', KEYS[2], 'notice_seq') or '0')}
+return {notice, tonumber(redis.call('HGET', KEYS[2], 'notice_seq') or '0')}

@@ -10,13 +10,14 @@
 -- ARGV[2]  pcr:{node-0}:mamba-evicted      channel for the notice
 -- ARGV[3]  "10000"                         approximate stream cap (MAXLEN ~)
 --
--- Returns: integer, the notice's sequence number, or 0 when there was no Mamba entry;
+-- Returns: the text of the 'clear' notice ("<seq> clear"), or "" when there was no
+--          Mamba entry;
 --          error STALE_EPOCH when the caller's epoch was superseded.
 -- Calls:   HGET, UNLINK, HINCRBY, XADD, PUBLISH
 local stale = stale_epoch(KEYS[3], ARGV[1])
 if stale then return stale end
 redis.call('UNLINK', KEYS[1])
 if redis.call('UNLINK', KEYS[2]) == 0 then
-  return 0
+  return ''
 end
 return publish_notice(KEYS[3], KEYS[4], ARGV[2], ARGV[3], 'clear', '')

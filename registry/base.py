@@ -15,6 +15,7 @@ from registry.notices import EvictionNotice
 from registry.validation import (
     eviction_hashes,
     lookup_hashes,
+    prefix_hashes,
     registration,
     search_length,
 )
@@ -73,11 +74,7 @@ class RegistryBase(ABC):
         The prefix ends at the first hash that is not cached (or is a -1/0 sentinel):
         a hole in the middle never yields block ids beyond it.
         """
-        wanted = lookup_hashes(hashes)
-        for i, h in enumerate(wanted):
-            if h <= 0:
-                del wanted[i:]
-                break
+        wanted = prefix_hashes(hashes)
         if not wanted:
             return [], 0
         block_ids = self._match_kv_prefix(wanted)

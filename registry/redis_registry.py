@@ -24,7 +24,7 @@ from registry.client import RedisClient, client_from_url
 from registry.errors import StaleEpochError
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import DEFAULT_LEASE_TTL, Heartbeat, NodeIndex
-from registry.notices import EvictionNotice, parse_stream_entry
+from registry.notices import EvictionNotice, parse_notice, parse_stream_entry
 from registry.scripts import register_scripts
 from registry.validation import flatten
 
@@ -61,8 +61,6 @@ class PrefixCacheRegistry(RegistryBase):
         self._index: NodeIndex | None = None
         k = self.keys
         # Fixed KEYS and leading ARGV of each script, built once (and on claim).
-        self._kv_keys = (k.kv,)
-        self._mamba_keys = (k.mamba,)
         self._kv_write_keys = (k.kv, k.meta)
         self._evict_kv_keys = (k.kv, k.mamba, k.meta, k.mamba_evictions)
         self._mamba_write_keys = (k.mamba, k.meta, k.mamba_evictions)
@@ -170,53 +168,61 @@ class PrefixCacheRegistry(RegistryBase):
 
     # -- storage primitives -----------------------------------------------------
 
+    # Reads of one key are a single HMGET/HGET: atomic and one round trip already, and
+    # several times cheaper on the server than a script, which must first turn every
+    # argument into a Lua string (measured in BENCHMARKS.md).
+
     def _match_kv_prefix(self, hashes: list[int]) -> list[int]:
-        return [int(b) for b in self._run("match_kv_prefix", self._kv_keys, hashes)]
+        values = self.client.hmget(self.keys.kv, hashes)
+        try:
+            cached = values.index(None)
+        except ValueError:
+            cached = len(values)
+        return list(map(int, values[:cached]))
 
     def _register_kv(self, entries: dict[int, int]) -> None:
         self._run("register_kv", self._kv_write_keys, [*self._fence_args, *flatten(entries)])
 
     def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
-        removed, mamba_ids, mamba_hashes, seq = self._run(
-            "evict_kv", self._evict_kv_keys, [*self._notice_args, *hashes]
-        )
-        return {int(h) for h in removed}, _notice(seq, "cascade", mamba_ids, mamba_hashes)
+        removed, notice = self._run("evict_kv", self._evict_kv_keys, [*self._notice_args, *hashes])
+        # The script lists the removed hashes only when some were missing.
+        gone = set(hashes) if isinstance(removed, int) else set(map(int, removed))
+        return gone, _notice(notice)
 
     def _match_mamba_farthest(self, hashes: list[int]) -> int:
-        return int(self._run("match_mamba_farthest", self._mamba_keys, hashes))
+        values = self.client.hmget(self.keys.mamba, hashes)
+        if values.count(None) == len(values):
+            return 0
+        farthest = len(values)
+        while values[farthest - 1] is None:
+            farthest -= 1
+        return farthest
 
     def _register_mamba(self, entries: dict[int, int]) -> tuple[EvictionNotice | None, int]:
-        replaced_ids, replaced_hashes, stamp = self._run(
+        notice, stamp = self._run(
             "register_mamba", self._mamba_write_keys, [*self._notice_args, *flatten(entries)]
         )
-        # A replace notice, when there is one, is the last number the script took.
-        notice = _notice(stamp if replaced_ids else 0, "replace", replaced_ids, replaced_hashes)
-        return notice, int(stamp)
+        return _notice(notice), int(stamp)
 
     def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
-        removed, block_ids, seq = self._run(
-            "evict_mamba", self._mamba_write_keys, [*self._notice_args, *hashes]
+        notice = _notice(
+            self._run("evict_mamba", self._mamba_write_keys, [*self._notice_args, *hashes])
         )
-        return {int(h) for h in removed}, _notice(seq, "evict", block_ids, removed)
+        return ({h for _, h in notice.pairs} if notice else set()), notice
 
     def _mamba_block_ids(self, hashes: list[int]) -> list[int | None]:
-        return [
-            None if b is None else int(b)
-            for b in self._run("mamba_block_ids", self._mamba_keys, hashes)
-        ]
+        return [None if b is None else int(b) for b in self.client.hmget(self.keys.mamba, hashes)]
 
     def _notice_sequence(self) -> int:
-        return int(self._run("notice_sequence", self._meta_keys, ()))
+        return int(self.client.hget(self.keys.meta, "notice_seq") or 0)
 
     def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
         if kv and mamba:
-            seq = self._run("reset", self._evict_kv_keys, self._notice_args)
-        elif kv:
+            return _notice(self._run("reset", self._evict_kv_keys, self._notice_args))
+        if kv:
             self._run("clear_kv", self._kv_write_keys, self._fence_args)
             return None
-        else:
-            seq = self._run("clear_mamba", self._mamba_write_keys, self._notice_args)
-        return _notice(seq, "clear", (), ())
+        return _notice(self._run("clear_mamba", self._mamba_write_keys, self._notice_args))
 
     # -- reading the notice stream ------------------------------------------------
 
@@ -250,14 +256,9 @@ class PrefixCacheRegistry(RegistryBase):
         return found if numbers[-1] >= newest else None
 
 
-def _notice(seq: Any, kind: str, block_ids: Any, hashes: Any) -> EvictionNotice | None:
-    """The notice a script reported (``seq`` 0: it published none)."""
-    number = int(seq)
-    if number == 0:
-        return None
-    return EvictionNotice(
-        number, kind, tuple((int(b), int(h)) for b, h in zip(block_ids, hashes, strict=True))
-    )
+def _notice(text: Any) -> EvictionNotice | None:
+    """The notice a script published and replied with ("" when it published none)."""
+    return parse_notice(text) if text else None
 
 
 def _text(value: Any) -> str:

@@ -15,17 +15,13 @@ from pathlib import Path
 from typing import Any
 
 OPERATIONS = (
-    "match_kv_prefix",
     "register_kv",
     "evict_kv",
-    "match_mamba_farthest",
     "register_mamba",
     "evict_mamba",
     "clear_kv",
     "clear_mamba",
     "reset",
-    "mamba_block_ids",
-    "notice_sequence",
     "claim",
     "renew",
     "announce",

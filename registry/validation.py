@@ -4,12 +4,18 @@ Everything is checked before anything reaches Redis: a bad call raises a clear
 ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, wrong value) and
 changes nothing. Integer-like values (``numpy.int64``...) are accepted through
 ``operator.index``; ``bool``, ``float`` and strings are refused.
+
+These checks sit on every call's path, so lists of plain ints take a fast path made
+of C-level passes (``map``, ``set``, ``min``, ``max``); anything else falls back to an
+element-by-element check that also names the offending position.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from itertools import chain
+from typing import Any
 
 NO_HASH = -1
 """Hash sentinel: this position has no hash (skipped or never matching)."""
@@ -17,6 +23,7 @@ NO_PARENT = 0
 """Hash sentinel: no parent / no match."""
 MAX_HASH = 2**63 - 1
 MAX_BLOCK_ID = 2**63 - 1
+_INT_ONLY = {int}
 
 
 def as_int(value: object, what: str, position: int) -> int:
@@ -37,18 +44,39 @@ def _as_list(values: object, what: str) -> list[object]:
     return list(values)
 
 
+def int_list(values: object, what: str, low: int, high: int, bounds: str) -> list[int]:
+    """``values`` as a new list of ints within [low, high]; TypeError/ValueError otherwise."""
+    items: list[Any] = _as_list(values, what)
+    if not items:
+        return items
+    if set(map(type, items)) <= _INT_ONLY and low <= min(items) and max(items) <= high:
+        return items
+    result = [as_int(v, what, i) for i, v in enumerate(items)]
+    for i, v in enumerate(result):
+        if not low <= v <= high:
+            raise ValueError(f"{what}[{i}] = {v} is outside {bounds}")
+    return result
+
+
 def lookup_hashes(hashes: object, what: str = "hashes") -> list[int]:
     """Hashes to look up or evict: real hashes, or the sentinels -1 / 0 (never stored)."""
-    result = [as_int(h, what, i) for i, h in enumerate(_as_list(hashes, what))]
-    for i, h in enumerate(result):
-        if not NO_HASH <= h <= MAX_HASH:
-            raise ValueError(f"{what}[{i}] = {h} is outside [-1, 2^63-1]")
-    return result
+    return int_list(hashes, what, NO_HASH, MAX_HASH, "[-1, 2^63-1]")
+
+
+def prefix_hashes(hashes: object) -> list[int]:
+    """Hashes for a prefix lookup, cut before the first sentinel (it can never match)."""
+    wanted = lookup_hashes(hashes)
+    if wanted and min(wanted) <= NO_PARENT:
+        del wanted[next(i for i, h in enumerate(wanted) if h <= NO_PARENT) :]
+    return wanted
 
 
 def eviction_hashes(hashes: object) -> list[int]:
     """Distinct real hashes to evict, in first-seen order; sentinels -1 and 0 dropped."""
-    return [h for h in dict.fromkeys(lookup_hashes(hashes)) if h > NO_PARENT]
+    distinct = list(dict.fromkeys(lookup_hashes(hashes)))
+    if distinct and min(distinct) <= NO_PARENT:
+        distinct = [h for h in distinct if h > NO_PARENT]
+    return distinct
 
 
 def registration(block_ids: object, hashes: object, *, skip_sentinels: bool) -> dict[int, int]:
@@ -57,24 +85,19 @@ def registration(block_ids: object, hashes: object, *, skip_sentinels: bool) -> 
     With ``skip_sentinels`` (Mamba), pairs whose hash is -1 or 0 are dropped; without
     it (KV), every hash must be a real one in [1, 2^63-1].
     """
-    id_list = _as_list(block_ids, "block_ids")
-    hash_list = _as_list(hashes, "hashes")
+    id_list = int_list(block_ids, "block_ids", 0, MAX_BLOCK_ID, "[0, 2^63-1]")
+    if skip_sentinels:
+        hash_list = int_list(hashes, "hashes", NO_HASH, MAX_HASH, "[-1, 2^63-1]")
+    else:
+        hash_list = int_list(hashes, "hashes", 1, MAX_HASH, "[1, 2^63-1]")
     if len(id_list) != len(hash_list):
         raise ValueError(
             f"block_ids and hashes differ in length ({len(id_list)} != {len(hash_list)})"
         )
-    entries: dict[int, int] = {}
-    lowest = NO_HASH if skip_sentinels else 1
-    for i, (raw_id, raw_hash) in enumerate(zip(id_list, hash_list, strict=True)):
-        block_id = as_int(raw_id, "block_ids", i)
-        h = as_int(raw_hash, "hashes", i)
-        if not 0 <= block_id <= MAX_BLOCK_ID:
-            raise ValueError(f"block_ids[{i}] = {block_id} is outside [0, 2^63-1]")
-        if not lowest <= h <= MAX_HASH:
-            bounds = "[-1, 2^63-1]" if skip_sentinels else "[1, 2^63-1]"
-            raise ValueError(f"hashes[{i}] = {h} is outside {bounds}")
-        if h > NO_PARENT:
-            entries[h] = block_id
+    entries = dict(zip(hash_list, id_list, strict=True))
+    if skip_sentinels and entries and min(entries) <= NO_PARENT:
+        entries.pop(NO_HASH, None)
+        entries.pop(NO_PARENT, None)
     return entries
 
 
@@ -90,8 +113,4 @@ def search_length(search_len: object) -> int:
 
 def flatten(entries: dict[int, int]) -> list[int]:
     """``[hash1, id1, hash2, id2, ...]``: the argument order of HSET."""
-    flat: list[int] = []
-    for h, block_id in entries.items():
-        flat.append(h)
-        flat.append(block_id)
-    return flat
+    return list(chain.from_iterable(entries.items()))

@@ -80,34 +80,37 @@ def test_one_round_trip_per_call_and_none_for_empty_input(redis_server: RedisSer
     client.sent = []
     reg = PrefixCacheRegistry(client, new_namespace())
     reg.load_scripts()
-    calls: list[tuple[str, tuple[Any, ...], int]] = [
-        ("register_kv", ([1, 2, 3], H), 1),
-        ("register_kv", ([], []), 0),
-        ("match_kv_prefix", (H,), 1),
-        ("match_kv_prefix", ([],), 0),
-        ("match_kv_prefix", ([-1, *H],), 0),  # a leading sentinel can never match
-        ("register_mamba", ([2], H[1:2]), 1),
-        ("register_mamba", ([2], [-1]), 0),
-        ("match_mamba_farthest", (H,), 1),
-        ("find_mamba_backoff", (H, 2), 1),
-        ("find_mamba_backoff", (H, 0), 0),
-        ("evict_kv", (H[1:2],), 1),
-        ("evict_kv", ([-1, -1],), 0),
-        ("evict_mamba", (H,), 1),
-        ("evict_mamba", ([],), 0),
-        ("clear_kv", (), 1),
-        ("clear_mamba", (), 1),
-        ("reset", (), 1),
+    # (method, arguments, the commands sent): writes are one script, reads one HMGET.
+    calls: list[tuple[str, tuple[Any, ...], list[str]]] = [
+        ("register_kv", ([1, 2, 3], H), ["EVALSHA"]),
+        ("register_kv", ([], []), []),
+        ("match_kv_prefix", (H,), ["HMGET"]),
+        ("match_kv_prefix", ([],), []),
+        ("match_kv_prefix", ([-1, *H],), []),  # a leading sentinel can never match
+        ("register_mamba", ([2], H[1:2]), ["EVALSHA"]),
+        ("register_mamba", ([2], [-1]), []),
+        ("match_mamba_farthest", (H,), ["HMGET"]),
+        ("find_mamba_backoff", (H, 2), ["HMGET"]),
+        ("find_mamba_backoff", (H, 0), []),
+        ("mamba_block_ids", (H,), ["HMGET"]),
+        ("notice_sequence", (), ["HGET"]),
+        ("evict_kv", (H[1:2],), ["EVALSHA"]),
+        ("evict_kv", ([-1, -1],), []),
+        ("evict_mamba", (H,), ["EVALSHA"]),
+        ("evict_mamba", ([],), []),
+        ("clear_kv", (), ["EVALSHA"]),
+        ("clear_mamba", (), ["EVALSHA"]),
+        ("reset", (), ["EVALSHA"]),
     ]
-    for method, args, round_trips in calls:
+    for method, args, sent in calls:
         client.sent.clear()
         getattr(reg, method)(*args)
-        assert client.sent == ["EVALSHA"] * round_trips, f"{method}{args}: {client.sent}"
+        assert client.sent == sent, f"{method}{args}: {client.sent}"
     big = list(range(1, 20_001))
     client.sent.clear()
     reg.register_kv(list(range(20_000)), big)
-    reg.match_kv_prefix(big)
-    assert client.sent == ["EVALSHA", "EVALSHA"]  # chunking happens inside the script
+    assert reg.match_kv_prefix(big) == (list(range(20_000)), 20_000)
+    assert client.sent == ["EVALSHA", "HMGET"]  # chunking happens inside the script
     client.close()
 
 

@@ -96,7 +96,7 @@ def record_race(
     any_client: redis.Redis,
     monitor_client: redis.Redis,
 ) -> list[dict[str, Any]]:
-    """Run the workers at once; return the server's log of their EVALSHA calls, in order."""
+    """Run the workers at once; return the server's log of their calls, in order."""
     log: list[dict[str, Any]] = []
     with monitor_client.monitor() as monitor:
         threads = [
@@ -111,8 +111,9 @@ def record_race(
         for entry in monitor.listen():
             if STOP_WORD in entry["command"]:
                 break
-            if entry.get("client_type") != "lua" and entry["command"].startswith("EVALSHA"):
-                log.append(entry)
+            command = entry["command"]
+            if entry.get("client_type") != "lua" and command.startswith(("EVALSHA", "HMGET")):
+                log.append(entry)  # writes are scripts; reads are one HMGET
     return log
 
 
