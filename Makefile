@@ -29,11 +29,11 @@ test: $(STAMP) redis-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check registry gpu tests examples
-	$(BIN)/ruff format --check registry gpu tests examples
+	$(BIN)/ruff check registry gpu benchmarks tests examples
+	$(BIN)/ruff format --check registry gpu benchmarks tests examples
 
 typecheck: $(STAMP)
-	$(BIN)/mypy --strict registry gpu
+	$(BIN)/mypy --strict registry gpu benchmarks
 
 wheel-smoke: $(STAMP)
 	bash .ci/wheel-smoke

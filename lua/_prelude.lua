@@ -64,6 +64,7 @@ end
 -- also what the calling script replies with: the caller parses the notice it made.
 local function publish_notice(meta_key, stream_key, channel, stream_maxlen, kind, pairs_text)
   local seq = redis.call('HINCRBY', meta_key, 'notice_seq', 1)
+  redis.call('HSETNX', meta_key, 'schema', '1')
   redis.call('XADD', stream_key, 'MAXLEN', '~', stream_maxlen, '*',
     'seq', seq, 'kind', kind, 'pairs', pairs_text)
   local message = seq .. ' ' .. kind

@@ -16,10 +16,9 @@
 --          it can remove the entries just written (block ids are reused, so a slot
 --          owner needs this to ignore late notices about an older registration);
 --          error STALE_EPOCH when the caller's epoch was superseded.
--- Calls:   HGET, HSETNX, HMGET, HSET, HINCRBY, XADD, PUBLISH
+-- Calls:   HGET, HMGET, HSET, HINCRBY, XADD, PUBLISH
 local stale = stale_epoch(KEYS[2], ARGV[1])
 if stale then return stale end
-redis.call('HSETNX', KEYS[2], 'schema', '1')
 local pair_texts = {}
 local n = #ARGV
 for first = 4, n, CHUNK do

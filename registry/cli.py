@@ -219,6 +219,33 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return asdict(config)
 
 
+# -- bench ----------------------------------------------------------------------------
+
+
+def _command_bench(args: argparse.Namespace) -> int:
+    from benchmarks.run import format_report, run
+    from benchmarks.server import BenchServer
+
+    if args.redis_url:
+        _connect(args).close()
+        report = run(args.redis_url, quick=args.quick)
+    else:
+        try:
+            with BenchServer() as server:
+                print(
+                    f"pcr bench: a redis-server of its own on 127.0.0.1:{server.port}", flush=True
+                )
+                report = run(server.url, quick=args.quick)
+        except RuntimeError as exc:
+            raise CommandError(str(exc)) from None
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2)
+        print(f"figures written to {args.json}")
+    return 0
+
+
 # -- inspection -----------------------------------------------------------------------
 
 
@@ -444,6 +471,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-progress", action="store_true", help="no progress bar (shown only on a terminal)"
     )
     sim.set_defaults(handler=_command_simulate)
+
+    bench = commands.add_parser("bench", help="measure every operation against raw Redis commands")
+    bench.add_argument(
+        "--redis-url",
+        default=None,
+        help="a standalone server to measure (default: a redis-server it starts itself); "
+        "it is FLUSHed",
+    )
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions: under a minute")
+    bench.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    bench.set_defaults(handler=_command_bench)
 
     stats = commands.add_parser(
         "stats", help="per namespace: entries, memory, lease, epoch, notices"

@@ -7,6 +7,7 @@ Cluster redis-py's cluster pipeline groups the calls by shard, writes to every s
 then reads every reply, so the shards work at the same time. Each namespace's score is
 one script (``lua/score.lua``): a binary search over the parent chain for the KV prefix,
 then a short backward scan for Mamba state, and -1 for a namespace without a live lease.
+The prompt's hashes travel packed in one argument, encoded once for all namespaces.
 
 A router never writes and never claims an epoch. It is thread-safe.
 """
@@ -85,7 +86,8 @@ class PrefixRouter:
         )
         if not names:
             return {}
-        replies = self._run_pipeline(names, [b"%d" % h for h in wanted])  # encoded once
+        packed = b"".join(b"%019d" % h for h in wanted)  # see lua/score.lua
+        replies = self._run_pipeline(names, packed)
         scores = {}
         for name, reply in zip(names, replies, strict=True):
             if isinstance(reply, Exception):
@@ -119,17 +121,17 @@ class PrefixRouter:
             keys = self._keys[namespace] = NamespaceKeys(namespace, self.key_prefix)
         return keys
 
-    def _run_pipeline(self, names: list[str], hashes: list[bytes]) -> list[Any]:
-        replies = self._execute(names, hashes)
+    def _run_pipeline(self, names: list[str], packed: bytes) -> list[Any]:
+        replies = self._execute(names, packed)
         if any(isinstance(r, NoScriptError) for r in replies):
             self.client.script_load(self._source)  # after a restart or SCRIPT FLUSH
-            replies = self._execute(names, hashes)
+            replies = self._execute(names, packed)
         return replies
 
-    def _execute(self, names: list[str], hashes: list[bytes]) -> list[Any]:
+    def _execute(self, names: list[str], packed: bytes) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for name in names:
             keys = self._keys_of(name)
-            pipe.execute_command("EVALSHA", self._sha, 3, keys.kv, keys.mamba, keys.meta, *hashes)
+            pipe.execute_command("EVALSHA", self._sha, 3, keys.kv, keys.mamba, keys.meta, packed)
         replies: list[Any] = pipe.execute(raise_on_error=False)
         return replies

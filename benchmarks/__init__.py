@@ -1,0 +1,1 @@
+"""Benchmarks of the registry against raw Redis commands (run by ``pcr bench``)."""

@@ -1,0 +1,514 @@
+"""``pcr bench``: every registry operation measured against the raw Redis commands.
+
+For each operation and size it reports, from one run on one connection: the client's
+p50 and p99, the server's time per call (``INFO commandstats``, after ``CONFIG
+RESETSTAT``), and the ratios to the raw command that does the same storage work (HMGET,
+HSET, HDEL) and to ``LocalPrefixCacheRegistry``. Operations are measured in interleaved
+rounds and p50 is the median of the per-round medians, so a noisy moment hits every
+operation alike. Then the throughput of 4 client processes, and the latency from an
+eviction to the listener freeing the slot. Each target is printed next to its ratio.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from registry import LocalPrefixCacheRegistry, PrefixCacheRegistry, PrefixRouter
+from registry.validation import flatten
+
+SIZES = (16, 64, 512, 8192)
+SCORE_NAMESPACES = 16
+FILLER = 4096
+"""Other prompts' blocks in every measured hash: a serving node holds thousands, and
+Redis keeps a hash of up to 512 small entries as a listpack (each lookup O(entries)),
+which would make small benchmark hashes unrealistically slow."""
+
+
+def _filler(base: int) -> list[int]:
+    return flatten({2**59 + base * 10_000 + i: i for i in range(FILLER)})
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How hard to measure: ``quick`` for a smoke run under a minute."""
+
+    rounds: int
+    calls: int  # per operation per round (a tenth of it at n=8192, at least 3)
+    server_calls: int
+    throughput_seconds: float
+    listener_evictions: int
+
+    def calls_at(self, n: int) -> int:
+        return max(3, self.calls // 10) if n >= 8192 else self.calls
+
+
+QUICK = Effort(rounds=3, calls=20, server_calls=5, throughput_seconds=0.5, listener_evictions=50)
+FULL = Effort(rounds=7, calls=100, server_calls=30, throughput_seconds=3.0, listener_evictions=300)
+
+
+@dataclass
+class Operation:
+    """One measured call: ``run`` is timed; ``setup`` (untimed) runs before each call."""
+
+    name: str
+    n: int
+    run: Callable[[], object]
+    command: str  # what INFO commandstats counts it under
+    setup: Callable[[], object] | None = None
+    samples: list[float] = field(default_factory=list)  # ms
+    round_medians: list[float] = field(default_factory=list)
+    server_us: float | None = None
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.round_medians)
+
+    @property
+    def p99(self) -> float:
+        ordered = sorted(self.samples)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def _operations(
+    client: Any, n: int, local_too: bool = True
+) -> list[tuple[str, Operation, Operation, Operation | None]]:
+    """(label, registry op, raw baseline, local op) for size ``n``."""
+    chain = [2**62 + n * 100_000 + i for i in range(n)]
+    missing = [2**61 + n * 100_000 + i for i in range(n)]
+    ids = list(range(n))
+    mamba_ids, mamba_hashes = ids[::8], chain[::8]
+    full = PrefixCacheRegistry(client, f"bench-full-{n}")
+    half = PrefixCacheRegistry(client, f"bench-half-{n}")
+    write = PrefixCacheRegistry(client, f"bench-write-{n}")
+    raw_key = f"bench-raw-{n}"
+    for number, reg in enumerate((full, half, write)):
+        reg.reset()
+        reg.load_scripts()
+        client.hset(reg.keys.kv, items=_filler(n * 10 + number))
+    client.delete(raw_key)
+    client.hset(raw_key, items=_filler(n * 10 + 9))
+    full.register_kv(ids, chain)
+    full.register_mamba(mamba_ids, mamba_hashes)
+    half.register_kv(ids[: n // 2], chain[: n // 2])
+    local = LocalPrefixCacheRegistry()
+    local.register_kv(ids, chain)
+    local.register_mamba(mamba_ids, mamba_hashes)
+    local_half = LocalPrefixCacheRegistry()
+    local_half.register_kv(ids[: n // 2], chain[: n // 2])
+    flat = flatten(dict(zip(chain, ids, strict=True)))
+    kv, mamba = full.keys.kv, full.keys.mamba
+
+    def refill() -> None:
+        write.register_kv(ids, chain)
+        write.register_mamba(mamba_ids, mamba_hashes)
+
+    def refill_local() -> None:
+        local.register_kv(ids, chain)
+        local.register_mamba(mamba_ids, mamba_hashes)
+
+    def refill_raw() -> None:
+        client.hset(raw_key, items=flat)
+
+    backoff = max(1, n // 2)
+    rows = [
+        (
+            "match_kv_prefix, full hit",
+            Operation("match full", n, lambda: full.match_kv_prefix(chain), "hmget"),
+            Operation("HMGET", n, lambda: client.hmget(kv, chain), "hmget"),
+            Operation("local", n, lambda: local.match_kv_prefix(chain), ""),
+        ),
+        (
+            "match_kv_prefix, half hit",
+            Operation("match half", n, lambda: half.match_kv_prefix(chain), "hmget"),
+            Operation("HMGET", n, lambda: client.hmget(half.keys.kv, chain), "hmget"),
+            Operation("local", n, lambda: local_half.match_kv_prefix(chain), ""),
+        ),
+        (
+            "match_kv_prefix, miss",
+            Operation("match miss", n, lambda: full.match_kv_prefix(missing), "hmget"),
+            Operation("HMGET", n, lambda: client.hmget(kv, missing), "hmget"),
+            Operation("local", n, lambda: local.match_kv_prefix(missing), ""),
+        ),
+        (
+            "register_kv",
+            Operation("register", n, lambda: write.register_kv(ids, chain), "evalsha"),
+            Operation("HSET", n, lambda: client.hset(raw_key, items=flat), "hset"),
+            Operation("local", n, lambda: local.register_kv(ids, chain), ""),
+        ),
+        (
+            "evict_kv with Mamba cascade (1 in 8)",
+            Operation("evict", n, lambda: write.evict_kv(chain), "evalsha", refill),
+            Operation("HDEL", n, lambda: client.hdel(raw_key, *chain), "hdel", refill_raw),
+            Operation("local", n, lambda: local.evict_kv(chain), "", refill_local),
+        ),
+        (
+            "match_mamba_farthest",
+            Operation("mamba match", n, lambda: full.match_mamba_farthest(chain), "hmget"),
+            Operation("HMGET", n, lambda: client.hmget(mamba, chain), "hmget"),
+            Operation("local", n, lambda: local.match_mamba_farthest(chain), ""),
+        ),
+        (
+            "find_mamba_backoff (half)",
+            Operation("backoff", n, lambda: full.find_mamba_backoff(chain, backoff), "hmget"),
+            Operation("HMGET", n, lambda: client.hmget(mamba, chain[:backoff]), "hmget"),
+            Operation("local", n, lambda: local.find_mamba_backoff(chain, backoff), ""),
+        ),
+    ]
+    return [(label, ours, raw, lo if local_too else None) for label, ours, raw, lo in rows]
+
+
+def _score_rows(client: Any, n: int) -> tuple[Operation, Operation, Operation]:
+    """Routing over 16 namespaces at size n, against one match_kv_prefix and one PING."""
+    chain = [2**60 + n * 100_000 + i for i in range(n)]
+    names = []
+    for i in range(SCORE_NAMESPACES):
+        reg = PrefixCacheRegistry(client, f"bench-route-{n}-{i}", key_prefix="pcr-bench")
+        reg.claim(lease_ttl=3600)
+        client.hset(reg.keys.kv, items=_filler(n * 100 + i))
+        cached = n * (i + 1) // SCORE_NAMESPACES
+        reg.register_kv(range(cached), chain[:cached])
+        reg.register_mamba(range(0, cached, 8), chain[:cached:8])  # a checkpoint every 8 blocks
+        names.append(reg.namespace)
+    one = PrefixCacheRegistry(client, names[-1], key_prefix="pcr-bench")
+    router = PrefixRouter(client, "pcr-bench")
+    router.score(chain, names)  # loads the script
+    return (
+        Operation("score 16", n, lambda: router.score(chain, names), "evalsha"),
+        Operation("match", n, lambda: one.match_kv_prefix(chain), "hmget"),
+        Operation("PING", n, client.ping, "ping"),
+    )
+
+
+def _measure(ops: list[Operation], effort: Effort) -> None:
+    """Client latency, interleaved by rounds."""
+    for _ in range(effort.rounds):
+        for op in ops:
+            round_samples = []
+            for _ in range(effort.calls_at(op.n)):
+                if op.setup is not None:
+                    op.setup()
+                start = time.perf_counter()
+                op.run()
+                round_samples.append((time.perf_counter() - start) * 1000)
+            op.samples.extend(round_samples)
+            op.round_medians.append(statistics.median(round_samples))
+
+
+def _measure_server(client: Any, ops: list[Operation], effort: Effort) -> None:
+    """Server microseconds per call, from INFO commandstats around each call."""
+    for op in ops:
+        if not op.command:
+            continue
+        total_us = 0.0
+        for _ in range(effort.server_calls):
+            if op.setup is not None:
+                op.setup()
+            client.config_resetstat()
+            op.run()
+            stats = client.info("commandstats").get(f"cmdstat_{op.command}", {})
+            total_us += float(stats.get("usec", 0))
+        op.server_us = total_us / effort.server_calls
+
+
+def _throughput_worker(
+    url: str, key: str, hashes: list[int], use_registry: bool, seconds: float, out: Any
+) -> None:
+    client = redis.Redis.from_url(url)
+    registry = PrefixCacheRegistry(client, key)
+    kv = registry.keys.kv
+    done = 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(20):
+            if use_registry:
+                registry.match_kv_prefix(hashes)
+            else:
+                client.hmget(kv, hashes)
+        done += 20
+    out.put(done / seconds)
+    client.close()
+
+
+def _throughput(url: str, effort: Effort, processes: int = 4) -> dict[str, float]:
+    """Calls per second of match_kv_prefix and raw HMGET (n=64) from 4 processes."""
+    n = 64
+    hashes = [2**62 + 64 * 100_000 + i for i in range(n)]  # bench-full-64's chain
+    context = multiprocessing.get_context("fork")
+    results: dict[str, list[float]] = {"match_kv_prefix": [], "HMGET": []}
+    for _ in range(2):  # alternate, twice
+        for label, use_registry in (("match_kv_prefix", True), ("HMGET", False)):
+            queue = context.Queue()
+            workers = [
+                context.Process(
+                    target=_throughput_worker,
+                    args=(
+                        url,
+                        f"bench-full-{n}",
+                        hashes,
+                        use_registry,
+                        effort.throughput_seconds,
+                        queue,
+                    ),
+                )
+                for _ in range(processes)
+            ]
+            for worker in workers:
+                worker.start()
+            total = sum(queue.get(timeout=60) for _ in workers)
+            for worker in workers:
+                worker.join(10)
+            results[label].append(total)
+    return {label: statistics.median(values) for label, values in results.items()}
+
+
+def _listener_latency(url: str, effort: Effort) -> dict[str, float] | None:
+    """Eviction (from another registry object) to slot freed by the listener, in ms."""
+    try:
+        import torch
+
+        from gpu import EvictionListener, MambaSlotPool
+    except ImportError:
+        return None
+    client = redis.Redis.from_url(url)
+    registry = PrefixCacheRegistry(client, "bench-listener")
+    registry.reset()
+    count = effort.listener_evictions
+    freed_at: dict[int, float] = {}
+    pool = MambaSlotPool(
+        registry,
+        count,
+        1,
+        (4,),
+        (4,),
+        on_free=lambda pairs: freed_at.update(
+            dict.fromkeys((h for _, h in pairs), time.perf_counter())
+        ),
+    )
+    hashes = [3 * 10**15 + i for i in range(count)]
+    pool.store(list(range(count)), hashes, torch.zeros(1, count, 4), torch.zeros(1, count, 4))
+    evictor_client = redis.Redis.from_url(url)
+    evictor = PrefixCacheRegistry(evictor_client, "bench-listener")
+    sent: dict[int, float] = {}
+    with EvictionListener(client, "bench-listener", pool):
+        for h in hashes:
+            sent[h] = time.perf_counter()
+            evictor.evict_mamba([h])
+            time.sleep(0.001)
+        deadline = time.monotonic() + 10
+        while len(freed_at) < count and time.monotonic() < deadline:
+            time.sleep(0.005)
+    latencies = sorted((freed_at[h] - sent[h]) * 1000 for h in hashes if h in freed_at)
+    evictor_client.close()
+    client.close()
+    if len(latencies) < count:
+        return {"p50_ms": float("nan"), "p99_ms": float("nan"), "missing": count - len(latencies)}
+    return {
+        "p50_ms": statistics.median(latencies),
+        "p99_ms": latencies[min(count - 1, int(count * 0.99))],
+        "missing": 0,
+    }
+
+
+def run(url: str, *, quick: bool = False, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
+    """Measure everything against the (standalone) server at ``url``."""
+    effort = QUICK if quick else FULL
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    scores: dict[int, tuple[Operation, Operation, Operation]] = {}
+    for n in sizes:
+        table = _operations(client, n)
+        ops = [op for _, ours, raw, local in table for op in (ours, raw, local) if op is not None]
+        if n in (64, 512):
+            scores[n] = _score_rows(client, n)
+            ops.extend(scores[n])
+        _measure(ops, effort)
+        _measure_server(client, ops, effort)
+        for label, ours, raw, local in table:
+            rows.append(_row(label, n, ours, raw, local))
+        if n in scores:
+            score, match, ping = scores[n]
+            rows.append(
+                _row(
+                    f"score over {SCORE_NAMESPACES} namespaces (vs 1 match)", n, score, match, None
+                )
+            )
+            rows.append(_row("PING", n, ping, ping, None))
+    throughput = _throughput(url, effort)
+    listener = _listener_latency(url, effort)
+    client.flushdb()
+    client.close()
+    report = {
+        "quick": quick,
+        "rows": rows,
+        "throughput_4_processes_n64": throughput,
+        "listener_notice_to_free_ms": listener,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    report["targets"] = _targets(report)
+    return report
+
+
+def _row(
+    label: str, n: int, ours: Operation, raw: Operation, local: Operation | None
+) -> dict[str, Any]:
+    return {
+        "operation": label,
+        "n": n,
+        "p50_ms": round(ours.p50, 4),
+        "p99_ms": round(ours.p99, 4),
+        "server_us": None if ours.server_us is None else round(ours.server_us, 1),
+        "baseline": raw.name,
+        "baseline_p50_ms": round(raw.p50, 4),
+        "baseline_server_us": None if raw.server_us is None else round(raw.server_us, 1),
+        "client_ratio": round(ours.p50 / raw.p50, 3),
+        "server_ratio": (
+            round(ours.server_us / raw.server_us, 3) if ours.server_us and raw.server_us else None
+        ),
+        "local_p50_ms": None if local is None else round(local.p50, 5),
+        "local_ratio": None if local is None else round(ours.p50 / local.p50, 1),
+    }
+
+
+def _find(report: dict[str, Any], operation: str, n: int) -> dict[str, Any]:
+    return next(r for r in report["rows"] if r["operation"].startswith(operation) and r["n"] == n)
+
+
+def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of the project with the measured ratio and whether it is met."""
+    targets: list[tuple[str, float | None, float]] = []
+    for n, limit in ((64, 1.15), (512, 1.3), (8192, 1.5)):
+        if any(r["n"] == n for r in report["rows"]):
+            targets.append(
+                (
+                    f"match_kv_prefix full hit, client p50 / HMGET, n={n}",
+                    _find(report, "match_kv_prefix, full", n)["client_ratio"],
+                    limit,
+                )
+            )
+    for n in (512, 8192):
+        if any(r["n"] == n for r in report["rows"]):
+            targets.append(
+                (
+                    f"match_kv_prefix full hit, server time / HMGET, n={n}",
+                    _find(report, "match_kv_prefix, full", n)["server_ratio"],
+                    1.5,
+                )
+            )
+    if any(r["n"] == 64 for r in report["rows"]):
+        targets.append(
+            (
+                "register_kv, client p50 / HSET, n=64",
+                _find(report, "register_kv", 64)["client_ratio"],
+                1.2,
+            )
+        )
+        targets.append(
+            (
+                "evict_kv with cascade, client p50 / HDEL, n=64",
+                _find(report, "evict_kv", 64)["client_ratio"],
+                1.2,
+            )
+        )
+    if any(r["n"] == 512 for r in report["rows"]):
+        targets.append(
+            (
+                "score over 16 namespaces / one match_kv_prefix, n=512",
+                _find(report, "score", 512)["client_ratio"],
+                2.0,
+            )
+        )
+    listener = report["listener_notice_to_free_ms"]
+    if listener is not None:
+        targets.append(("listener notice-to-free p99 (ms)", listener["p99_ms"], 5.0))
+    throughput = report["throughput_4_processes_n64"]
+    targets.append(
+        (
+            "4-process throughput, match_kv_prefix / HMGET, n=64 (at least)",
+            round(throughput["match_kv_prefix"] / throughput["HMGET"], 3),
+            -0.8,
+        )
+    )
+    result = []
+    for name, value, limit in targets:
+        at_least = limit < 0
+        bound = abs(limit)
+        met = value is not None and (value >= bound if at_least else value <= bound)
+        result.append(
+            {
+                "target": name,
+                "measured": value,
+                "limit": ("≥ " if at_least else "≤ ") + str(bound),
+                "met": met,
+            }
+        )
+    return result
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as text tables."""
+    from registry.cli import format_table
+
+    lines = []
+    headers = [
+        "operation",
+        "n",
+        "p50 ms",
+        "p99 ms",
+        "server µs",
+        "baseline",
+        "base p50",
+        "base µs",
+        "client x",
+        "server x",
+        "local x",
+    ]
+    body = [
+        [
+            r["operation"],
+            r["n"],
+            f"{r['p50_ms']:.3f}",
+            f"{r['p99_ms']:.3f}",
+            r["server_us"],
+            r["baseline"],
+            f"{r['baseline_p50_ms']:.3f}",
+            r["baseline_server_us"],
+            f"{r['client_ratio']:.2f}",
+            "-" if r["server_ratio"] is None else f"{r['server_ratio']:.2f}",
+            "-" if r["local_ratio"] is None else f"{r['local_ratio']:.0f}",
+        ]
+        for r in report["rows"]
+    ]
+    lines.append(format_table(headers, body))
+    throughput = report["throughput_4_processes_n64"]
+    lines.append("")
+    lines.append(
+        f"4 processes, n=64: match_kv_prefix {throughput['match_kv_prefix']:,.0f} calls/s, "
+        f"HMGET {throughput['HMGET']:,.0f} calls/s"
+    )
+    listener = report["listener_notice_to_free_ms"]
+    if listener is None:
+        lines.append("listener notice-to-free: skipped (needs the gpu extra: torch)")
+    else:
+        p50, p99 = listener["p50_ms"], listener["p99_ms"]
+        lines.append(f"listener notice-to-free: p50 {p50:.3f} ms, p99 {p99:.3f} ms")
+    lines.append("")
+    lines.append(
+        format_table(
+            ["target", "measured", "limit", "met"],
+            [
+                [t["target"], t["measured"], t["limit"], "yes" if t["met"] else "NO"]
+                for t in report["targets"]
+            ],
+        )
+    )
+    lines.append(f"\n{'quick' if report['quick'] else 'full'} run, {report['seconds']} s")
+    return "\n".join(lines)
