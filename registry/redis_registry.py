@@ -174,11 +174,9 @@ class PrefixCacheRegistry(RegistryBase):
 
     def _match_kv_prefix(self, hashes: list[int]) -> list[int]:
         values = self.client.hmget(self.keys.kv, hashes)
-        try:
-            cached = values.index(None)
-        except ValueError:
-            cached = len(values)
-        return list(map(int, values[:cached]))
+        if None in values:
+            del values[values.index(None) :]
+        return list(map(int, values))
 
     def _register_kv(self, entries: dict[int, int]) -> None:
         self._run("register_kv", self._kv_write_keys, [*self._fence_args, *flatten(entries)])

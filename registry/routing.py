@@ -25,7 +25,7 @@ from redis.exceptions import NoScriptError
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
 from registry.scripts import script_source
-from registry.validation import lookup_hashes
+from registry.validation import prefix_hashes
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,7 @@ class PrefixRouter:
         self, hashes: Sequence[int], namespaces: Iterable[str] | None = None
     ) -> dict[str, NodeScore]:
         """Per live namespace (all, or those given), the cached prefix of ``hashes``."""
-        wanted = lookup_hashes(hashes)
-        for i, h in enumerate(wanted):
-            if h <= 0:  # a sentinel never matches: the prefix cannot pass it
-                del wanted[i:]
-                break
+        wanted = prefix_hashes(hashes)  # a sentinel never matches: the prefix stops there
         names = (
             self.live_nodes() if namespaces is None else [validate_namespace(n) for n in namespaces]
         )

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from itertools import chain
 from typing import Any
 
 NO_HASH = -1
@@ -39,6 +38,9 @@ def as_int(value: object, what: str, position: int) -> int:
 
 
 def _as_list(values: object, what: str) -> list[object]:
+    """``values`` as a list; a list comes back as itself (never mutated by the checks)."""
+    if type(values) is list:
+        return values
     if isinstance(values, (str, bytes, bytearray)) or not isinstance(values, Iterable):
         raise TypeError(f"{what} must be a list of ints, not {type(values).__name__}")
     return list(values)
@@ -65,9 +67,13 @@ def lookup_hashes(hashes: object, what: str = "hashes") -> list[int]:
 
 def prefix_hashes(hashes: object) -> list[int]:
     """Hashes for a prefix lookup, cut before the first sentinel (it can never match)."""
-    wanted = lookup_hashes(hashes)
+    items: list[Any] = _as_list(hashes, "hashes")
+    # The hot path: plain ints, all real hashes (three C-level passes, nothing else).
+    if items and set(map(type, items)) <= _INT_ONLY and min(items) >= 1 and max(items) <= MAX_HASH:
+        return items
+    wanted = lookup_hashes(items)
     if wanted and min(wanted) <= NO_PARENT:
-        del wanted[next(i for i, h in enumerate(wanted) if h <= NO_PARENT) :]
+        wanted = wanted[: next(i for i, h in enumerate(wanted) if h <= NO_PARENT)]  # a copy
     return wanted
 
 
@@ -113,4 +119,7 @@ def search_length(search_len: object) -> int:
 
 def flatten(entries: dict[int, int]) -> list[int]:
     """``[hash1, id1, hash2, id2, ...]``: the argument order of HSET."""
-    return list(chain.from_iterable(entries.items()))
+    flat: list[int] = [0] * (2 * len(entries))
+    flat[0::2] = entries.keys()
+    flat[1::2] = entries.values()
+    return flat

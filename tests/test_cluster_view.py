@@ -267,3 +267,10 @@ def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix:
             assert scores[name].mamba_prefix == reg.match_mamba_farthest(chain[:kv])
     finally:
         backend.close()
+
+
+def test_router_leaves_the_prompt_alone(redis_backend: Backend, prefix: str) -> None:
+    three_nodes(redis_backend, prefix)
+    prompt = [*H[:3], -1, *H[3:]]
+    PrefixRouter(redis_backend.client(), prefix).score(prompt)
+    assert prompt == [*H[:3], -1, *H[3:]]

@@ -242,3 +242,17 @@ def test_namespaces_are_isolated(redis_backend: Backend) -> None:
     assert b.evict_kv(H) == set()
     b.reset()
     assert registry_state(a) == ({H[0]: 1, H[1]: 2}, {H[0]: 1})
+
+
+def test_arguments_are_never_modified(backend: Backend) -> None:
+    reg = backend.registry()
+    hashes, ids = [H[0], -1, H[1], 0], [1, 2, 3, 4]
+    reg.register_kv([1, 2], [H[0], H[1]])
+    reg.match_kv_prefix(hashes)
+    reg.match_mamba_farthest(hashes)
+    reg.find_mamba_backoff(hashes, 3)
+    reg.register_mamba(ids, hashes)
+    reg.evict_mamba(hashes)
+    reg.evict_kv(hashes)
+    assert hashes == [H[0], -1, H[1], 0]
+    assert ids == [1, 2, 3, 4]
