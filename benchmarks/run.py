@@ -31,6 +31,13 @@ Redis keeps a hash of up to 512 small entries as a listpack (each lookup O(entri
 which would make small benchmark hashes unrealistically slow."""
 
 
+FLOOR_SCRIPT = """local n, done = #ARGV, 0
+for first = 1, n, 4000 do
+  done = done + redis.call('{command}', KEYS[1], unpack(ARGV, first, math.min(first + 3999, n)))
+end
+return done"""
+
+
 def _filler(base: int) -> list[int]:
     return flatten({2**59 + base * 10_000 + i: i for i in range(FILLER)})
 
@@ -116,6 +123,15 @@ def _operations(
     def refill_raw() -> None:
         client.hset(raw_key, items=flat)
 
+    # The floor of any script: the same HSET / HDEL inside a minimal (chunked) script.
+    hset_floor = client.register_script(FLOOR_SCRIPT.format(command="HSET"))
+    hdel_floor = client.register_script(FLOOR_SCRIPT.format(command="HDEL"))
+    floor_key = f"bench-floor-{n}"
+    client.hset(floor_key, items=_filler(n * 10 + 8))
+
+    def refill_floor() -> None:
+        client.hset(floor_key, items=flat)
+
     backoff = max(1, n // 2)
     rows = [
         (
@@ -141,6 +157,24 @@ def _operations(
             Operation("register", n, lambda: write.register_kv(ids, chain), "evalsha"),
             Operation("HSET", n, lambda: client.hset(raw_key, items=flat), "hset"),
             Operation("local", n, lambda: local.register_kv(ids, chain), ""),
+        ),
+        (
+            "floor: HSET in a minimal script",
+            Operation("script HSET", n, lambda: hset_floor(keys=[floor_key], args=flat), "evalsha"),
+            Operation("HSET", n, lambda: client.hset(raw_key, items=flat), "hset"),
+            None,
+        ),
+        (
+            "floor: HDEL in a minimal script",
+            Operation(
+                "script HDEL",
+                n,
+                lambda: hdel_floor(keys=[floor_key], args=chain),
+                "evalsha",
+                refill_floor,
+            ),
+            Operation("HDEL", n, lambda: client.hdel(raw_key, *chain), "hdel", refill_raw),
+            None,
         ),
         (
             "evict_kv with Mamba cascade (1 in 8)",
@@ -203,18 +237,18 @@ def _measure(ops: list[Operation], effort: Effort) -> None:
 
 def _measure_server(client: Any, ops: list[Operation], effort: Effort) -> None:
     """Server microseconds per call, from INFO commandstats around each call."""
-    for op in ops:
-        if not op.command:
-            continue
-        total_us = 0.0
-        for _ in range(effort.server_calls):
+    measured = [op for op in ops if op.command]
+    totals = dict.fromkeys(range(len(measured)), 0.0)
+    for _ in range(effort.server_calls):  # interleaved, like the client rounds
+        for index, op in enumerate(measured):
             if op.setup is not None:
                 op.setup()
             client.config_resetstat()
             op.run()
             stats = client.info("commandstats").get(f"cmdstat_{op.command}", {})
-            total_us += float(stats.get("usec", 0))
-        op.server_us = total_us / effort.server_calls
+            totals[index] += float(stats.get("usec", 0))
+    for index, op in enumerate(measured):
+        op.server_us = totals[index] / effort.server_calls
 
 
 def _throughput_worker(
