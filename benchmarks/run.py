@@ -236,19 +236,37 @@ def _measure(ops: list[Operation], effort: Effort) -> None:
 
 
 def _measure_server(client: Any, ops: list[Operation], effort: Effort) -> None:
-    """Server microseconds per call, from INFO commandstats around each call."""
+    """Server microseconds per call, from INFO commandstats.
+
+    An operation without setup runs ``server_calls`` times between one CONFIG RESETSTAT
+    and one INFO (an INFO between calls would disturb the caches it measures); one with
+    a setup (whose own commands would be counted) is read around each call. Operations
+    are interleaved over three rounds, and the rounds averaged.
+    """
     measured = [op for op in ops if op.command]
     totals = dict.fromkeys(range(len(measured)), 0.0)
-    for _ in range(effort.server_calls):  # interleaved, like the client rounds
+    rounds = 3
+    for _ in range(rounds):
         for index, op in enumerate(measured):
-            if op.setup is not None:
-                op.setup()
-            client.config_resetstat()
-            op.run()
-            stats = client.info("commandstats").get(f"cmdstat_{op.command}", {})
-            totals[index] += float(stats.get("usec", 0))
+            usec = 0.0
+            if op.setup is None:
+                op.run()  # warm up: the first call after other work runs on cold caches
+                client.config_resetstat()
+                for _ in range(effort.server_calls):
+                    op.run()
+                usec = float(
+                    client.info("commandstats").get(f"cmdstat_{op.command}", {}).get("usec", 0)
+                )
+            else:
+                for _ in range(effort.server_calls):
+                    op.setup()
+                    client.config_resetstat()
+                    op.run()
+                    stats = client.info("commandstats").get(f"cmdstat_{op.command}", {})
+                    usec += float(stats.get("usec", 0))
+            totals[index] += usec / effort.server_calls
     for index, op in enumerate(measured):
-        op.server_us = totals[index] / effort.server_calls
+        op.server_us = totals[index] / rounds
 
 
 def _throughput_worker(
