@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from registry.base import RegistryBase
 from registry.client import RedisClient, client_from_url
@@ -112,8 +112,15 @@ class PrefixCacheRegistry(RegistryBase):
             script.sha = self.client.script_load(script.script)
 
     def _run(self, operation: str, keys: tuple[str, ...], args: Any) -> Any:
+        """EVALSHA the operation's script; on NOSCRIPT (a restart, a failover, SCRIPT
+        FLUSH) load it and retry once, as redis-py's Script does, without its copies."""
+        script = self._scripts[operation]
         try:
-            return self._scripts[operation](keys=keys, args=args)
+            try:
+                return self.client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                script.sha = self.client.script_load(script.script)
+                return self.client.evalsha(script.sha, len(keys), *keys, *args)
         except ResponseError as exc:
             if str(exc).startswith("STALE_EPOCH"):
                 raise StaleEpochError(self.namespace, self.epoch, str(exc)) from None
@@ -179,7 +186,7 @@ class PrefixCacheRegistry(RegistryBase):
         return list(map(int, values))
 
     def _register_kv(self, entries: dict[int, int]) -> None:
-        self._run("register_kv", self._kv_write_keys, [*self._fence_args, *flatten(entries)])
+        self._run("register_kv", self._kv_write_keys, flatten(entries, self._fence_args))
 
     def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
         removed, notice = self._run("evict_kv", self._evict_kv_keys, [*self._notice_args, *hashes])
@@ -198,7 +205,7 @@ class PrefixCacheRegistry(RegistryBase):
 
     def _register_mamba(self, entries: dict[int, int]) -> tuple[EvictionNotice | None, int]:
         notice, stamp = self._run(
-            "register_mamba", self._mamba_write_keys, [*self._notice_args, *flatten(entries)]
+            "register_mamba", self._mamba_write_keys, flatten(entries, self._notice_args)
         )
         return _notice(notice), int(stamp)
 

@@ -117,9 +117,10 @@ def search_length(search_len: object) -> int:
         raise TypeError(f"search_len must be an int, not {type(search_len).__name__}") from None
 
 
-def flatten(entries: dict[int, int]) -> list[int]:
-    """``[hash1, id1, hash2, id2, ...]``: the argument order of HSET."""
-    flat: list[int] = [0] * (2 * len(entries))
-    flat[0::2] = entries.keys()
-    flat[1::2] = entries.values()
+def flatten(entries: dict[int, int], head: tuple[Any, ...] = ()) -> list[Any]:
+    """``[*head, hash1, id1, hash2, id2, ...]``: script arguments in HSET order."""
+    start = len(head)
+    flat: list[Any] = [*head, *[0] * (2 * len(entries))]
+    flat[start::2] = entries.keys()
+    flat[start + 1 :: 2] = entries.values()
     return flat
