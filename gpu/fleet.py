@@ -13,6 +13,7 @@ entry pointing at a freed block.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import OrderedDict, defaultdict
@@ -26,7 +27,14 @@ import torch
 from gpu.listener import EvictionListener
 from gpu.slot_pool import MambaSlotPool
 from gpu.workload import Request, Workload, WorkloadConfig
-from registry import PrefixCacheRegistry, PrefixRouter, block_hashes
+from registry import (
+    PrefixCacheRegistry,
+    PrefixRouter,
+    RegistryUnavailable,
+    StaleEpochError,
+    block_hashes,
+)
+from registry.errors import unavailable_as_registry_error
 
 ROUTERS = ("round-robin", "prefix")
 
@@ -97,6 +105,29 @@ class KVBlockPool:
             self.children[parent] -= 1
             self._maybe_evictable(parent)
 
+    def with_descendants(self, blocks: set[int]) -> set[int]:
+        """``blocks`` and every cached block that descends from one of them."""
+        result = set(blocks)
+        for block in list(self.hash_of):
+            chain = []
+            current: int | None = block
+            while current is not None and current not in result:
+                chain.append(current)
+                current = self.parent[current]
+            if current is not None:
+                result.update(chain)
+        return result
+
+    def drop_all(self, blocks: set[int]) -> None:
+        """Forget ``blocks`` (none in use; closed under descendants), leaves first."""
+        remaining = set(blocks)
+        while remaining:
+            leaves = [b for b in remaining if self.children[b] == 0]
+            assert leaves, "drop_all needs a set closed under descendants"
+            for block in leaves:
+                self.drop(block)
+                remaining.discard(block)
+
     def _maybe_evictable(self, block: int) -> None:
         if self.refs[block] == 0 and self.children[block] == 0:
             self.evictable[block] = None
@@ -117,6 +148,10 @@ class Totals:
     mamba_restores: int = 0
     mamba_restore_misses: int = 0
     deferred_requests: int = 0  # no KV room even after eviction (all blocks in use)
+    unavailable_requests: int = 0  # served without the cache: Redis unavailable
+    stale_epoch_requests: int = 0  # this node's epoch was gone (server restarted empty)
+    resyncs: int = 0  # after a fault: local pools checked against the registry
+    reclaims: int = 0  # namespace claimed again, every local block forgotten
 
 
 class Node:
@@ -135,6 +170,7 @@ class Node:
             client, namespace, self.mamba, key_prefix=config.key_prefix
         )
         self.listener.start()
+        self.suspect = False  # a registry call failed: resync before the next request
         self._conv_out = torch.empty((config.layers, *config.conv_shape))
         self._ssm_out = torch.empty((config.layers, *config.ssm_shape))
 
@@ -143,11 +179,38 @@ class Node:
         return self.registry.namespace
 
     def serve(self, request: Request, totals: Totals) -> None:
-        """Prefill one prompt the way a hybrid engine does, against the registry."""
-        size = self.config.block_size
-        hashes = block_hashes(request.tokens, size)
+        """Prefill one prompt the way a hybrid engine does, against the registry.
+
+        When Redis is unavailable the request is served without the cache (counted) and
+        the node resynchronises before its next request; when its epoch is gone (the
+        server restarted empty, or another process claimed the namespace) it claims
+        again and starts empty: no node keeps using mappings it cannot confirm.
+        """
         totals.requests += 1
         totals.prompt_tokens += len(request.tokens)
+        try:
+            if self.suspect:
+                self._resync(totals)
+            self._serve(request, totals)
+        except RegistryUnavailable:
+            totals.unavailable_requests += 1
+            self.suspect = True
+        except StaleEpochError:
+            totals.stale_epoch_requests += 1
+            self.suspect = True
+
+    def heal(self, totals: Totals) -> None:
+        """What a heartbeat does for a node that saw a fault: resync (or claim again) as
+        soon as Redis answers, so the router sees it live again without waiting for a
+        request (a dead node gets none)."""
+        if not self.suspect:
+            return
+        with contextlib.suppress(RegistryUnavailable, StaleEpochError):  # still away: later
+            self._resync(totals)
+
+    def _serve(self, request: Request, totals: Totals) -> None:
+        size = self.config.block_size
+        hashes = block_hashes(request.tokens, size)
         if not hashes:
             return
         reg, timed = self.registry, self.timings.timed
@@ -158,6 +221,33 @@ class Node:
         if matched:
             with timed("match_mamba_farthest"):
                 usable = reg.match_mamba_farthest(hashes[:matched])
+        acquired: list[int] = []
+        allocated: list[int] = []
+        try:
+            for block in cached:
+                self.kv.acquire(block)
+                acquired.append(block)
+            missing = len(hashes) - matched
+            if missing > len(self.kv.free) and not self._evict(missing - len(self.kv.free), totals):
+                totals.deferred_requests += 1
+                return
+            parent = cached[-1] if cached else None
+            for h in hashes[matched:]:
+                parent = self.kv.allocate(h, parent)
+                allocated.append(parent)
+            if missing:
+                with timed("register_kv"):
+                    reg.register_kv(allocated, hashes[matched:])
+        except BaseException:
+            for block in reversed(allocated):  # never registered (or not known to be)
+                self.kv.release(block)
+                self.kv.drop(block)
+            allocated = []
+            raise
+        finally:
+            for block in acquired + allocated:
+                self.kv.release(block)
+        blocks = cached + allocated
         if usable and self.mamba.restore(
             cached[usable - 1], self._conv_out, self._ssm_out, expected_hash=hashes[usable - 1]
         ):
@@ -165,34 +255,52 @@ class Node:
         elif usable:
             totals.mamba_restore_misses += 1
             usable = 0
-        for block in cached:
-            self.kv.acquire(block)
-        blocks = list(cached)
-        missing = len(hashes) - matched
-        if missing > len(self.kv.free) and not self._evict(missing - len(self.kv.free), totals):
-            totals.deferred_requests += 1
-            for block in blocks:
-                self.kv.release(block)
-            return
-        parent = blocks[-1] if blocks else None
-        for h in hashes[matched:]:
-            parent = self.kv.allocate(h, parent)
-            blocks.append(parent)
-        if missing:
-            with timed("register_kv"):
-                reg.register_kv(blocks[matched:], hashes[matched:])
+        totals.prompt_blocks += len(hashes)
+        totals.kv_hit_blocks += matched
+        totals.usable_hit_blocks += usable
+        totals.prefill_tokens_saved += usable * size
         # Checkpoint the Mamba state at the prompt's last block (a later turn restores it).
         if not self.mamba.holds(blocks[-1], hashes[-1]):
             conv = torch.randn((self.config.layers, 1, *self.config.conv_shape))
             ssm = torch.randn((self.config.layers, 1, *self.config.ssm_shape))
             with timed("store_mamba (register_mamba)"):
                 self.mamba.store([blocks[-1]], [hashes[-1]], conv, ssm)
-        totals.prompt_blocks += len(hashes)
-        totals.kv_hit_blocks += matched
-        totals.usable_hit_blocks += usable
-        totals.prefill_tokens_saved += usable * size
-        for block in blocks:
-            self.kv.release(block)
+
+    def _resync(self, totals: Totals) -> None:
+        """After a fault: keep only what the registry and this node agree on."""
+        try:
+            self.registry.renew()
+        except StaleEpochError:
+            self._start_over(totals)
+            return
+        client: Any = self.registry.client
+        keys = self.registry.keys
+        with unavailable_as_registry_error(f"resync of {self.namespace!r}"):
+            kv_entries = {int(h): int(b) for h, b in client.hgetall(keys.kv).items()}
+        local = self.kv.hash_of
+        doubtful = {b for b, h in local.items() if kv_entries.get(h) != b}
+        doomed = self.kv.with_descendants(doubtful)
+        stray = [h for h, b in kv_entries.items() if local.get(b) != h]
+        confirmed_doomed = [local[b] for b in doomed if b not in doubtful]
+        if stray or confirmed_doomed:
+            self.registry.evict_kv(stray + confirmed_doomed)
+        self.kv.drop_all(doomed)
+        with unavailable_as_registry_error(f"resync of {self.namespace!r}"):
+            mamba_entries = {(int(b), int(h)) for h, b in client.hgetall(keys.mamba).items()}
+        unheld = [h for b, h in mamba_entries if not self.mamba.holds(b, h)]
+        if unheld:
+            self.registry.evict_mamba(unheld)
+        self.mamba.reconcile()
+        self.suspect = False
+        totals.resyncs += 1
+
+    def _start_over(self, totals: Totals) -> None:
+        """The namespace is gone or taken: claim it again and forget every block."""
+        self.registry.claim(lease_ttl=60.0)
+        self.kv.drop_all(set(self.kv.hash_of))
+        self.mamba.reconcile()
+        self.suspect = False
+        totals.reclaims += 1
 
     def _evict(self, count: int, totals: Totals) -> bool:
         """Free ``count`` KV blocks, leaves first, through the registry (cascading to
@@ -275,15 +383,22 @@ def simulate(
     prefix_router = PrefixRouter(client, config.key_prefix)
     assigned: dict[str, int] = dict.fromkeys(names, 0)
     totals = Totals()
+    route_fallbacks = 0
     started = time.perf_counter()
     try:
         for request in Workload(config.workload):
+            for node in nodes:
+                node.heal(totals)
+            target = names[request.number % len(names)]
             if router == "prefix":
                 hashes = block_hashes(request.tokens, config.block_size)
-                with timings.timed("route (score all nodes)"):
-                    target = prefix_router.best(hashes, load=assigned, namespaces=names) or names[0]
-            else:
-                target = names[request.number % len(names)]
+                try:
+                    with timings.timed("route (score all nodes)"):
+                        target = (
+                            prefix_router.best(hashes, load=assigned, namespaces=names) or target
+                        )
+                except RegistryUnavailable:
+                    route_fallbacks += 1  # round-robin while Redis is away
             assigned[target] += 1
             by_name[target].serve(request, totals)
             if progress is not None:
@@ -305,6 +420,7 @@ def simulate(
         "hit_rate_tokens": _ratio(totals.prefill_tokens_saved, totals.prompt_tokens),
         "totals": asdict(totals),
         "requests_per_node": assigned,
+        "route_fallbacks": route_fallbacks,
         "latency_ms": timings.summary(),
         "consistency": consistency,
         "mamba": {key: sum(c[key] for c in pool_counts) for key in pool_counts[0]},

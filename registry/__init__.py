@@ -8,7 +8,7 @@ package never imports torch.
 from __future__ import annotations
 
 from registry.base import EvictionHook, MambaEvictCallback, RegistryBase
-from registry.errors import RegistryError, StaleEpochError
+from registry.errors import RegistryError, RegistryUnavailable, StaleEpochError
 from registry.hashing import block_hashes
 from registry.keys import NamespaceKeys
 from registry.local import LocalPrefixCacheRegistry
@@ -30,6 +30,7 @@ __all__ = [
     "PrefixRouter",
     "RegistryBase",
     "RegistryError",
+    "RegistryUnavailable",
     "StaleEpochError",
     "block_hashes",
     "gc",

@@ -86,6 +86,9 @@ def _connect(args: argparse.Namespace) -> Any:
         client.ping()
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+        reason = str(exc).split("\n")[0] or type(exc).__name__
+        raise CommandError(f"Redis at {_where(url)} refused the login: {reason}") from None
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
         reason = str(exc).split("\n")[0] or type(exc).__name__
         raise CommandError(f"cannot reach Redis at {_where(url)}: {reason}") from None

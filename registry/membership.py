@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import Any
 
-from registry.errors import StaleEpochError
+from registry.errors import StaleEpochError, unavailable_as_registry_error
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, node_index_key
 from registry.scripts import register_scripts
 
@@ -35,17 +35,21 @@ class NodeIndex:
             client, ("announce", "live_nodes", "forget_node", "gc_namespace")
         )
 
+    def _run(self, operation: str, keys: tuple[str, ...], args: tuple[Any, ...]) -> Any:
+        with unavailable_as_registry_error(f"node index {self.key!r}: {operation}"):
+            return self._scripts[operation](keys=keys, args=args)
+
     def announce(self, namespace: str, lease_until_ms: int) -> None:
         """Record a lease end for ``namespace`` (never moving it back)."""
-        self._scripts["announce"](keys=(self.key,), args=(namespace, lease_until_ms))
+        self._run("announce", (self.key,), (namespace, lease_until_ms))
 
     def live(self) -> list[str]:
         """Namespaces whose lease has not run out (server clock), in index order."""
-        return [_text(n) for n in self._scripts["live_nodes"](keys=(self.key,), args=("live",))]
+        return [_text(n) for n in self._run("live_nodes", (self.key,), ("live",))]
 
     def dead(self) -> list[str]:
         """Namespaces whose lease has run out."""
-        return [_text(n) for n in self._scripts["live_nodes"](keys=(self.key,), args=("dead",))]
+        return [_text(n) for n in self._run("live_nodes", (self.key,), ("dead",))]
 
     def gc(self) -> list[str]:
         """Delete the keys and index entries of every dead namespace; return them.
@@ -60,9 +64,9 @@ class NodeIndex:
             except (TypeError, ValueError):
                 log.warning("node index holds an invalid namespace %r; skipped", namespace)
                 continue
-            if self._scripts["gc_namespace"](keys=keys.all_keys(), args=()) == 0:
+            if self._run("gc_namespace", keys.all_keys(), ()) == 0:
                 continue  # renewed after it was listed
-            self._scripts["forget_node"](keys=(self.key,), args=(namespace,))
+            self._run("forget_node", (self.key,), (namespace,))
             removed.append(namespace)
         return removed
 

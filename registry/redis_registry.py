@@ -21,7 +21,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from registry.base import RegistryBase
 from registry.client import RedisClient, client_from_url
-from registry.errors import StaleEpochError
+from registry.errors import StaleEpochError, unavailable_as_registry_error
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import DEFAULT_LEASE_TTL, Heartbeat, NodeIndex
 from registry.notices import EvictionNotice, parse_notice, parse_stream_entry
@@ -29,6 +29,14 @@ from registry.scripts import register_scripts
 from registry.validation import flatten
 
 DEFAULT_NOTICE_STREAM_MAXLEN = 10_000
+
+DEFAULT_CLIENT_OPTIONS: dict[str, Any] = {
+    "socket_connect_timeout": 2.0,
+    "socket_timeout": 5.0,
+    "health_check_interval": 30,
+}
+"""``from_url`` defaults (any may be overridden): bounded waits, so a serving node sees
+``RegistryUnavailable`` within seconds instead of hanging on a dead server."""
 
 
 class PrefixCacheRegistry(RegistryBase):
@@ -90,7 +98,19 @@ class PrefixCacheRegistry(RegistryBase):
         ``client_options`` go to redis-py (``socket_timeout``, ``decode_responses``...).
         """
         validate_namespace(namespace)
-        client = client_from_url(url, cluster=cluster, **client_options)
+        if not isinstance(url, str):
+            raise TypeError(f"url must be a str, not {type(url).__name__}")
+        options = {**DEFAULT_CLIENT_OPTIONS, **client_options}
+        if "retry" not in options and not (
+            cluster or url.lower().split("://")[0].endswith("cluster")
+        ):
+            # A few quick retries with backoff (redis-py's default tries ten times, up to
+            # seconds): connection errors and timeouts, then RegistryUnavailable.
+            from redis.backoff import ExponentialWithJitterBackoff
+            from redis.retry import Retry
+
+            options["retry"] = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.25), 3)
+        client = client_from_url(url, cluster=cluster, **options)
         return cls(
             client, namespace, key_prefix=key_prefix, notice_stream_maxlen=notice_stream_maxlen
         )
@@ -116,11 +136,12 @@ class PrefixCacheRegistry(RegistryBase):
         FLUSH) load it and retry once, as redis-py's Script does, without its copies."""
         script = self._scripts[operation]
         try:
-            try:
-                return self.client.evalsha(script.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                script.sha = self.client.script_load(script.script)
-                return self.client.evalsha(script.sha, len(keys), *keys, *args)
+            with unavailable_as_registry_error(f"namespace {self.namespace!r}: {operation}"):
+                try:
+                    return self.client.evalsha(script.sha, len(keys), *keys, *args)
+                except NoScriptError:
+                    script.sha = self.client.script_load(script.script)
+                    return self.client.evalsha(script.sha, len(keys), *keys, *args)
         except ResponseError as exc:
             if str(exc).startswith("STALE_EPOCH"):
                 raise StaleEpochError(self.namespace, self.epoch, str(exc)) from None
@@ -143,7 +164,7 @@ class PrefixCacheRegistry(RegistryBase):
             (self.keys.mamba_evicted_channel, self.notice_stream_maxlen, self._lease_ms()),
         )
         self._set_epoch(int(epoch))
-        self._node_index().announce(self.namespace, int(lease_until))
+        self._read("claim", self._node_index().announce, self.namespace, int(lease_until))
         return int(epoch)
 
     def renew(self) -> float:
@@ -154,7 +175,7 @@ class PrefixCacheRegistry(RegistryBase):
         if self.epoch is None:
             raise RuntimeError("renew() needs an owner: call claim() first")
         lease_until = int(self._run("renew", self._meta_keys, (self.epoch, self._lease_ms())))
-        self._node_index().announce(self.namespace, lease_until)
+        self._read("renew", self._node_index().announce, self.namespace, lease_until)
         return lease_until / 1000
 
     def start_heartbeat(self, interval: float | None = None) -> Heartbeat:
@@ -164,6 +185,11 @@ class PrefixCacheRegistry(RegistryBase):
             raise RuntimeError("start_heartbeat() needs an owner: call claim() first")
         beat = self.lease_ttl / 3 if interval is None else _lease_seconds(interval)
         return Heartbeat(self.renew, beat, name=f"heartbeat[{self.namespace}]")
+
+    def _read(self, operation: str, command: Any, *args: Any) -> Any:
+        """Run one read command, turning "Redis is not there" into RegistryUnavailable."""
+        with unavailable_as_registry_error(f"namespace {self.namespace!r}: {operation}"):
+            return command(*args)
 
     def _lease_ms(self) -> int:
         return max(1, round(self.lease_ttl * 1000))
@@ -180,7 +206,7 @@ class PrefixCacheRegistry(RegistryBase):
     # argument into a Lua string (measured in BENCHMARKS.md).
 
     def _match_kv_prefix(self, hashes: list[int]) -> list[int]:
-        values = self.client.hmget(self.keys.kv, hashes)
+        values = self._read("match_kv_prefix", self.client.hmget, self.keys.kv, hashes)
         if None in values:
             del values[values.index(None) :]
         return list(map(int, values))
@@ -195,7 +221,7 @@ class PrefixCacheRegistry(RegistryBase):
         return gone, _notice(notice)
 
     def _match_mamba_farthest(self, hashes: list[int]) -> int:
-        values = self.client.hmget(self.keys.mamba, hashes)
+        values = self._read("match_mamba_farthest", self.client.hmget, self.keys.mamba, hashes)
         if values.count(None) == len(values):
             return 0
         farthest = len(values)
@@ -216,10 +242,13 @@ class PrefixCacheRegistry(RegistryBase):
         return ({h for _, h in notice.pairs} if notice else set()), notice
 
     def _mamba_block_ids(self, hashes: list[int]) -> list[int | None]:
-        return [None if b is None else int(b) for b in self.client.hmget(self.keys.mamba, hashes)]
+        values = self._read("mamba_block_ids", self.client.hmget, self.keys.mamba, hashes)
+        return [None if b is None else int(b) for b in values]
 
     def _notice_sequence(self) -> int:
-        return int(self.client.hget(self.keys.meta, "notice_seq") or 0)
+        return int(
+            self._read("notice_sequence", self.client.hget, self.keys.meta, "notice_seq") or 0
+        )
 
     def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
         if kv and mamba:
@@ -244,7 +273,9 @@ class PrefixCacheRegistry(RegistryBase):
         upper = "+"
         reached = False
         while not reached:
-            entries = self.client.xrevrange(self.keys.mamba_evictions, upper, "-", count=page)
+            entries = self._read(
+                "notices_after", self.client.xrevrange, self.keys.mamba_evictions, upper, "-", page
+            )
             for _entry_id, fields in entries:
                 notice = parse_stream_entry(fields)
                 if notice.seq <= seq:

@@ -22,6 +22,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from registry.errors import unavailable_as_registry_error
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
 from registry.scripts import script_source
@@ -86,8 +87,6 @@ class PrefixRouter:
         replies = self._run_pipeline(names, packed)
         scores = {}
         for name, reply in zip(names, replies, strict=True):
-            if isinstance(reply, Exception):
-                raise reply
             if reply == -1:
                 continue  # no live lease: never scored
             kv_prefix, mamba_prefix = int(reply[0]), int(reply[1])
@@ -118,10 +117,14 @@ class PrefixRouter:
         return keys
 
     def _run_pipeline(self, names: list[str], packed: bytes) -> list[Any]:
-        replies = self._execute(names, packed)
-        if any(isinstance(r, NoScriptError) for r in replies):
-            self.client.script_load(self._source)  # after a restart or SCRIPT FLUSH
+        with unavailable_as_registry_error(f"routing over {len(names)} namespaces"):
             replies = self._execute(names, packed)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                self.client.script_load(self._source)  # after a restart or SCRIPT FLUSH
+                replies = self._execute(names, packed)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
         return replies
 
     def _execute(self, names: list[str], packed: bytes) -> list[Any]:

@@ -232,6 +232,10 @@ class RedisServer:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
+    def kill(self) -> None:
+        """Stop the process only, keeping port and directory: ``restart()`` brings it back."""
+        self._stop_process()
+
     def restart(self) -> RedisServer:
         """Stop the process and start it again on the same port, keeping the directory.
 

@@ -24,7 +24,7 @@ SMALL = ["--nodes", "3", "--requests", "250", "--kv-blocks", "256", "--mamba-slo
 RESULT_FIELDS = {
     "router", "nodes", "requests", "seed", "hit_rate_blocks", "usable_hit_rate_blocks",
     "hit_rate_tokens", "totals", "requests_per_node", "latency_ms", "consistency", "mamba",
-    "listener", "seconds",
+    "listener", "seconds", "route_fallbacks",
 }  # fmt: skip
 
 
@@ -42,6 +42,8 @@ def check_runs(figures: dict[str, Any]) -> None:
         assert set(run) == RESULT_FIELDS
         assert run["requests"] == 250
         assert set(run["consistency"].values()) == {0}, run["consistency"]
+        assert run["route_fallbacks"] == 0
+        assert run["totals"]["unavailable_requests"] == run["totals"]["reclaims"] == 0
         assert run["totals"]["kv_evictions"] > 0  # the pools were under pressure
         assert {"match_kv_prefix", "register_kv", "evict_kv"} <= set(run["latency_ms"])
     # Prefix-aware routing keeps conversations where their prefixes are cached.
