@@ -8,8 +8,8 @@ So the listener
 * applies notices in sequence order; on a gap it replays the missing notices from the
   capped stream, or reconciles against the registry when the stream no longer has them;
 * after every (re)subscription, which redis-py performs by itself after a dropped
-  connection, it catches up the same way; a sequence that went backwards (the
-  namespace was wiped, the server restarted empty) makes it reconcile;
+  connection, and every ``resync_interval`` seconds, it reconciles: a restarted or
+  failed-over server may have lost writes that no notice will ever report;
 * skips and counts malformed messages.
 
 It never frees blindly: the pool frees a slot only for the exact (block_id, hash) and
@@ -150,14 +150,14 @@ class EvictionListener:
                     if kind == "subscribe":
                         with self._lock:
                             self._subscriptions += 1
-                        self._catch_up()
+                        self._catch_up(reconcile=True)
                         self._ready.set()
                         backoff = self.poll_interval
                     elif kind == "message":
                         self._handle(message["data"])
                 if self._ready.is_set() and time.monotonic() >= next_resync:
                     next_resync = time.monotonic() + self.resync_interval
-                    self._catch_up()
+                    self._catch_up(reconcile=True)
             except CONNECTION_ERRORS as exc:
                 log.info(
                     "eviction listener lost its connection (%s); reconnecting", type(exc).__name__
@@ -199,13 +199,15 @@ class EvictionListener:
             self._gaps += 1
         self._catch_up()
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, *, reconcile: bool = False) -> None:
         """Bring the pool up to the registry's latest notice: replay the notices after
-        the last applied one from the stream, or reconcile when that is impossible."""
+        the last applied one from the stream, or reconcile when that is impossible or
+        asked for (after a reconnect, and periodically: a failover can lose writes that
+        no notice will ever report, so only a comparison with the registry finds them)."""
         newest = self.registry.notice_sequence()
         last = self._last_seq
         replay: list[EvictionNotice] | None = None
-        if last is not None and newest >= last:
+        if last is not None and newest >= last and not reconcile:
             replay = self.registry.notices_after(last)
         if replay is None:
             # First start, a wiped namespace, or a trimmed stream: compare with the truth.

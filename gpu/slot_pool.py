@@ -108,6 +108,7 @@ class MambaSlotPool:
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._lru: OrderedDict[int, None] = OrderedDict()  # registered slots, oldest use first
         self._generation = 0
+        self._doubtful: set[Pair] = set()  # registrations whose outcome is unknown
         self._stored = self._restored = self._freed = self._reconciled = self._evicted = 0
         registry.add_eviction_hook(self.apply_notice)
 
@@ -142,6 +143,8 @@ class MambaSlotPool:
             stamp = self.registry.register_mamba_stamped(ids, hash_list)
         except BaseException:
             self._abandon(slots)
+            with self._lock:  # the registration may have landed with its reply lost
+                self._doubtful.update(zip(ids, hash_list, strict=True))
             raise
         self._commit(slots, stamp)
         return slots
@@ -213,7 +216,26 @@ class MambaSlotPool:
         freed = self._free_unregistered(source, snapshot)
         with self._lock:
             self._reconciled += len(freed)
+        self._withdraw_doubtful(source)
         return freed
+
+    def _withdraw_doubtful(self, source: RegistryBase) -> None:
+        """Remove from the registry the entries of failed stores that landed anyway (the
+        reply was lost): they would name state this pool does not hold."""
+        with self._lock:
+            doubtful = [(b, h) for b, h in self._doubtful if not self.holds(b, h)]
+            self._doubtful.clear()
+        if not doubtful:
+            return
+        try:
+            current = source.mamba_block_ids([h for _, h in doubtful])
+            landed = [h for (b, h), now in zip(doubtful, current, strict=True) if now == b]
+            if landed:
+                source.evict_mamba(landed)
+        except Exception:
+            with self._lock:  # try again at the next reconcile
+                self._doubtful.update(doubtful)
+            raise
 
     def _free_unregistered(
         self, source: RegistryBase, snapshot: list[tuple[int, int, int, int]]

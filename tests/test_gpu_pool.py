@@ -236,3 +236,25 @@ def test_store_restore_free_on_cuda() -> None:
     freed = time.perf_counter() - start
     assert pool.counts().in_use == 256
     print(f"\ncuda: store 512 blocks {stored * 1e3:.2f} ms, evict+free 256 {freed * 1e3:.2f} ms")
+
+
+def test_a_registration_whose_reply_was_lost_is_withdrawn_at_reconcile(backend: Backend) -> None:
+    from registry import RegistryUnavailable
+
+    reg = backend.registry()
+    pool = make_pool(reg)
+    original = reg.register_mamba_stamped
+
+    def lands_then_times_out(block_ids: list[int], hashes: list[int]) -> int:
+        original(block_ids, hashes)
+        raise RegistryUnavailable("reply lost")
+
+    reg.register_mamba_stamped = lands_then_times_out  # type: ignore[method-assign]
+    with pytest.raises(RegistryUnavailable):
+        pool.store([1, 2], [A, B], *states(2))
+    reg.register_mamba_stamped = original  # type: ignore[method-assign]
+    assert pool.counts().in_use == 0  # the slots went back
+    assert registry_state(reg)[1] == {A: 1, B: 2}  # but the entries landed
+    pool.store([3], [C], *states(1))
+    pool.reconcile()
+    assert registry_state(reg)[1] == {C: 3}  # withdrawn: no entry names state nobody holds
