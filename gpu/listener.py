@@ -46,6 +46,7 @@ class ListenerCounts:
     replays: int  # catch-ups served from the stream
     reconciles: int  # catch-ups that reconciled against the registry
     reconnects: int  # re-subscriptions after the first
+    connection_losses: int  # pub/sub connections lost (each is followed by a reconnect)
     malformed: int  # channel messages that were not notices
     errors: int  # other failures in the loop (logged)
     last_seq: int  # the notice number everything up to which is applied
@@ -81,7 +82,7 @@ class EvictionListener:
         self._last_seq: int | None = None
         self._subscriptions = 0
         self._applied = self._duplicates = self._gaps = self._replays = 0
-        self._reconciles = self._malformed = self._errors = 0
+        self._reconciles = self._malformed = self._errors = self._connection_losses = 0
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -128,6 +129,7 @@ class EvictionListener:
                 replays=self._replays,
                 reconciles=self._reconciles,
                 reconnects=max(0, self._subscriptions - 1),
+                connection_losses=self._connection_losses,
                 malformed=self._malformed,
                 errors=self._errors,
                 last_seq=self._last_seq or 0,
@@ -162,10 +164,13 @@ class EvictionListener:
                 log.info(
                     "eviction listener lost its connection (%s); reconnecting", type(exc).__name__
                 )
+                with self._lock:
+                    self._connection_losses += 1
                 _close(pubsub)
                 pubsub = None
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
+                self._refresh_cluster_map()
             except Exception:
                 log.exception("eviction listener error")
                 with self._lock:
@@ -175,6 +180,17 @@ class EvictionListener:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
         _close(pubsub)
+
+    def _refresh_cluster_map(self) -> None:
+        """On Redis Cluster, re-read which node owns which slot: the channel's node may
+        have failed over, and a pub/sub connection never learns that by itself."""
+        nodes_manager = getattr(self.client, "nodes_manager", None)
+        if nodes_manager is None:
+            return
+        try:
+            nodes_manager.initialize()
+        except Exception:  # the cluster is still electing; try again after the next wait
+            log.debug("cluster map refresh failed", exc_info=True)
 
     def _handle(self, data: Any) -> None:
         try:
