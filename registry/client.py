@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -50,18 +51,24 @@ def client_from_url(url: str, *, cluster: bool | None = None, **options: Any) ->
 
     ``redis://``, ``rediss://`` and ``unix://`` give ``redis.Redis``;
     ``redis+cluster://`` and ``rediss+cluster://`` (or ``cluster=True``) give
-    ``redis.cluster.RedisCluster``. ``options`` go to the client's ``from_url``.
+    ``redis.cluster.RedisCluster``; ``redis+sentinel://host:port[,host:port...]/service[/db]``
+    gives the master that Sentinel names (found again after a failover). ``options``
+    go to the client's ``from_url`` (to the master's connections for Sentinel).
     """
     if not isinstance(url, str):
         raise TypeError(f"url must be a str, not {type(url).__name__}")
     scheme = urlsplit(url).scheme.lower()
+    if scheme in SENTINEL_SCHEMES:
+        if cluster:
+            raise ValueError("a redis+sentinel:// URL names a standalone master, not a cluster")
+        return _sentinel_master(url, scheme == "rediss+sentinel", options)
     if scheme in CLUSTER_SCHEMES:
         if cluster is False:
             raise ValueError(f"url scheme {scheme!r} asks for Redis Cluster but cluster=False")
         url = CLUSTER_SCHEMES[scheme] + url[len(scheme) :]
         cluster = True
     elif scheme not in PLAIN_SCHEMES:
-        known = ", ".join(f"{s}://" for s in (*PLAIN_SCHEMES, *CLUSTER_SCHEMES))
+        known = ", ".join(f"{s}://" for s in (*PLAIN_SCHEMES, *CLUSTER_SCHEMES, *SENTINEL_SCHEMES))
         raise ValueError(f"unsupported Redis URL scheme {scheme or '(none)'!r}; use one of {known}")
     if cluster:
         if scheme == "unix":
@@ -72,3 +79,36 @@ def client_from_url(url: str, *, cluster: bool | None = None, **options: Any) ->
     import redis
 
     return redis.Redis.from_url(url, **options)
+
+
+def _sentinel_master(url: str, tls: bool, options: dict[str, Any]) -> Any:
+    """A client for the master of ``redis+sentinel://[user:pw@]h1:p1,h2:p2/service[/db]``."""
+    from redis.sentinel import Sentinel
+
+    parts = urlsplit(url)
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError("a redis+sentinel:// URL ends with /SERVICE_NAME or /SERVICE_NAME/DB")
+    hosts = parts.netloc.rpartition("@")[2]
+    sentinels = []
+    for address in hosts.split(","):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError("a redis+sentinel:// URL lists sentinels as host:port,host:port")
+        sentinels.append((host.strip("[]"), int(port)))
+    master_options = dict(options)
+    if parts.username:
+        master_options.setdefault("username", unquote(parts.username))
+    if parts.password:
+        master_options.setdefault("password", unquote(parts.password))
+    if len(path) == 2:
+        master_options.setdefault("db", int(path[1]))
+    if tls:
+        master_options.setdefault("ssl", True)
+    timeouts = {
+        k: master_options[k]
+        for k in ("socket_timeout", "socket_connect_timeout")
+        if k in master_options
+    }
+    sentinel = Sentinel(sentinels, sentinel_kwargs=timeouts)  # type: ignore[no-untyped-call]
+    return sentinel.master_for(path[0], **master_options)  # type: ignore[no-untyped-call]

@@ -101,9 +101,8 @@ class PrefixCacheRegistry(RegistryBase):
         if not isinstance(url, str):
             raise TypeError(f"url must be a str, not {type(url).__name__}")
         options = {**DEFAULT_CLIENT_OPTIONS, **client_options}
-        if "retry" not in options and not (
-            cluster or url.lower().split("://")[0].endswith("cluster")
-        ):
+        scheme = url.lower().split("://")[0]
+        if "retry" not in options and not (cluster or scheme.endswith(("cluster", "sentinel"))):
             # A few quick retries with backoff (redis-py's default tries ten times, up to
             # seconds): connection errors and timeouts, then RegistryUnavailable.
             from redis.backoff import ExponentialWithJitterBackoff
