@@ -160,25 +160,23 @@ class EvictionListener:
                 if self._ready.is_set() and time.monotonic() >= next_resync:
                     next_resync = time.monotonic() + self.resync_interval
                     self._catch_up(reconcile=True)
-            except CONNECTION_ERRORS as exc:
-                log.info(
-                    "eviction listener lost its connection (%s); reconnecting", type(exc).__name__
-                )
+            except Exception as exc:
+                lost = isinstance(exc, CONNECTION_ERRORS)
+                if lost:
+                    log.info("eviction listener lost its connection (%s)", type(exc).__name__)
+                else:
+                    log.exception("eviction listener error")
                 with self._lock:
-                    self._connection_losses += 1
-                _close(pubsub)
+                    if lost:
+                        self._connection_losses += 1
+                    else:
+                        self._errors += 1
+                _close(pubsub)  # start over: a new connection, subscription and catch-up
                 pubsub = None
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
-                self._refresh_cluster_map()
-            except Exception:
-                log.exception("eviction listener error")
-                with self._lock:
-                    self._errors += 1
-                _close(pubsub)
-                pubsub = None
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, self.max_backoff)
+                if lost:
+                    self._refresh_cluster_map()
         _close(pubsub)
 
     def _refresh_cluster_map(self) -> None:

@@ -70,23 +70,13 @@ def fuzz(backend: Backend, method: str, examples: int) -> None:
 
 
 @pytest.mark.parametrize("method", sorted(CALLS))
-def test_random_arguments_fail_cleanly_on_fakeredis(
-    method: str, request: pytest.FixtureRequest
+@pytest.mark.parametrize(("backend_name", "examples"), [("fakeredis", 150), ("redis", 60)])
+def test_random_arguments_fail_cleanly(
+    method: str, backend_name: str, examples: int, request: pytest.FixtureRequest
 ) -> None:
-    backend = make_backend("fakeredis", request)
+    backend = make_backend(backend_name, request)
     try:
-        fuzz(backend, method, 150)
-    finally:
-        backend.close()
-
-
-@pytest.mark.parametrize("method", sorted(CALLS))
-def test_random_arguments_fail_cleanly_on_a_real_server(
-    method: str, request: pytest.FixtureRequest
-) -> None:
-    backend = make_backend("redis", request)
-    try:
-        fuzz(backend, method, 60)
+        fuzz(backend, method, examples)
     finally:
         backend.close()
 
