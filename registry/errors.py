@@ -54,13 +54,18 @@ UNAVAILABLE = (
 """Errors that mean "Redis is not there right now"."""
 
 
+def registry_unavailable(what: str, exc: BaseException) -> RegistryUnavailable:
+    """The ``RegistryUnavailable`` for a Redis fault (one clear type, no password in it)."""
+    reason = str(exc).split("\n")[0] or type(exc).__name__
+    if isinstance(exc, (AuthenticationError, AuthorizationError)):
+        return RegistryUnavailable(f"{what}: Redis refused the login: {reason}")
+    return RegistryUnavailable(f"{what}: Redis unavailable: {reason}")
+
+
 @contextmanager
 def unavailable_as_registry_error(what: str) -> Iterator[None]:
-    """Raise ``RegistryUnavailable`` (one clear type, no password in it) for Redis faults."""
+    """Raise ``RegistryUnavailable`` for Redis faults inside the block."""
     try:
         yield
     except UNAVAILABLE as exc:
-        reason = str(exc).split("\n")[0] or type(exc).__name__
-        if isinstance(exc, (AuthenticationError, AuthorizationError)):
-            raise RegistryUnavailable(f"{what}: Redis refused the login: {reason}") from exc
-        raise RegistryUnavailable(f"{what}: Redis unavailable: {reason}") from exc
+        raise registry_unavailable(what, exc) from exc

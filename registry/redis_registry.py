@@ -21,7 +21,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from registry.base import RegistryBase
 from registry.client import RedisClient, client_from_url
-from registry.errors import StaleEpochError, unavailable_as_registry_error
+from registry.errors import UNAVAILABLE, StaleEpochError, registry_unavailable
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import DEFAULT_LEASE_TTL, Heartbeat, NodeIndex
 from registry.notices import EvictionNotice, parse_notice, parse_stream_entry
@@ -135,12 +135,13 @@ class PrefixCacheRegistry(RegistryBase):
         FLUSH) load it and retry once, as redis-py's Script does, without its copies."""
         script = self._scripts[operation]
         try:
-            with unavailable_as_registry_error(f"namespace {self.namespace!r}: {operation}"):
-                try:
-                    return self.client.evalsha(script.sha, len(keys), *keys, *args)
-                except NoScriptError:
-                    script.sha = self.client.script_load(script.script)
-                    return self.client.evalsha(script.sha, len(keys), *keys, *args)
+            try:
+                return self.client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                script.sha = self.client.script_load(script.script)
+                return self.client.evalsha(script.sha, len(keys), *keys, *args)
+        except UNAVAILABLE as exc:  # a plain try: this is every call's path
+            raise registry_unavailable(f"namespace {self.namespace!r}: {operation}", exc) from exc
         except ResponseError as exc:
             if str(exc).startswith("STALE_EPOCH"):
                 raise StaleEpochError(self.namespace, self.epoch, str(exc)) from None
@@ -187,8 +188,10 @@ class PrefixCacheRegistry(RegistryBase):
 
     def _read(self, operation: str, command: Any, *args: Any) -> Any:
         """Run one read command, turning "Redis is not there" into RegistryUnavailable."""
-        with unavailable_as_registry_error(f"namespace {self.namespace!r}: {operation}"):
+        try:
             return command(*args)
+        except UNAVAILABLE as exc:
+            raise registry_unavailable(f"namespace {self.namespace!r}: {operation}", exc) from exc
 
     def _lease_ms(self) -> int:
         return max(1, round(self.lease_ttl * 1000))
