@@ -1,8 +1,9 @@
-"""``PrefixCacheRegistry``: the registry stored in Redis, one Lua script per call.
+"""``PrefixCacheRegistry``: the registry stored in Redis, one round trip per call.
 
-Every method is one EVALSHA (one round trip; none for empty input) of the script
-named after it in ``lua/``. Scripts are redis-py ``Script`` objects, which reload
-themselves on NOSCRIPT after a restart, a failover or ``SCRIPT FLUSH``.
+Every write is one EVALSHA of the script named after it in ``lua/`` (loaded again on
+NOSCRIPT after a restart, a failover or ``SCRIPT FLUSH``); every read of one key is a
+single HMGET or HGET. Empty input costs no round trip. Redis faults raise
+``RegistryUnavailable``.
 
 An owner (the serving node whose GPU holds the blocks) calls ``claim()`` once at
 start: its writes then carry its epoch and fail with ``StaleEpochError`` once another
@@ -92,10 +93,12 @@ class PrefixCacheRegistry(RegistryBase):
         cluster: bool | None = None,
         **client_options: Any,
     ) -> PrefixCacheRegistry:
-        """Connect with a URL: ``redis://``, ``rediss://``, ``unix://``, or Redis Cluster
-        through ``redis+cluster://host:port`` / ``rediss+cluster://`` or ``cluster=True``.
+        """Connect with a URL: ``redis://``, ``rediss://``, ``unix://``, Redis Cluster
+        through ``redis+cluster://host:port`` / ``rediss+cluster://`` or ``cluster=True``,
+        or a Sentinel-managed master through ``redis+sentinel://h:p[,h:p]/service``.
 
-        ``client_options`` go to redis-py (``socket_timeout``, ``decode_responses``...).
+        ``client_options`` go to redis-py (``decode_responses``, ``password``...), over
+        ``DEFAULT_CLIENT_OPTIONS`` (bounded timeouts) and three quick retries.
         """
         validate_namespace(namespace)
         if not isinstance(url, str):
