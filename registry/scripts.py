@@ -1,6 +1,7 @@
 """Load the Lua scripts shipped in ``registry/lua`` (the top-level ``lua/`` folder).
 
-Each operation has one ``.lua`` file named after the Python method that calls it;
+Each write, membership and routing operation has one ``.lua`` file named after the
+Python method that calls it (reads of one key are plain HMGET/HGET and need none);
 ``_prelude.lua`` (shared constants and helpers) is put in front of every body, so
 each loaded script is still one self-contained, atomic unit on the server.
 """
