@@ -434,75 +434,47 @@ def _find(report: dict[str, Any], operation: str, n: int) -> dict[str, Any]:
     return next(r for r in report["rows"] if r["operation"].startswith(operation) and r["n"] == n)
 
 
+# (target, row name prefix, n, ratio column, upper limit): the project's ratio targets.
+RATIO_TARGETS = [
+    *[
+        (f"match_kv_prefix full hit, client p50 / HMGET, n={n}", "match_kv_prefix, full", n,
+         "client_ratio", limit)
+        for n, limit in ((64, 1.15), (512, 1.3), (8192, 1.5))
+    ],
+    *[
+        (f"match_kv_prefix full hit, server time / HMGET, n={n}", "match_kv_prefix, full", n,
+         "server_ratio", 1.5)
+        for n in (512, 8192)
+    ],
+    ("register_kv, client p50 / HSET, n=64", "register_kv", 64, "client_ratio", 1.2),
+    ("evict_kv with cascade, client p50 / HDEL, n=64", "evict_kv", 64, "client_ratio", 1.2),
+    ("score over 16 namespaces / one match_kv_prefix, n=512", "score", 512, "client_ratio", 2.0),
+]  # fmt: skip
+
+
 def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of the project with the measured ratio and whether it is met."""
-    targets: list[tuple[str, float | None, float]] = []
-    for n, limit in ((64, 1.15), (512, 1.3), (8192, 1.5)):
-        if any(r["n"] == n for r in report["rows"]):
-            targets.append(
-                (
-                    f"match_kv_prefix full hit, client p50 / HMGET, n={n}",
-                    _find(report, "match_kv_prefix, full", n)["client_ratio"],
-                    limit,
-                )
-            )
-    for n in (512, 8192):
-        if any(r["n"] == n for r in report["rows"]):
-            targets.append(
-                (
-                    f"match_kv_prefix full hit, server time / HMGET, n={n}",
-                    _find(report, "match_kv_prefix, full", n)["server_ratio"],
-                    1.5,
-                )
-            )
-    if any(r["n"] == 64 for r in report["rows"]):
-        targets.append(
-            (
-                "register_kv, client p50 / HSET, n=64",
-                _find(report, "register_kv", 64)["client_ratio"],
-                1.2,
-            )
-        )
-        targets.append(
-            (
-                "evict_kv with cascade, client p50 / HDEL, n=64",
-                _find(report, "evict_kv", 64)["client_ratio"],
-                1.2,
-            )
-        )
-    if any(r["n"] == 512 for r in report["rows"]):
-        targets.append(
-            (
-                "score over 16 namespaces / one match_kv_prefix, n=512",
-                _find(report, "score", 512)["client_ratio"],
-                2.0,
-            )
-        )
+    """Each target of the project with the measured value and whether it is met."""
+    sizes = {r["n"] for r in report["rows"]}
+    checks: list[tuple[str, float | None, str, float]] = [
+        (name, _find(report, row, n)[column], "≤", limit)
+        for name, row, n, column, limit in RATIO_TARGETS
+        if n in sizes
+    ]
     listener = report["listener_notice_to_free_ms"]
     if listener is not None:
-        targets.append(("listener notice-to-free p99 (ms)", listener["p99_ms"], 5.0))
+        checks.append(("listener notice-to-free p99 (ms)", listener["p99_ms"], "≤", 5.0))
     throughput = report["throughput_4_processes_n64"]
-    targets.append(
-        (
-            "4-process throughput, match_kv_prefix / HMGET, n=64 (at least)",
-            round(throughput["match_kv_prefix"] / throughput["HMGET"], 3),
-            -0.8,
-        )
-    )
-    result = []
-    for name, value, limit in targets:
-        at_least = limit < 0
-        bound = abs(limit)
-        met = value is not None and (value >= bound if at_least else value <= bound)
-        result.append(
-            {
-                "target": name,
-                "measured": value,
-                "limit": ("≥ " if at_least else "≤ ") + str(bound),
-                "met": met,
-            }
-        )
-    return result
+    ratio = round(throughput["match_kv_prefix"] / throughput["HMGET"], 3)
+    checks.append(("4-process throughput, match_kv_prefix / HMGET, n=64", ratio, "≥", 0.8))
+    return [
+        {
+            "target": name,
+            "measured": value,
+            "limit": f"{sign} {limit}",
+            "met": value is not None and (value <= limit if sign == "≤" else value >= limit),
+        }
+        for name, value, sign, limit in checks
+    ]
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -409,20 +409,9 @@ def _command_watch(args: argparse.Namespace) -> int:
 def _command_gc(args: argparse.Namespace) -> int:
     client = _connect(args)
     index = NodeIndex(client, args.key_prefix)
-    if args.dry_run:
-        dead = index.dead()
-        print(
-            json.dumps(dead)
-            if args.json
-            else f"would remove {len(dead)}: {' '.join(dead)}".rstrip()
-        )
-        return 0
-    removed = index.gc()
-    print(
-        json.dumps(removed)
-        if args.json
-        else f"removed {len(removed)}: {' '.join(removed)}".rstrip()
-    )
+    names = index.dead() if args.dry_run else index.gc()
+    verb = "would remove" if args.dry_run else "removed"
+    print(json.dumps(names) if args.json else f"{verb} {len(names)}: {' '.join(names)}".rstrip())
     return 0
 
 
