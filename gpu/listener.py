@@ -7,6 +7,8 @@ So the listener
   published during start-up is lost;
 * applies notices in sequence order; on a gap it replays the missing notices from the
   capped stream, or reconciles against the registry when the stream no longer has them;
+* reconciles at once when a notice comes from a new incarnation of the namespace (its
+  history restarted: ``meta`` was lost and notice numbers count anew);
 * after every (re)subscription, which redis-py performs by itself after a dropped
   connection, and every ``resync_interval`` seconds, it reconciles: a restarted or
   failed-over server may have lost writes that no notice will ever report;
@@ -26,14 +28,18 @@ from typing import Any
 
 import redis
 
+from gpu.checks import check_listener_arguments
 from gpu.slot_pool import MambaSlotPool
 from registry import EvictionNotice, PrefixCacheRegistry, parse_notice
 from registry.client import client_from_url
+from registry.errors import RegistryUnavailable
 from registry.keys import DEFAULT_KEY_PREFIX
+from registry.redis_registry import bounded_options
 
 log = logging.getLogger(__name__)
 
-CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError, RegistryUnavailable)
+"""A lost or unreachable server, raw from pub/sub or mapped by a registry read."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class ListenerCounts:
     malformed: int  # channel messages that were not notices
     errors: int  # other failures in the loop (logged)
     last_seq: int  # the notice number everything up to which is applied
+    restarts: int = 0  # new incarnations seen (the namespace's history restarted)
 
 
 class EvictionListener:
@@ -66,7 +73,13 @@ class EvictionListener:
         resync_interval: float = 30.0,
         max_backoff: float = 2.0,
     ) -> None:
-        client = client_from_url(client_or_url) if isinstance(client_or_url, str) else client_or_url
+        check_listener_arguments(
+            client_or_url, namespace, pool, key_prefix, poll_interval, resync_interval, max_backoff
+        )
+        if isinstance(client_or_url, str):
+            client = client_from_url(client_or_url, **bounded_options({}))
+        else:
+            client = client_or_url
         self._owns_client = isinstance(client_or_url, str)
         self.client = client
         self.registry = PrefixCacheRegistry(client, namespace, key_prefix=key_prefix)
@@ -80,6 +93,8 @@ class EvictionListener:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._last_seq: int | None = None
+        self._incarnation: str | None = None
+        self._restarts = 0
         self._subscriptions = 0
         self._applied = self._duplicates = self._gaps = self._replays = 0
         self._reconciles = self._malformed = self._errors = self._connection_losses = 0
@@ -133,7 +148,14 @@ class EvictionListener:
                 malformed=self._malformed,
                 errors=self._errors,
                 last_seq=self._last_seq or 0,
+                restarts=self._restarts,
             )
+
+    @property
+    def incarnation(self) -> str:
+        """The namespace's history that ``counts().last_seq`` counts in ("" before start)."""
+        with self._lock:
+            return self._incarnation or ""
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -198,6 +220,13 @@ class EvictionListener:
             with self._lock:
                 self._malformed += 1
             return
+        if (
+            self._incarnation is not None
+            and notice.incarnation
+            and notice.incarnation != self._incarnation
+        ):
+            self._catch_up(reconcile=True)  # a restarted history: numbers do not compare
+            return
         last = self._last_seq
         if last is not None and notice.seq <= last:
             with self._lock:
@@ -218,18 +247,22 @@ class EvictionListener:
         the last applied one from the stream, or reconcile when that is impossible or
         asked for (after a reconnect, and periodically: a failover can lose writes that
         no notice will ever report, so only a comparison with the registry finds them)."""
-        newest = self.registry.notice_sequence()
+        incarnation, newest = self.registry.notice_position()
         last = self._last_seq
         replay: list[EvictionNotice] | None = None
-        if last is not None and newest >= last and not reconcile:
-            replay = self.registry.notices_after(last)
+        same_history = incarnation == self._incarnation
+        if last is not None and same_history and newest >= last and not reconcile:
+            replay = self.registry.notices_after(last, incarnation=incarnation)
         if replay is None:
-            # First start, a wiped namespace, or a trimmed stream: compare with the truth.
+            # First start, a new incarnation, or a trimmed stream: compare with the truth.
             # The registry is read after ``newest``, so it reflects every notice <= newest.
             self.pool.reconcile(self.registry)
             with self._lock:
+                if self._incarnation is not None and not same_history:
+                    self._restarts += 1
                 self._reconciles += 1
                 self._last_seq = newest
+                self._incarnation = incarnation
             return
         for notice in replay:
             self.pool.apply_notice(notice)

@@ -1,18 +1,49 @@
 -- _prelude.lua: shared by every script; registry/scripts.py puts it in front of each
 -- script body before loading, so one SCRIPT LOAD still carries one self-contained script.
 --
--- Rules every script follows (see DESIGN.md):
+-- Rules every script follows (ARCHITECTURE.md, "Invariants"):
 --   * a block hash stays a string from ARGV to reply; Lua numbers are doubles and
---     would round hashes above 2^53, so `tonumber` is never applied to a hash;
+--     would round hashes above 2^53, so `tonumber` is never applied to a hash; numbers
+--     above 2^53 or over 14 digits (notice numbers, epochs) travel as strings too;
 --   * `unpack` is chunked (CHUNK values at a time): Lua's C stack holds about 8,000;
 --   * every key comes from KEYS; the channel name is not a key and comes from ARGV;
---   * a write script's ARGV[1] is the caller's owner epoch ('' for a caller that owns
---     nothing, such as an operator); a superseded owner's write changes nothing.
+--   * a write script opens with WRITE_ARGV: ARGV[1] the caller's owner epoch ('' for a
+--     caller that owns nothing, such as an operator), ARGV[2] the request id, ARGV[3]
+--     how long (ms) its reply is kept, and KEYS[1] the request's reply key. A re-sent
+--     copy of the same request (a client retry after a timeout) returns the reply the
+--     first copy recorded and changes nothing; a superseded owner's write changes nothing.
 
 local CHUNK = 4000
 
+-- A notice's pairs are kept in the stream only up to this many bytes: the stream is
+-- bounded in bytes as well as entries. A longer notice is stored as 'truncated' (its
+-- pairs are still published in full); replaying it means reconciling instead.
+local STREAM_PAIRS_MAX_BYTES = 1024
+
+-- Whole numbers as decimal text without exponent (Lua would print 1.7e+15).
+local function digits(number)
+  return string.format('%.0f', number)
+end
+
+-- Three decimal digits taken from the request id (hex): the random part of new ids.
+local function nonce()
+  local n = tonumber(string.sub(ARGV[2], 1, 6), 16) or 0
+  return string.format('%03d', n % 1000)
+end
+
+-- The server's clock: microseconds as 16 digits of text, and milliseconds as a number.
+local function now_us_text()
+  local time = redis.call('TIME')
+  return time[1] .. string.format('%06d', tonumber(time[2]))
+end
+
+local function now_ms()
+  local time = redis.call('TIME')
+  return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+end
+
 -- Owner fencing. Returns an error reply when `epoch` is set and is not the namespace's
--- current epoch (in meta), so the caller returns it before writing anything.
+-- current epoch (in meta; a lost meta matches no epoch, since epochs never repeat).
 local function stale_epoch(meta_key, epoch)
   if epoch == '' then
     return nil
@@ -25,10 +56,35 @@ local function stale_epoch(meta_key, epoch)
     .. ', this owner holds ' .. epoch)
 end
 
--- The server's clock in milliseconds (leases use it, so client clocks never matter).
-local function now_ms()
-  local time = redis.call('TIME')
-  return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+-- Start of every write: the recorded reply of this request id (a retried copy), or the
+-- STALE_EPOCH error, or nil to go on.
+local function begin_write(meta_key)
+  local saved = redis.call('GET', KEYS[1])
+  if saved then
+    return cjson.decode(saved)
+  end
+  return stale_epoch(meta_key, ARGV[1])
+end
+
+-- End of every write: record the reply under the request id for ARGV[3] ms; return it.
+local function finish_write(reply)
+  redis.call('SET', KEYS[1], cjson.encode(reply), 'PX', ARGV[3])
+  return reply
+end
+
+-- The namespace's history: its incarnation id, created (with notice numbers starting
+-- at the server's clock in microseconds) whenever meta has none, i.e. the first write
+-- ever, or after meta was lost (gc, a server that restarted empty, an eviction). So
+-- notice numbers never go back, and a listener that sees a new incarnation reconciles.
+local function history(meta_key)
+  local incarnation = redis.call('HGET', meta_key, 'incarnation')
+  if incarnation then
+    return incarnation
+  end
+  local base = now_us_text()
+  incarnation = base .. nonce()
+  redis.call('HSET', meta_key, 'incarnation', incarnation, 'notice_seq', base, 'schema', '2')
+  return incarnation
 end
 
 -- Remove the fields list[from..to] (distinct hashes) from the HASH `key`.
@@ -60,14 +116,18 @@ end
 
 -- Number one eviction notice, append it to the capped stream and publish it.
 -- kind: 'evict' | 'cascade' | 'replace' | 'clear'; pairs_text: "bid:hash bid:hash ..." or ''.
--- Channel message: "<seq> <kind>[ <bid>:<hash> ...]". Returns that message, which is
--- also what the calling script replies with: the caller parses the notice it made.
+-- Channel message: "<seq>@<incarnation> <kind>[ <bid>:<hash> ...]". Returns that message,
+-- which is also what the calling script replies with: the caller parses the notice it made.
 local function publish_notice(meta_key, stream_key, channel, stream_maxlen, kind, pairs_text)
-  local seq = redis.call('HINCRBY', meta_key, 'notice_seq', 1)
-  redis.call('HSETNX', meta_key, 'schema', '1')
+  local incarnation = history(meta_key)
+  local seq = digits(redis.call('HINCRBY', meta_key, 'notice_seq', 1))
+  local kept, truncated = pairs_text, '0'
+  if #pairs_text > STREAM_PAIRS_MAX_BYTES then
+    kept, truncated = '', '1'
+  end
   redis.call('XADD', stream_key, 'MAXLEN', '~', stream_maxlen, '*',
-    'seq', seq, 'kind', kind, 'pairs', pairs_text)
-  local message = seq .. ' ' .. kind
+    'seq', seq, 'inc', incarnation, 'kind', kind, 'pairs', kept, 'truncated', truncated)
+  local message = seq .. '@' .. incarnation .. ' ' .. kind
   if pairs_text ~= '' then
     message = message .. ' ' .. pairs_text
   end

@@ -1,23 +1,36 @@
 -- claim: a (re)starting owner takes a new epoch for its namespace. In the same step it
--- drops the previous incarnation's entries (its GPU blocks are gone) and starts a lease,
--- so a late write from the old process fails with STALE_EPOCH and resurrects nothing.
+-- drops the previous incarnation's entries (its GPU blocks are gone), announces that
+-- with a 'clear' notice (always: the caller's own slot pool hears it in-process), and
+-- starts a lease. Epochs never repeat: the server's clock in microseconds plus three
+-- random digits, never stored as a counter that a lost meta would restart; so a late
+-- write from any earlier owner fails with STALE_EPOCH and resurrects nothing.
 --
--- KEYS[1]  pcr:{node-0}:kv                 HASH hash -> KV block id
--- KEYS[2]  pcr:{node-0}:mamba              HASH hash -> block id with Mamba state
--- KEYS[3]  pcr:{node-0}:meta               HASH schema, epoch, notice_seq, lease_until
--- KEYS[4]  pcr:{node-0}:mamba-evictions    STREAM of notices, capped
--- ARGV[1]  pcr:{node-0}:mamba-evicted      channel for the 'clear' notice
--- ARGV[2]  "10000"                         approximate stream cap (MAXLEN ~)
--- ARGV[3]  "10000"                         lease length in milliseconds
+-- KEYS[1]  pcr:{node-0}:reply:5f1c2a9b03e1-7   this request's reply record
+-- KEYS[2]  pcr:{node-0}:kv                      HASH hash -> KV block id
+-- KEYS[3]  pcr:{node-0}:mamba                   HASH hash -> block id with Mamba state
+-- KEYS[4]  pcr:{node-0}:meta                    HASH schema, epoch, incarnation,
+--                                                    notice_seq, lease_until
+-- KEYS[5]  pcr:{node-0}:mamba-evictions         STREAM of notices, capped
+-- ARGV[1]  ""                                   (claims are never fenced)
+-- ARGV[2]  "5f1c2a9b03e1-7"                     request id (its first hex digits give
+--                                                the epoch's random part)
+-- ARGV[3]  "30000"                              how long the reply is kept (ms)
+-- ARGV[4]  pcr:{node-0}:mamba-evicted           channel for the 'clear' notice
+-- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
+-- ARGV[6]  "10000"                              lease length in milliseconds
 --
--- Returns: { new epoch, lease end (server clock, ms) }
--- Calls:   TIME, HINCRBY, HSETNX, HSET, UNLINK, XADD, PUBLISH
-local epoch = redis.call('HINCRBY', KEYS[3], 'epoch', 1)
-redis.call('HSETNX', KEYS[3], 'schema', '1')
-redis.call('UNLINK', KEYS[1])
-if redis.call('UNLINK', KEYS[2]) == 1 then
-  publish_notice(KEYS[3], KEYS[4], ARGV[1], ARGV[2], 'clear', '')
+-- Returns: { new epoch, lease end (server clock, ms), clear notice }, numbers as text.
+-- Calls:   GET, TIME, HGET, HSET, UNLINK, HINCRBY, XADD, PUBLISH, SET
+local early = begin_write(KEYS[4])
+if early then return early end
+local epoch = now_us_text() .. nonce()
+if epoch == redis.call('HGET', KEYS[4], 'epoch') then
+  epoch = string.sub(epoch, 1, -2) .. ((tonumber(string.sub(epoch, -1)) + 1) % 10)
 end
-local lease_until = now_ms() + tonumber(ARGV[3])
-redis.call('HSET', KEYS[3], 'lease_until', lease_until)
-return {epoch, lease_until}
+-- The first write adds data, so a server out of memory (noeviction) refuses the whole
+-- claim here, before anything changed (Redis checks only a script's first write).
+local lease_until = digits(now_ms() + tonumber(ARGV[6]))
+redis.call('HSET', KEYS[4], 'epoch', epoch, 'lease_until', lease_until)
+redis.call('UNLINK', KEYS[2], KEYS[3])
+local notice = publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'clear', '')
+return finish_write({epoch, lease_until, notice})

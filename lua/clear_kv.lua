@@ -1,12 +1,15 @@
--- clear_kv: drop every KV entry of the namespace (Mamba entries stay, as in the seed).
+-- clear_kv: drop every KV entry of the namespace (Mamba entries stay, as in Megatron-Core).
 --
--- KEYS[1]  pcr:{node-0}:kv      HASH hash -> KV block id
--- KEYS[2]  pcr:{node-0}:meta    HASH epoch
--- ARGV[1]  "3" or ""            the caller's owner epoch ('' = not an owner)
+-- KEYS[1]  pcr:{node-0}:reply:5f1c2a9b03e1-7   this request's reply record
+-- KEYS[2]  pcr:{node-0}:kv                      HASH hash -> KV block id
+-- KEYS[3]  pcr:{node-0}:meta                    HASH epoch
+-- ARGV[1]  "1796024288853123482" or ""          the caller's owner epoch ('' = not an owner)
+-- ARGV[2]  "5f1c2a9b03e1-7"                     request id
+-- ARGV[3]  "30000"                              how long the reply is kept (ms)
 --
--- Returns: integer, 1 if there was anything to drop, else 0;
---          error STALE_EPOCH when the caller's epoch was superseded.
--- Calls:   HGET, UNLINK (the hash is freed off the main thread)
-local stale = stale_epoch(KEYS[2], ARGV[1])
-if stale then return stale end
-return redis.call('UNLINK', KEYS[1])
+-- Returns: integer, 1 if there was anything to drop, else 0 (a retry: the first
+--          copy's reply); error STALE_EPOCH when the caller's epoch was superseded.
+-- Calls:   GET, HGET, UNLINK (the hash is freed off the main thread), SET
+local early = begin_write(KEYS[3])
+if early then return early end
+return finish_write(redis.call('UNLINK', KEYS[2]))

@@ -2,33 +2,38 @@
 -- hashes (a deregistered KV block can never keep valid Mamba state); announce the
 -- Mamba removals with one eviction notice.
 --
--- KEYS[1]  pcr:{node-0}:kv                 HASH hash -> KV block id
--- KEYS[2]  pcr:{node-0}:mamba              HASH hash -> block id with Mamba state
--- KEYS[3]  pcr:{node-0}:meta               HASH epoch, notice_seq
--- KEYS[4]  pcr:{node-0}:mamba-evictions    STREAM of notices, capped
--- ARGV[1]  "3" or ""                       the caller's owner epoch ('' = not an owner)
--- ARGV[2]  pcr:{node-0}:mamba-evicted      channel for the notice
--- ARGV[3]  "10000"                         approximate stream cap (MAXLEN ~)
--- ARGV[4..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
+-- KEYS[1]  pcr:{node-0}:reply:5f1c2a9b03e1-7   this request's reply record
+-- KEYS[2]  pcr:{node-0}:kv                      HASH hash -> KV block id
+-- KEYS[3]  pcr:{node-0}:mamba                   HASH hash -> block id with Mamba state
+-- KEYS[4]  pcr:{node-0}:meta                    HASH epoch, incarnation, notice_seq
+-- KEYS[5]  pcr:{node-0}:mamba-evictions         STREAM of notices, capped
+-- ARGV[1]  "1796024288853123482" or ""          the caller's owner epoch ('' = not an owner)
+-- ARGV[2]  "5f1c2a9b03e1-7"                     request id
+-- ARGV[3]  "30000"                              how long the reply is kept (ms)
+-- ARGV[4]  pcr:{node-0}:mamba-evicted           channel for the notice
+-- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
+-- ARGV[6..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
 --
 -- Returns: { removed, notice }: removed is the number of hashes removed from KV when
 --          that is all of them (the usual case: nothing to list), else their list;
 --          notice is "" or the text of the one notice for the cascaded Mamba entries,
---          "<seq> cascade <block_id>:<hash> ..." as published;
---          error STALE_EPOCH when the caller's epoch was superseded.
--- Calls:   HGET, HMGET, HDEL, EXISTS, HINCRBY, XADD, PUBLISH
-local stale = stale_epoch(KEYS[3], ARGV[1])
-if stale then return stale end
+--          "<seq>@<incarnation> cascade <block_id>:<hash> ..." as published;
+--          a retried request returns the first copy's reply;
+--          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
+-- Calls:   GET, HGET, HMGET, HDEL, EXISTS, HSET, HINCRBY, TIME, XADD, PUBLISH, SET
+local early = begin_write(KEYS[4])
+if early then return early end
 local kv_hashes = {}
-local removed = remove_fields(KEYS[1], ARGV, 4, #ARGV, kv_hashes, nil)
+local removed = remove_fields(KEYS[2], ARGV, 6, #ARGV, kv_hashes, nil)
 local notice = ''
-if removed > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
+if removed > 0 and redis.call('EXISTS', KEYS[3]) == 1 then
   local mamba_hashes, pair_texts = {}, {}
-  if remove_fields(KEYS[2], kv_hashes, 1, removed, mamba_hashes, pair_texts) > 0 then
-    notice = publish_notice(KEYS[3], KEYS[4], ARGV[2], ARGV[3], 'cascade', table.concat(pair_texts, ' '))
+  if remove_fields(KEYS[3], kv_hashes, 1, removed, mamba_hashes, pair_texts) > 0 then
+    notice = publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'cascade',
+      table.concat(pair_texts, ' '))
   end
 end
-if removed == #ARGV - 3 then
-  return {removed, notice}
+if removed == #ARGV - 5 then
+  return finish_write({removed, notice})
 end
-return {kv_hashes, notice}
+return finish_write({kv_hashes, notice})

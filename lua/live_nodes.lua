@@ -1,13 +1,93 @@
--- live_nodes: namespaces in the node index whose lease has (not) run out, by the
--- server's clock.
+-- live_nodes: the node index's namespaces whose lease has (not) run out, by the server's
+-- clock, skipping members that are not valid namespaces (anyone allowed to ZADD the
+-- shared index can add garbage; one bad member must not break routing for the fleet).
+-- Also lists or removes those invalid members, for `pcr stats` and `pcr gc`.
 --
 -- KEYS[1]  pcr:nodes    ZSET namespace -> lease end (ms)
--- ARGV[1]  "live" | "dead"
+-- ARGV[1]  "live" | "dead" | "invalid" | "purge"
 --
--- Returns: array of namespaces.
--- Calls:   TIME, ZRANGEBYSCORE
-local now = now_ms()
-if ARGV[1] == 'dead' then
-  return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+-- Returns: live/dead: { array of namespaces, number of invalid members skipped };
+--          invalid/purge: { array of invalid members (their first 200 bytes, bytes
+--          that are not printable ASCII shown as \xNN), number of them } (purge also
+--          removes them).
+-- Calls:   TIME, ZRANGEBYSCORE, ZRANGE, ZREM
+--
+-- A valid member: 1 to 800 bytes of well-formed UTF-8 without '{', '}', ASCII
+-- whitespace or control characters (the client applies the full namespace rules).
+
+local function well_formed(name)
+  local n = #name
+  if n == 0 or n > 800 or string.find(name, '[{}%s%c]') then
+    return false
+  end
+  local i = 1
+  while i <= n do
+    local c = string.byte(name, i)
+    local extra, low, high = 0, 0x80, 0xBF
+    if c < 0x80 then
+      extra = 0
+    elseif c >= 0xC2 and c <= 0xDF then
+      extra = 1
+    elseif c >= 0xE0 and c <= 0xEF then
+      extra = 2
+      if c == 0xE0 then low = 0xA0 elseif c == 0xED then high = 0x9F end
+    elseif c >= 0xF0 and c <= 0xF4 then
+      extra = 3
+      if c == 0xF0 then low = 0x90 elseif c == 0xF4 then high = 0x8F end
+    else
+      return false
+    end
+    for j = i + 1, i + extra do
+      local d = string.byte(name, j)
+      if not d or d < low or d > high then
+        return false
+      end
+      low, high = 0x80, 0xBF
+    end
+    i = i + extra + 1
+  end
+  return true
 end
-return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
+
+local function shown(name)
+  if #name > 200 then
+    name = string.sub(name, 1, 200)
+  end
+  return (string.gsub(name, '[%c\128-\255]', function(c)
+    return string.format('\\x%02x', string.byte(c))
+  end))
+end
+
+local mode = ARGV[1]
+if mode == 'invalid' or mode == 'purge' then
+  local bad = {}
+  for _, name in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    if not well_formed(name) then
+      bad[#bad + 1] = name
+    end
+  end
+  local listed = {}
+  for i = 1, #bad do
+    listed[i] = shown(bad[i])
+    if mode == 'purge' then
+      redis.call('ZREM', KEYS[1], bad[i])
+    end
+  end
+  return {listed, #bad}
+end
+local now = now_ms()
+local names
+if mode == 'dead' then
+  names = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+else
+  names = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
+end
+local valid, skipped = {}, 0
+for _, name in ipairs(names) do
+  if well_formed(name) then
+    valid[#valid + 1] = name
+  else
+    skipped = skipped + 1
+  end
+end
+return {valid, skipped}

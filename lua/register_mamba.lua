@@ -2,42 +2,48 @@
 -- checkpoint. A hash that already pointed at another block id loses that old entry:
 -- it is announced with a 'replace' notice so the owner of the old slot frees it.
 --
--- KEYS[1]  pcr:{node-0}:mamba              HASH hash -> block id with Mamba state
--- KEYS[2]  pcr:{node-0}:meta               HASH schema, epoch, notice_seq
--- KEYS[3]  pcr:{node-0}:mamba-evictions    STREAM of notices, capped
--- ARGV[1]  "3" or ""                       the caller's owner epoch ('' = not an owner)
--- ARGV[2]  pcr:{node-0}:mamba-evicted      channel for the notice
--- ARGV[3]  "10000"                         approximate stream cap (MAXLEN ~)
--- ARGV[4..] hash1, block_id1, hash2, block_id2, ...; hashes > 0, distinct (caller checks)
+-- KEYS[1]  pcr:{node-0}:reply:5f1c2a9b03e1-7   this request's reply record
+-- KEYS[2]  pcr:{node-0}:mamba                   HASH hash -> block id with Mamba state
+-- KEYS[3]  pcr:{node-0}:meta                    HASH epoch, incarnation, notice_seq
+-- KEYS[4]  pcr:{node-0}:mamba-evictions         STREAM of notices, capped
+-- ARGV[1]  "1796024288853123482" or ""          the caller's owner epoch ('' = not an owner)
+-- ARGV[2]  "5f1c2a9b03e1-7"                     request id
+-- ARGV[3]  "30000"                              how long the reply is kept (ms)
+-- ARGV[4]  pcr:{node-0}:mamba-evicted           channel for the notice
+-- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
+-- ARGV[6..] hash1, block_id1, hash2, block_id2, ...; hashes > 0, distinct (caller checks)
 --
 -- Returns: { notice, stamp }: notice is "" or the text of the 'replace' notice listing
---          the (old block id, hash) entries that were replaced; stamp is
---          the namespace's notice number after this call; only a notice numbered above
---          it can remove the entries just written (block ids are reused, so a slot
---          owner needs this to ignore late notices about an older registration);
---          error STALE_EPOCH when the caller's epoch was superseded.
--- Calls:   HGET, HMGET, HSET, HINCRBY, XADD, PUBLISH
-local stale = stale_epoch(KEYS[2], ARGV[1])
-if stale then return stale end
+--          the (old block id, hash) entries that were replaced; stamp is the
+--          namespace's notice number after this call, as text; only a notice numbered
+--          above it can remove the entries just written (block ids are reused, so a
+--          slot owner needs this to ignore late notices about an older registration);
+--          a retried request returns the first copy's reply;
+--          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
+-- Calls:   GET, HGET, HMGET, HSET, HINCRBY, TIME, XADD, PUBLISH, SET
+local early = begin_write(KEYS[3])
+if early then return early end
+history(KEYS[3])  -- stamps count in the current history's numbers
 local pair_texts = {}
 local n = #ARGV
-for first = 4, n, CHUNK do
+for first = 6, n, CHUNK do
   local last = math.min(first + CHUNK - 1, n)
   local fields = {}
   for i = first, last, 2 do
     fields[#fields + 1] = ARGV[i]
   end
-  local old_ids = redis.call('HMGET', KEYS[1], unpack(fields))
+  local old_ids = redis.call('HMGET', KEYS[2], unpack(fields))
   for j = 1, #fields do
     local old_id = old_ids[j]
     if old_id and old_id ~= ARGV[first + 2 * j - 1] then
       pair_texts[#pair_texts + 1] = old_id .. ':' .. fields[j]
     end
   end
-  redis.call('HSET', KEYS[1], unpack(ARGV, first, last))
+  redis.call('HSET', KEYS[2], unpack(ARGV, first, last))
 end
 local notice = ''
 if #pair_texts > 0 then
-  notice = publish_notice(KEYS[2], KEYS[3], ARGV[2], ARGV[3], 'replace', table.concat(pair_texts, ' '))
+  notice = publish_notice(KEYS[3], KEYS[4], ARGV[4], ARGV[5], 'replace',
+    table.concat(pair_texts, ' '))
 end
-return {notice, tonumber(redis.call('HGET', KEYS[2], 'notice_seq') or '0')}
+return finish_write({notice, redis.call('HGET', KEYS[3], 'notice_seq')})

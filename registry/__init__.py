@@ -8,7 +8,16 @@ package never imports torch.
 from __future__ import annotations
 
 from registry.base import EvictionHook, MambaEvictCallback, RegistryBase
-from registry.errors import RegistryError, RegistryUnavailable, StaleEpochError
+from registry.errors import (
+    RegistryError,
+    RegistryFault,
+    RegistryMisconfigured,
+    RegistryOutOfMemory,
+    RegistryPermissionError,
+    RegistryUnavailable,
+    RegistryWrongType,
+    StaleEpochError,
+)
 from registry.hashing import block_hashes
 from registry.keys import NamespaceKeys
 from registry.local import LocalPrefixCacheRegistry
@@ -30,7 +39,12 @@ __all__ = [
     "PrefixRouter",
     "RegistryBase",
     "RegistryError",
+    "RegistryFault",
+    "RegistryMisconfigured",
+    "RegistryOutOfMemory",
+    "RegistryPermissionError",
     "RegistryUnavailable",
+    "RegistryWrongType",
     "StaleEpochError",
     "block_hashes",
     "gc",

@@ -8,7 +8,6 @@ connection pool), so one client may serve many registries and threads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
@@ -17,21 +16,8 @@ SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
 
 
-class Script(Protocol):
-    """What ``register_script`` returns: calls EVALSHA and reloads on NOSCRIPT."""
-
-    def __call__(
-        self,
-        keys: Sequence[Any] | None = None,
-        args: Sequence[Any] | None = None,
-        client: Any = None,
-    ) -> Any: ...
-
-
 class RedisClient(Protocol):
     """The part of a redis-py style client the registry calls."""
-
-    def register_script(self, script: str) -> Any: ...
 
     def script_load(self, script: str) -> Any: ...
 

@@ -1,16 +1,38 @@
-"""Typed exceptions the scripts' status replies and Redis faults turn into."""
+"""The registry's one error vocabulary, and the one place Redis faults are mapped to it.
+
+Every operation (registry, membership, router, listener, CLI) turns a redis-py exception
+into one of these through :func:`translate`, so callers only ever catch this hierarchy::
+
+    RegistryError
+    ├── StaleEpochError          this owner was superseded, collected or lost its namespace
+    ├── RegistryUnavailable      retryable: Redis is not there right now
+    └── RegistryFault            not retryable: an operator has to act
+        ├── RegistryOutOfMemory      maxmemory reached under noeviction
+        ├── RegistryPermissionError  login refused, or an ACL user lacks a command or key
+        ├── RegistryWrongType        a registry key holds another Redis type
+        └── RegistryMisconfigured    wrong URL kind, DB index, cluster settings, ...
+
+Bad input never gets here: it raises ``TypeError``/``ValueError`` before anything is sent.
+"""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthorizationError,
     BusyLoadingError,
     ClusterDownError,
+    NoPermissionError,
+    OutOfMemoryError,
     ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -22,9 +44,10 @@ class RegistryError(Exception):
 
 
 class StaleEpochError(RegistryError):
-    """A write from an owner whose epoch was superseded: another process claimed the
-    namespace, or its lease ran out and the namespace was garbage-collected. Nothing
-    was changed; the process must stop writing (or claim again and start empty)."""
+    """A write from an owner that no longer owns its namespace: another process claimed
+    it, ``gc`` collected it after its lease ran out, or its ``meta`` was lost (a server
+    that restarted empty, an eviction). Nothing was changed; the process must stop
+    writing, or claim again and start empty. Not retryable."""
 
     def __init__(self, namespace: str, epoch: int | None, detail: str) -> None:
         super().__init__(f"namespace {namespace!r}: {detail}")
@@ -33,39 +56,136 @@ class StaleEpochError(RegistryError):
 
 
 class RegistryUnavailable(RegistryError):
-    """Redis could not be reached in time (refused, timed out, failing over, loading).
+    """Redis could not be reached in time (refused, timed out, failing over, loading,
+    busy running a slow script). Retryable.
 
-    Whether the call took effect is unknown, and every registry operation is safe to
-    call again: reads change nothing; ``register_*`` write the same values again;
-    ``evict_*`` and the clears remove what is still there (a repeat removes nothing
-    more and publishes no second notice); ``claim`` takes yet another epoch, which is
-    as good as the first; ``renew`` extends the same lease.
+    ``outcome_unknown`` is True for a write whose command may have reached the server:
+    it may have run. Calling the operation again is safe: reads change nothing;
+    ``register_*`` write the same values again; ``evict_*`` and the clears remove what
+    is still there; a removal that did happen was announced with a notice, which the
+    slot owner's listener applies; ``claim`` takes another epoch, as good as the first;
+    ``renew`` extends the same lease. Within one call, redis-py's own retries re-send
+    the same request id, so the script's effect happens at most once and the reply is
+    the one the first run recorded.
     """
+
+    def __init__(self, message: str, *, outcome_unknown: bool = False) -> None:
+        super().__init__(message)
+        self.outcome_unknown = outcome_unknown
+
+
+class RegistryFault(RegistryError):
+    """Redis answered, but refused in a way retrying cannot fix: an operator must act
+    (the message says what). Nothing was changed by the refused command."""
+
+
+class RegistryOutOfMemory(RegistryFault):
+    """Redis reached ``maxmemory`` under ``noeviction`` and refuses writes."""
+
+
+class RegistryPermissionError(RegistryFault):
+    """The login was refused, or the ACL user lacks a command, key or channel."""
+
+
+class RegistryWrongType(RegistryFault):
+    """A registry key holds another Redis type (written by something else)."""
+
+
+class RegistryMisconfigured(RegistryFault):
+    """The connection does not fit the server: a cluster URL for a standalone server or
+    the reverse, a database index out of range, a server without scripting, ..."""
 
 
 UNAVAILABLE = (
-    RedisConnectionError,  # refused, reset, pool exhausted, authentication failed...
+    RedisConnectionError,  # refused, reset, pool exhausted...
     RedisTimeoutError,
+    socket.timeout,
     BusyLoadingError,  # a restarted server still loading its data
     ClusterDownError,  # includes MasterDownError: a failover in progress
     TryAgainError,  # a slot being migrated
     ReadOnlyError,  # a write that reached a replica during a failover
 )
-"""Errors that mean "Redis is not there right now"."""
+"""redis-py errors that mean "Redis is not there right now" (retryable)."""
+
+REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
+"""Everything a redis-py call can raise for a fault of the server or the connection."""
+
+_HINTS = {
+    "oom": "Redis is out of memory (maxmemory under noeviction): raise maxmemory, or run "
+    "`pcr gc` to drop dead namespaces",
+    "login": "Redis refused the login: check the user name and password in the URL",
+    "noperm": "the Redis user lacks a command, key or channel the registry needs: "
+    "grant it (README: per-node ACL users)",
+    "wrongtype": "a registry key holds another Redis type: something else wrote it; "
+    "delete or rename that key (`pcr stats` names the namespace)",
+    "cluster_on_standalone": "the URL asks for Redis Cluster but the server is standalone: "
+    "use redis:// instead of redis+cluster://",
+    "standalone_on_cluster": "the server is a Redis Cluster node: use redis+cluster://",
+}
 
 
-def registry_unavailable(what: str, exc: BaseException) -> RegistryUnavailable:
-    """The ``RegistryUnavailable`` for a Redis fault (one clear type, no password in it)."""
-    reason = str(exc).split("\n")[0] or type(exc).__name__
-    if isinstance(exc, (AuthenticationError, AuthorizationError)):
-        return RegistryUnavailable(f"{what}: Redis refused the login: {reason}")
-    return RegistryUnavailable(f"{what}: Redis unavailable: {reason}")
+def _first_line(exc: BaseException) -> str:
+    return str(exc).split("\n")[0].strip() or type(exc).__name__
+
+
+def translate(exc: BaseException, what: str, *, write: bool = False) -> RegistryError | None:
+    """The registry error for a redis-py exception raised while doing ``what``, or None
+    when ``exc`` is not a Redis fault (a bug or bad input: let it propagate).
+
+    ``write``: the command may have changed data, so an unavailability leaves its outcome
+    unknown. Messages carry no passwords (redis-py never puts them in its errors).
+    """
+    if isinstance(exc, RegistryError):
+        return exc
+    reason = _first_line(exc)
+    text = reason.upper()
+    if isinstance(exc, (AuthenticationError, AuthorizationError)) or text.startswith(
+        ("WRONGPASS", "NOAUTH", "INVALID PASSWORD", "INVALID USERNAME")
+    ):
+        return RegistryPermissionError(f"{what}: {_HINTS['login']} ({reason})")
+    if (
+        isinstance(exc, NoPermissionError)
+        or "NOPERM" in text
+        or "NO PERMISSIONS" in text
+        or "CAN'T RUN THIS COMMAND" in text  # a refusal inside a script (Redis 7.0)
+        or "NO PERMISSION" in text
+    ):
+        return RegistryPermissionError(f"{what}: {_HINTS['noperm']} ({reason})")
+    if isinstance(exc, OutOfMemoryError) or text.startswith("OOM") or " OOM " in text:
+        return RegistryOutOfMemory(f"{what}: {_HINTS['oom']} ({reason})")
+    if text.startswith("BUSY ") or text.startswith("BUSY,"):
+        # A slow script (someone else's) holds the server: retry after it ends.
+        return RegistryUnavailable(f"{what}: Redis is busy running a script: {reason}")
+    if isinstance(exc, UNAVAILABLE):
+        unknown = write and isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError))
+        suffix = " (the write may or may not have run)" if unknown else ""
+        return RegistryUnavailable(
+            f"{what}: Redis unavailable: {reason}{suffix}", outcome_unknown=unknown
+        )
+    if "WRONGTYPE" in text:
+        return RegistryWrongType(f"{what}: {_HINTS['wrongtype']} ({reason})")
+    if isinstance(exc, RedisClusterException) or "CLUSTER SUPPORT DISABLED" in text:
+        if "not enabled" in reason or "disabled" in reason.lower():
+            return RegistryMisconfigured(f"{what}: {_HINTS['cluster_on_standalone']}")
+        # "Redis Cluster cannot be connected": no startup node answered.
+        return RegistryUnavailable(f"{what}: Redis Cluster unreachable: {reason}")
+    if isinstance(exc, AskError) or text.startswith(("MOVED", "ASK ")):  # MovedError too
+        return RegistryMisconfigured(f"{what}: {_HINTS['standalone_on_cluster']} ({reason})")
+    if "DB INDEX IS OUT OF RANGE" in text or "SELECT IS NOT ALLOWED" in text:
+        return RegistryMisconfigured(f"{what}: the URL's database index is wrong: {reason}")
+    if isinstance(exc, ResponseError):
+        return RegistryMisconfigured(f"{what}: Redis refused the command: {reason}")
+    if isinstance(exc, RedisError):
+        return RegistryUnavailable(f"{what}: Redis error: {reason}")
+    if isinstance(exc, OSError):
+        return RegistryUnavailable(f"{what}: Redis unavailable: {reason}", outcome_unknown=write)
+    return None
 
 
 @contextmanager
-def unavailable_as_registry_error(what: str) -> Iterator[None]:
-    """Raise ``RegistryUnavailable`` for Redis faults inside the block."""
+def unavailable_as_registry_error(what: str, *, write: bool = False) -> Iterator[None]:
+    """Raise the registry error for any Redis fault inside the block (``translate``)."""
     try:
         yield
-    except UNAVAILABLE as exc:
-        raise registry_unavailable(what, exc) from exc
+    except REDIS_ERRORS as exc:
+        raise (translate(exc, what, write=write) or exc) from exc

@@ -92,6 +92,17 @@ class NamespaceKeys:
         """Pub/sub channel on which eviction notices are published."""
         return f"{self.base}:mamba-evicted"
 
+    @property
+    def reply_prefix(self) -> str:
+        """Start of the STRING keys ``pcr:{NS}:reply:<request id>``: each write's reply,
+        kept for ``reply_ttl`` seconds (then expired by Redis) so that a re-sent copy of
+        the request returns it instead of running again."""
+        return f"{self.base}:reply:"
+
     def all_keys(self) -> tuple[str, ...]:
-        """Every key (not the channel) of the namespace."""
+        """Every long-lived key (not the channel, nor the expiring reply records)."""
         return (self.kv, self.mamba, self.meta, self.mamba_evictions)
+
+    def owns(self, key: str) -> bool:
+        """Whether ``key`` is one of this namespace's keys, reply records included."""
+        return key in self.all_keys() or key.startswith(self.reply_prefix)

@@ -2,11 +2,19 @@
 
 Each script that removes Mamba entries numbers one notice per call with
 ``HINCRBY meta notice_seq 1``, appends it to the capped stream
-``pcr:{NS}:mamba-evictions`` (fields ``seq``, ``kind``, ``pairs``) and publishes it on
-the channel ``pcr:{NS}:mamba-evicted`` as one text line::
+``pcr:{NS}:mamba-evictions`` (fields ``seq``, ``inc``, ``kind``, ``pairs``, ``truncated``)
+and publishes it on the channel ``pcr:{NS}:mamba-evicted`` as one text line::
 
-    42 evict 17:8815920390121 18:77123     <- seq, kind, block_id:hash pairs
-    43 clear                                <- every Mamba entry dropped
+    1796024288853142@1796024288853101482 evict 17:8815920390121 18:77123
+    1796024288853143@1796024288853101482 clear
+    ^ seq            ^ incarnation         ^ kind ^ block_id:hash pairs
+
+The incarnation names the namespace's history: it changes whenever ``meta`` is created
+again (first write, ``gc``, a server that restarted empty, an eviction), and each new
+history numbers its notices from the server's clock in microseconds, so numbers never
+go back. A listener that sees a new incarnation reconciles. The stream keeps a notice's
+pairs only up to 1 KiB (``truncated`` otherwise): replaying such a notice means
+reconciling instead.
 
 Kinds: ``evict`` (evict_mamba), ``cascade`` (evict_kv), ``replace`` (register_mamba
 moved a hash to another block id), ``clear`` (clear_mamba, reset; no pairs).
@@ -27,6 +35,8 @@ class EvictionNotice:
     seq: int
     kind: str
     pairs: tuple[tuple[int, int], ...] = ()
+    incarnation: str = ""  # the namespace's history this number counts in
+    truncated: bool = False  # read back from the stream without its pairs
 
     @property
     def cleared(self) -> bool:
@@ -42,20 +52,25 @@ def _text(value: object) -> str:
     raise ValueError(f"notice field is {type(value).__name__}, expected str or bytes")
 
 
-def _parse(seq_text: str, kind: str, pair_words: list[str]) -> EvictionNotice:
-    if not seq_text.isdigit():
+def _parse(
+    head: str, kind: str, pair_words: list[str], *, truncated: bool = False
+) -> EvictionNotice:
+    seq_text, _, incarnation = head.partition("@")
+    if not seq_text.isdigit() or not seq_text.isascii():
         raise ValueError(f"notice sequence {seq_text!r} is not a positive integer")
+    if incarnation and not (incarnation.isdigit() and incarnation.isascii()):
+        raise ValueError(f"notice incarnation {incarnation!r} is not a number")
     if kind not in KINDS:
         raise ValueError(f"unknown notice kind {kind!r}")
     pairs = []
     for word in pair_words:
         block_id, sep, h = word.partition(":")
-        if not (sep and block_id.isdigit() and h.isdigit()):
+        if not (sep and block_id.isdigit() and h.isdigit() and word.isascii()):
             raise ValueError(f"malformed block_id:hash pair {word!r}")
         pairs.append((int(block_id), int(h)))
     if kind == "clear" and pairs:
         raise ValueError("a clear notice carries no pairs")
-    return EvictionNotice(int(seq_text), kind, tuple(pairs))
+    return EvictionNotice(int(seq_text), kind, tuple(pairs), incarnation, truncated)
 
 
 def parse_notice(message: str | bytes) -> EvictionNotice:
@@ -76,4 +91,5 @@ def parse_stream_entry(fields: Mapping[object, object]) -> EvictionNotice:
         seq, kind, pairs = by_name["seq"], by_name["kind"], by_name["pairs"]
     except KeyError as exc:
         raise ValueError(f"stream entry lacks field {exc.args[0]!r}") from None
-    return _parse(seq, kind, pairs.split())
+    head = f"{seq}@{by_name['inc']}" if by_name.get("inc") else seq
+    return _parse(head, kind, pairs.split(), truncated=by_name.get("truncated") == "1")

@@ -16,28 +16,49 @@ by many threads.
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from typing import Any
-
-from redis.exceptions import NoScriptError, ResponseError
 
 from registry.base import RegistryBase
 from registry.client import RedisClient, client_from_url
-from registry.errors import UNAVAILABLE, StaleEpochError, registry_unavailable
+from registry.errors import REDIS_ERRORS, translate
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import DEFAULT_LEASE_TTL, Heartbeat, NodeIndex
 from registry.notices import EvictionNotice, parse_notice, parse_stream_entry
-from registry.scripts import register_scripts
+from registry.scripts import ScriptRunner
 from registry.validation import flatten
 
-DEFAULT_NOTICE_STREAM_MAXLEN = 10_000
+DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
+"""Notices kept in a namespace's stream for replay (each at most ~1.1 KiB there)."""
+
+DEFAULT_REPLY_TTL = 30.0
+"""Seconds a write's reply stays recorded under its request id: longer than any one
+call can keep retrying (``CALL_BOUND``), so a re-sent copy never runs twice."""
+
+CONNECT_TIMEOUT = 1.0
+READ_TIMEOUT = 2.0
+RETRIES = 1
+RETRY_BACKOFF_CAP = 0.25
+CALL_BOUND = (RETRIES + 1) * (CONNECT_TIMEOUT + 2 * READ_TIMEOUT) + RETRIES * RETRY_BACKOFF_CAP
+"""The longest a call on a ``from_url`` client blocks before raising (10.25 s): each
+attempt may connect, send its handshake and read one reply, and there is one retry."""
 
 DEFAULT_CLIENT_OPTIONS: dict[str, Any] = {
-    "socket_connect_timeout": 2.0,
-    "socket_timeout": 5.0,
+    "socket_connect_timeout": CONNECT_TIMEOUT,
+    "socket_timeout": READ_TIMEOUT,
     "health_check_interval": 30,
 }
-"""``from_url`` defaults (any may be overridden): bounded waits, so a serving node sees
-``RegistryUnavailable`` within seconds instead of hanging on a dead server."""
+"""``from_url`` defaults (any may be overridden): bounded waits (``CALL_BOUND``), so a
+serving node sees ``RegistryUnavailable`` within seconds instead of hanging."""
+
+
+def default_retry() -> Any:
+    """The ``from_url`` retry policy: one quick retry with jittered backoff."""
+    from redis.backoff import ExponentialWithJitterBackoff
+    from redis.retry import Retry
+
+    return Retry(ExponentialWithJitterBackoff(base=0.02, cap=RETRY_BACKOFF_CAP), RETRIES)
 
 
 class PrefixCacheRegistry(RegistryBase):
@@ -50,37 +71,71 @@ class PrefixCacheRegistry(RegistryBase):
         *,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         notice_stream_maxlen: int = DEFAULT_NOTICE_STREAM_MAXLEN,
+        reply_ttl: float = DEFAULT_REPLY_TTL,
     ) -> None:
         super().__init__()
         self.keys = NamespaceKeys(namespace, key_prefix)
         if isinstance(notice_stream_maxlen, bool) or not isinstance(notice_stream_maxlen, int):
             raise TypeError("notice_stream_maxlen must be an int")
-        if notice_stream_maxlen < 1:
-            raise ValueError("notice_stream_maxlen must be at least 1")
-        if not callable(getattr(client, "register_script", None)):
+        if not 1 <= notice_stream_maxlen <= 10_000_000:
+            raise ValueError("notice_stream_maxlen must lie between 1 and 10,000,000")
+        if isinstance(reply_ttl, bool) or not isinstance(reply_ttl, (int, float)):
+            raise TypeError("reply_ttl must be a number of seconds")
+        if not 1 <= reply_ttl <= 86_400:
+            raise ValueError(f"reply_ttl must lie between 1 s and a day, not {reply_ttl}")
+        if not callable(getattr(client, "evalsha", None)):
             raise TypeError(
                 f"client must be a redis-py style client (redis.Redis, RedisCluster, "
                 f"fakeredis.FakeRedis), not {type(client).__name__}"
             )
         self.client = client
         self.notice_stream_maxlen = notice_stream_maxlen
+        self.reply_ttl = float(reply_ttl)
         self.epoch: int | None = None
         self.lease_ttl = DEFAULT_LEASE_TTL
-        self._scripts = register_scripts(client)
+        self._runner = ScriptRunner(client)
         self._index: NodeIndex | None = None
+        # Request ids: a random prefix per object, then a counter (next() is atomic).
+        self._request_prefix = secrets.token_hex(6)
+        self._requests = itertools.count(1)
+        self._reply_prefix = f"{self.keys.base}:reply:{self._request_prefix}-"
+        self._reply_ms = str(round(self.reply_ttl * 1000))
         k = self.keys
-        # Fixed KEYS and leading ARGV of each script, built once (and on claim).
+        # Fixed KEYS of each script after its reply key, built once.
         self._kv_write_keys = (k.kv, k.meta)
-        self._evict_kv_keys = (k.kv, k.mamba, k.meta, k.mamba_evictions)
+        self._all_keys = (k.kv, k.mamba, k.meta, k.mamba_evictions)
         self._mamba_write_keys = (k.mamba, k.meta, k.mamba_evictions)
-        self._meta_keys = (k.meta,)
         self._set_epoch(None)
 
     def _set_epoch(self, epoch: int | None) -> None:
         self.epoch = epoch
-        fence = "" if epoch is None else str(epoch)
-        self._fence_args = (fence,)
-        self._notice_args = (fence, self.keys.mamba_evicted_channel, self.notice_stream_maxlen)
+        self._fence = "" if epoch is None else str(epoch)
+
+    def _write(
+        self,
+        operation: str,
+        keys: tuple[str, ...],
+        notices: bool,
+        data: Any = (),
+        *,
+        fence: str | None = None,
+    ) -> Any:
+        """Run a write script under a fresh request id (see ``lua/_prelude.lua``)."""
+        number = f"{next(self._requests):x}"
+        head: tuple[Any, ...] = (
+            self._fence if fence is None else fence,
+            f"{self._request_prefix}-{number}",
+            self._reply_ms,
+        )
+        if notices:
+            head = (*head, self.keys.mamba_evicted_channel, self.notice_stream_maxlen)
+        return self._runner.run(
+            operation,
+            (self._reply_prefix + number, *keys),
+            [*head, *data] if data else head,
+            namespace=self.keys.namespace,
+            epoch=self.epoch,
+        )
 
     @classmethod
     def from_url(
@@ -90,6 +145,7 @@ class PrefixCacheRegistry(RegistryBase):
         *,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         notice_stream_maxlen: int = DEFAULT_NOTICE_STREAM_MAXLEN,
+        reply_ttl: float = DEFAULT_REPLY_TTL,
         cluster: bool | None = None,
         **client_options: Any,
     ) -> PrefixCacheRegistry:
@@ -98,23 +154,20 @@ class PrefixCacheRegistry(RegistryBase):
         or a Sentinel-managed master through ``redis+sentinel://h:p[,h:p]/service``.
 
         ``client_options`` go to redis-py (``decode_responses``, ``password``...), over
-        ``DEFAULT_CLIENT_OPTIONS`` (bounded timeouts) and three quick retries.
+        ``DEFAULT_CLIENT_OPTIONS`` and ``default_retry()``: with them no call blocks
+        longer than ``CALL_BOUND`` seconds.
         """
         validate_namespace(namespace)
-        if not isinstance(url, str):
-            raise TypeError(f"url must be a str, not {type(url).__name__}")
-        options = {**DEFAULT_CLIENT_OPTIONS, **client_options}
-        scheme = url.lower().split("://")[0]
-        if "retry" not in options and not (cluster or scheme.endswith(("cluster", "sentinel"))):
-            # A few quick retries with backoff (redis-py's default tries ten times, up to
-            # seconds): connection errors and timeouts, then RegistryUnavailable.
-            from redis.backoff import ExponentialWithJitterBackoff
-            from redis.retry import Retry
-
-            options["retry"] = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.25), 3)
-        client = client_from_url(url, cluster=cluster, **options)
+        try:  # a cluster client connects here already
+            client = client_from_url(url, cluster=cluster, **bounded_options(client_options))
+        except REDIS_ERRORS as exc:
+            raise (translate(exc, f"connecting to {redacted(url)}") or exc) from exc
         return cls(
-            client, namespace, key_prefix=key_prefix, notice_stream_maxlen=notice_stream_maxlen
+            client,
+            namespace,
+            key_prefix=key_prefix,
+            notice_stream_maxlen=notice_stream_maxlen,
+            reply_ttl=reply_ttl,
         )
 
     @property
@@ -130,44 +183,33 @@ class PrefixCacheRegistry(RegistryBase):
 
     def load_scripts(self) -> None:
         """Load every script now (SCRIPT LOAD), so the first calls need no retry."""
-        for script in self._scripts.values():
-            script.sha = self.client.script_load(script.script)
-
-    def _run(self, operation: str, keys: tuple[str, ...], args: Any) -> Any:
-        """EVALSHA the operation's script; on NOSCRIPT (a restart, a failover, SCRIPT
-        FLUSH) load it and retry once, as redis-py's Script does, without its copies."""
-        script = self._scripts[operation]
-        try:
-            try:
-                return self.client.evalsha(script.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                script.sha = self.client.script_load(script.script)
-                return self.client.evalsha(script.sha, len(keys), *keys, *args)
-        except UNAVAILABLE as exc:  # a plain try: this is every call's path
-            raise registry_unavailable(f"namespace {self.namespace!r}: {operation}", exc) from exc
-        except ResponseError as exc:
-            if str(exc).startswith("STALE_EPOCH"):
-                raise StaleEpochError(self.namespace, self.epoch, str(exc)) from None
-            raise
+        self._runner.load()
 
     # -- ownership ----------------------------------------------------------------------
 
     def claim(self, lease_ttl: float = DEFAULT_LEASE_TTL) -> int:
-        """Become the namespace's owner: take a new epoch, drop the previous incarnation's
-        entries (a 'clear' notice tells listeners), start a lease and announce it.
+        """Become the namespace's owner: take a new epoch (unique for all time), drop the
+        previous incarnation's entries, start a lease and announce it. The drop is a
+        'clear' notice, delivered to this object's hooks (so its slot pool frees at once)
+        and to every listener.
 
         From now on this object's writes carry the epoch; once another process claims
-        the namespace (or the lease runs out and ``gc`` removes it) they raise
+        the namespace, ``gc`` collects it or its ``meta`` is lost, they raise
         ``StaleEpochError`` and change nothing. Returns the epoch.
         """
-        self.lease_ttl = _lease_seconds(lease_ttl)
-        epoch, lease_until = self._run(
+        lease_ttl = _lease_seconds(lease_ttl)
+        lease_ms = max(1, round(lease_ttl * 1000))
+        epoch, lease_until, notice = self._write(
             "claim",
-            self._evict_kv_keys,
-            (self.keys.mamba_evicted_channel, self.notice_stream_maxlen, self._lease_ms()),
+            self._all_keys,
+            True,
+            (lease_ms,),
+            fence="",  # claims are never fenced
         )
+        self.lease_ttl = lease_ttl
         self._set_epoch(int(epoch))
-        self._read("claim", self._node_index().announce, self.namespace, int(lease_until))
+        self._notify(_notice(notice))
+        self._node_index().announce(self.namespace, int(lease_until))
         return int(epoch)
 
     def renew(self) -> float:
@@ -177,24 +219,26 @@ class PrefixCacheRegistry(RegistryBase):
         """
         if self.epoch is None:
             raise RuntimeError("renew() needs an owner: call claim() first")
-        lease_until = int(self._run("renew", self._meta_keys, (self.epoch, self._lease_ms())))
-        self._read("renew", self._node_index().announce, self.namespace, lease_until)
+        lease_until = int(self._write("renew", (self.keys.meta,), False, (self._lease_ms(),)))
+        self._node_index().announce(self.namespace, lease_until)
         return lease_until / 1000
 
     def start_heartbeat(self, interval: float | None = None) -> Heartbeat:
         """Renew the lease from a daemon thread every ``interval`` s (default: a third of
-        the lease). ``Heartbeat.stop()`` ends it; ``Heartbeat.lost`` is set if superseded."""
+        the lease). ``Heartbeat.stop()`` ends it; ``Heartbeat.lost`` is set if superseded.
+        The thread holds this registry weakly: it stops once the registry is gone."""
         if self.epoch is None:
             raise RuntimeError("start_heartbeat() needs an owner: call claim() first")
         beat = self.lease_ttl / 3 if interval is None else _lease_seconds(interval)
-        return Heartbeat(self.renew, beat, name=f"heartbeat[{self.namespace}]")
+        return Heartbeat(self, beat, name=f"heartbeat[{self.namespace}]")
 
     def _read(self, operation: str, command: Any, *args: Any) -> Any:
-        """Run one read command, turning "Redis is not there" into RegistryUnavailable."""
+        """Run one read command; a Redis fault becomes the registry error for it."""
         try:
             return command(*args)
-        except UNAVAILABLE as exc:
-            raise registry_unavailable(f"namespace {self.namespace!r}: {operation}", exc) from exc
+        except REDIS_ERRORS as exc:
+            error = translate(exc, f"namespace {self.namespace!r}: {operation}")
+            raise (error or exc) from exc
 
     def _lease_ms(self) -> int:
         return max(1, round(self.lease_ttl * 1000))
@@ -217,10 +261,10 @@ class PrefixCacheRegistry(RegistryBase):
         return list(map(int, values))
 
     def _register_kv(self, entries: dict[int, int]) -> None:
-        self._run("register_kv", self._kv_write_keys, flatten(entries, self._fence_args))
+        self._write("register_kv", self._kv_write_keys, False, flatten(entries, ()))
 
     def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
-        removed, notice = self._run("evict_kv", self._evict_kv_keys, [*self._notice_args, *hashes])
+        removed, notice = self._write("evict_kv", self._all_keys, True, hashes)
         # The script lists the removed hashes only when some were missing.
         gone = set(hashes) if isinstance(removed, int) else set(map(int, removed))
         return gone, _notice(notice)
@@ -235,15 +279,13 @@ class PrefixCacheRegistry(RegistryBase):
         return farthest
 
     def _register_mamba(self, entries: dict[int, int]) -> tuple[EvictionNotice | None, int]:
-        notice, stamp = self._run(
-            "register_mamba", self._mamba_write_keys, flatten(entries, self._notice_args)
+        notice, stamp = self._write(
+            "register_mamba", self._mamba_write_keys, True, flatten(entries, ())
         )
         return _notice(notice), int(stamp)
 
     def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
-        notice = _notice(
-            self._run("evict_mamba", self._mamba_write_keys, [*self._notice_args, *hashes])
-        )
+        notice = _notice(self._write("evict_mamba", self._mamba_write_keys, True, hashes))
         return ({h for _, h in notice.pairs} if notice else set()), notice
 
     def _mamba_block_ids(self, hashes: list[int]) -> list[int | None]:
@@ -251,27 +293,38 @@ class PrefixCacheRegistry(RegistryBase):
         return [None if b is None else int(b) for b in values]
 
     def _notice_sequence(self) -> int:
-        return int(
-            self._read("notice_sequence", self.client.hget, self.keys.meta, "notice_seq") or 0
+        return self.notice_position()[1]
+
+    def notice_position(self) -> tuple[str, int]:
+        """(incarnation, number of the last notice) of the namespace, in one read:
+        ``("", 0)`` before its first write. Numbers compare only within an incarnation."""
+        incarnation, seq = self._read(
+            "notice_position", self.client.hmget, self.keys.meta, ["incarnation", "notice_seq"]
         )
+        return ("" if incarnation is None else _text(incarnation)), int(seq or 0)
 
     def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
         if kv and mamba:
-            return _notice(self._run("reset", self._evict_kv_keys, self._notice_args))
+            return _notice(self._write("reset", self._all_keys, True))
         if kv:
-            self._run("clear_kv", self._kv_write_keys, self._fence_args)
+            self._write("clear_kv", self._kv_write_keys, False)
             return None
-        return _notice(self._run("clear_mamba", self._mamba_write_keys, self._notice_args))
+        return _notice(self._write("clear_mamba", self._mamba_write_keys, True))
 
     # -- reading the notice stream ------------------------------------------------
 
-    def notices_after(self, seq: int, *, page: int = 500) -> list[EvictionNotice] | None:
+    def notices_after(
+        self, seq: int, *, incarnation: str | None = None, page: int = 500
+    ) -> list[EvictionNotice] | None:
         """Every notice numbered above ``seq``, oldest first, read back from the stream.
 
-        ``None`` when the capped stream no longer holds all of them (it was trimmed,
-        or the namespace was wiped and its numbers restarted): reconcile instead.
+        ``None`` when the stream cannot give all of them: it was trimmed, a notice was
+        kept without its pairs (too long), or the namespace's history restarted (its
+        incarnation is not ``incarnation``, when given): reconcile instead.
         """
-        newest = self.notice_sequence()
+        current, newest = self.notice_position()
+        if incarnation is not None and current != incarnation:
+            return None
         if newest <= seq:
             return [] if newest == seq else None
         found: list[EvictionNotice] = []
@@ -294,7 +347,24 @@ class PrefixCacheRegistry(RegistryBase):
         numbers = [n.seq for n in found]
         if not found or numbers != list(range(seq + 1, seq + 1 + len(found))):
             return None
+        if any(n.truncated or n.incarnation != current for n in found):
+            return None
         return found if numbers[-1] >= newest else None
+
+
+def redacted(url: str) -> str:
+    """``url`` without its user name and password."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "the Redis URL"
+    return f"{scheme}://{rest.rpartition('@')[2]}"
+
+
+def bounded_options(client_options: dict[str, Any]) -> dict[str, Any]:
+    """``client_options`` over the bounded defaults (timeouts and one quick retry)."""
+    options = {**DEFAULT_CLIENT_OPTIONS, **client_options}
+    options.setdefault("retry", default_retry())
+    return options
 
 
 def _notice(text: Any) -> EvictionNotice | None:

@@ -20,12 +20,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
-from registry.errors import unavailable_as_registry_error
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
-from registry.scripts import script_source
+from registry.scripts import ScriptRunner
 from registry.validation import prefix_hashes
 
 
@@ -55,8 +52,7 @@ class PrefixRouter:
         self.hybrid = hybrid
         self.live_cache_ttl = live_cache_ttl
         self._index = NodeIndex(client, key_prefix)
-        self._source = script_source("score")
-        self._sha = client.register_script(self._source).sha
+        self._runner = ScriptRunner(client)
         self._lock = threading.Lock()
         self._live: tuple[float, list[str]] = (float("-inf"), [])
         self._keys: dict[str, NamespaceKeys] = {}
@@ -117,20 +113,10 @@ class PrefixRouter:
         return keys
 
     def _run_pipeline(self, names: list[str], packed: bytes) -> list[Any]:
-        with unavailable_as_registry_error(f"routing over {len(names)} namespaces"):
-            replies = self._execute(names, packed)
-            if any(isinstance(r, NoScriptError) for r in replies):
-                self.client.script_load(self._source)  # after a restart or SCRIPT FLUSH
-                replies = self._execute(names, packed)
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-        return replies
-
-    def _execute(self, names: list[str], packed: bytes) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
+        calls = []
         for name in names:
             keys = self._keys_of(name)
-            pipe.execute_command("EVALSHA", self._sha, 3, keys.kv, keys.mamba, keys.meta, packed)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        return replies
+            calls.append(((keys.kv, keys.mamba, keys.meta), (packed,)))
+        return self._runner.run_many(
+            "score", calls, context=f"routing over {len(names)} namespaces"
+        )

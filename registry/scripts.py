@@ -1,19 +1,29 @@
-"""Load the Lua scripts shipped in ``registry/lua`` (the top-level ``lua/`` folder).
+"""The one script runner, and the Lua scripts shipped in ``registry/lua``.
 
 Each write, membership and routing operation has one ``.lua`` file named after the
 Python method that calls it (reads of one key are plain HMGET/HGET and need none);
 ``_prelude.lua`` (shared constants and helpers) is put in front of every body, so
 each loaded script is still one self-contained, atomic unit on the server.
+
+:class:`ScriptRunner` is the only way the project executes a script: EVALSHA of the
+locally computed SHA1, SCRIPT LOAD and one retry on NOSCRIPT (a restart, a failover,
+``SCRIPT FLUSH``), pipelines included, and every Redis fault translated once through
+``registry.errors.translate``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Iterable, Sequence
 from functools import cache
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
+
+from redis.exceptions import NoScriptError, ResponseError
+
+from registry.errors import REDIS_ERRORS, RegistryError, StaleEpochError, translate
 
 OPERATIONS = (
     "register_kv",
@@ -32,13 +42,8 @@ OPERATIONS = (
     "score",
 )
 
-
-def register_scripts(client: Any, operations: Iterable[str] = OPERATIONS) -> dict[str, Any]:
-    """``{operation: Script}`` for ``client`` (no round trip: redis-py hashes locally)."""
-    return {op: client.register_script(script_source(op)) for op in operations}
-
-
 PRELUDE = "_prelude"
+STALE_EPOCH = "STALE_EPOCH"
 
 
 @cache
@@ -63,3 +68,109 @@ def script_source(operation: str) -> str:
     if operation not in OPERATIONS:
         raise ValueError(f"unknown operation {operation!r}; known: {', '.join(OPERATIONS)}")
     return f"{_read(PRELUDE)}\n{_read(operation)}"
+
+
+@cache
+def script_sha(operation: str) -> str:
+    """The SHA1 Redis knows ``operation``'s script by (computed here, no round trip)."""
+    return hashlib.sha1(script_source(operation).encode("utf-8")).hexdigest()
+
+
+class ScriptRunner:
+    """Runs the project's scripts on one redis-py style client (thread-safe: it holds
+    nothing that changes but what the client holds)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def load(self, operations: Iterable[str] = OPERATIONS) -> None:
+        """SCRIPT LOAD the scripts now, so the first calls need no NOSCRIPT retry."""
+        try:
+            for operation in operations:
+                self.client.script_load(script_source(operation))
+        except REDIS_ERRORS as exc:
+            raise _translated(exc, "loading the scripts", write=False) from exc
+
+    def run(
+        self,
+        operation: str,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        *,
+        context: str = "",
+        write: bool = True,
+        namespace: str | None = None,
+        epoch: int | None = None,
+    ) -> Any:
+        """EVALSHA ``operation`` with ``keys`` and ``args``; its reply, or a registry error.
+
+        ``context`` names what is being done in error messages (``namespace`` gives
+        "namespace 'NS'"); ``epoch`` is the caller's owner epoch, named in a
+        ``StaleEpochError``.
+        """
+        try:  # a plain try: this is every write's path
+            try:
+                return self.client.evalsha(script_sha(operation), len(keys), *keys, *args)
+            except NoScriptError:
+                self.client.script_load(script_source(operation))
+                return self.client.evalsha(script_sha(operation), len(keys), *keys, *args)
+        except REDIS_ERRORS as exc:
+            if namespace is not None:
+                context = f"namespace {namespace!r}"
+            raise self._error(exc, operation, context, write, namespace, epoch) from exc
+
+    def run_many(
+        self,
+        operation: str,
+        calls: Sequence[tuple[Sequence[Any], Sequence[Any]]],
+        *,
+        context: str = "",
+        write: bool = False,
+    ) -> list[Any]:
+        """Run ``operation`` once per (keys, args) in one pipeline (one round trip per
+        Redis node); the replies in order. A NOSCRIPT reloads and runs the batch again."""
+        if not calls:
+            return []
+        try:
+            replies = self._pipeline(operation, calls)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                self.client.script_load(script_source(operation))
+                replies = self._pipeline(operation, calls)
+        except REDIS_ERRORS as exc:
+            raise self._error(exc, operation, context, write, None, None) from exc
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise self._error(reply, operation, context, write, None, None) from reply
+        return replies
+
+    def _pipeline(
+        self, operation: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
+    ) -> list[Any]:
+        sha = script_sha(operation)
+        pipe = self.client.pipeline(transaction=False)
+        for keys, args in calls:
+            # execute_command, not pipe.evalsha: redis-py's cluster pipeline refuses evalsha.
+            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
+
+    @staticmethod
+    def _error(
+        exc: BaseException,
+        operation: str,
+        context: str,
+        write: bool,
+        namespace: str | None,
+        epoch: int | None,
+    ) -> RegistryError:
+        what = f"{context}: {operation}" if context else operation
+        if isinstance(exc, ResponseError) and str(exc).startswith(STALE_EPOCH):
+            return StaleEpochError(namespace or context, epoch, str(exc))
+        return _translated(exc, what, write=write)
+
+
+def _translated(exc: BaseException, what: str, *, write: bool) -> RegistryError:
+    error = translate(exc, what, write=write)
+    if error is None:  # not reachable for REDIS_ERRORS; kept as a guard
+        raise exc
+    return error

@@ -120,3 +120,19 @@ def registry_state(registry: RegistryBase) -> tuple[dict[int, int], dict[int, in
 def dump_keys(registry: PrefixCacheRegistry) -> dict[str, Any]:
     """Byte-exact snapshot of every key of a registry's namespace (``DUMP``)."""
     return {key: registry.client.dump(key) for key in registry.keys.all_keys()}
+
+
+def notice_base(registry: RegistryBase) -> int:
+    """Where a registry's notice numbers start: a Redis namespace's history counts from
+    the server's clock in microseconds (the first 16 digits of its incarnation id), the
+    in-memory registry from 0. Subtract it to compare numbers across registries."""
+    if not isinstance(registry, PrefixCacheRegistry):
+        return 0
+    incarnation, _seq = registry.notice_position()
+    return int(incarnation[:-3]) if incarnation else 0
+
+
+def relative(registry: RegistryBase, notice: Any) -> tuple[int, str, tuple[tuple[int, int], ...]]:
+    """A notice as (number from its history's start, kind, pairs), comparable across
+    registries (the incarnation itself differs)."""
+    return notice.seq - notice_base(registry), notice.kind, notice.pairs

@@ -69,7 +69,8 @@ def test_bad_arguments_raise_and_change_nothing(
         def no_round_trip(*args: object, **kwargs: object) -> None:
             raise AssertionError("bad input reached Redis")
 
-        monkeypatch.setattr(reg, "_run", no_round_trip)
+        monkeypatch.setattr(reg, "_write", no_round_trip)
+        monkeypatch.setattr(reg, "_read", no_round_trip)
     with pytest.raises(error) as info:
         call(reg)
     assert str(info.value)  # the message says what was wrong

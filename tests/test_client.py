@@ -93,7 +93,7 @@ def test_one_round_trip_per_call_and_none_for_empty_input(redis_server: RedisSer
         ("find_mamba_backoff", (H, 2), ["HMGET"]),
         ("find_mamba_backoff", (H, 0), []),
         ("mamba_block_ids", (H,), ["HMGET"]),
-        ("notice_sequence", (), ["HGET"]),
+        ("notice_sequence", (), ["HMGET"]),
         ("evict_kv", (H[1:2],), ["EVALSHA"]),
         ("evict_kv", ([-1, -1],), []),
         ("evict_mamba", (H,), ["EVALSHA"]),

@@ -18,7 +18,7 @@ import pytest
 
 from gpu import EvictionListener, MambaSlotPool
 from registry import PrefixCacheRegistry
-from tests.conftest import Backend, make_backend, new_namespace
+from tests.conftest import Backend, make_backend, new_namespace, notice_base
 from tests.gpu_helpers import make_pool, states, wait_until
 from tests.servers import RedisServer
 
@@ -56,7 +56,7 @@ def test_notices_from_another_registry_free_the_slots(listener_backend: Backend)
         wait_until(lambda: pool.counts().in_use == 0, what="clear applied")
         counts = listener.counts()
     assert counts.applied == 3
-    assert counts.last_seq == 3
+    assert counts.last_seq - notice_base(reg) == 3
     assert (counts.gaps, counts.malformed, counts.errors) == (0, 0, 0)
     assert not listener.alive
 
@@ -106,7 +106,7 @@ def test_block_id_reuse_race(listener_backend: Backend) -> None:
         elsewhere.evict_mamba([B])  # notice 2: (5, B)
         pool.store([5], [A], *states(1, seed=2))  # the very same pair as notice 1
         gate.set()
-        wait_until(lambda: listener.counts().last_seq == 2, what="both notices handled")
+        wait_until(lambda: listener.counts().last_seq - notice_base(reg) == 2, what="both handled")
         assert pool.holds(5, A)
         assert pool.counts().in_use == 1
 
@@ -164,7 +164,7 @@ def test_a_gap_is_caught_up(
         wait_until(lambda: pool.counts().in_use == 0, what="both slots freed")
         counts = listener.counts()
     assert (counts.gaps, counts.replays, counts.reconciles) == (1, replays, reconciles)
-    assert counts.last_seq == 2
+    assert counts.last_seq - notice_base(reg) == 2
 
 
 def test_stop_is_bounded_and_idempotent(listener_backend: Backend) -> None:
@@ -317,14 +317,15 @@ def test_notice_lost_while_disconnected_is_recovered_on_resubscribe(
         wait_until(lambda: pool.counts().in_use == 0, what="the lost notice recovered")
         counts = listener.counts()
     assert counts.reconnects == 1
-    assert counts.last_seq == 2
+    assert counts.last_seq - notice_base(reg) == 2
     for c in (client, elsewhere.client):
         c.close()
 
 
 def test_server_restart_empties_the_pool_and_the_listener_carries_on() -> None:
     """A restarted Redis keeps nothing: the registry is empty, so every slot goes;
-    notices numbered from 1 again are applied, not taken for old ones."""
+    the notices of the new history (a new incarnation) are applied, not taken for old
+    ones, and the listener counts the restart."""
     from tests.servers import require_redis_server
 
     require_redis_server()
@@ -336,15 +337,19 @@ def test_server_restart_empties_the_pool_and_the_listener_carries_on() -> None:
         elsewhere = PrefixCacheRegistry(server.client(), reg.namespace)
         with EvictionListener(server.client(), reg.namespace, pool) as listener:
             elsewhere.evict_mamba([C])
-            wait_until(lambda: listener.counts().last_seq == 1, what="first notice")
+            wait_until(lambda: pool.counts().in_use == 2, what="first notice")
+            first, first_incarnation = listener.counts(), listener.incarnation
             server.restart()
             wait_until(lambda: pool.counts().in_use == 0, timeout=20, what="slots freed")
             pool.store([4], [A], *states(1))  # the node re-registers what it holds
-            elsewhere.evict_mamba([A])  # notice 1 of the new server
+            elsewhere.evict_mamba([A])  # the first notice of the new server's history
             wait_until(lambda: pool.counts().in_use == 0, what="new notice applied")
-            counts = listener.counts()
+            counts, incarnation = listener.counts(), listener.incarnation
             assert listener.alive
         assert counts.reconnects >= 1
         assert counts.reconciles >= 2
+        assert incarnation not in ("", first_incarnation)
+        assert counts.restarts >= 1
+        assert counts.last_seq > first.last_seq  # numbers never went back
         for c in (client, elsewhere.client):
             c.close()

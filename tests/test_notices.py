@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from registry import EvictionNotice, PrefixCacheRegistry, parse_notice, parse_stream_entry
-from tests.conftest import Backend
+from tests.conftest import Backend, notice_base, relative
 
 H = [1111, 2222, 3333, 4444]
 
@@ -54,16 +54,19 @@ def test_each_removal_kind_publishes_one_numbered_notice(redis_backend: Backend)
         reg.register_mamba([4], [H[3]])
         reg.reset()
         expected = [
-            EvictionNotice(1, "evict", ((1, H[0]),)),
-            EvictionNotice(2, "cascade", ((2, H[1]),)),
-            EvictionNotice(3, "replace", ((3, H[2]),)),
-            EvictionNotice(4, "clear"),
-            EvictionNotice(5, "clear"),
+            (1, "evict", ((1, H[0]),)),
+            (2, "cascade", ((2, H[1]),)),
+            (3, "replace", ((3, H[2]),)),
+            (4, "clear", ()),
+            (5, "clear", ()),
         ]
-        assert [next_notice(pubsub) for _ in expected] == expected
+        published = [next_notice(pubsub) for _ in expected]
+        assert [relative(reg, n) for n in published] == expected
+        incarnation, newest = reg.notice_position()
+        assert {n.incarnation for n in published} == {incarnation}
         assert pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2) is None
-        assert stream_notices(reg) == expected
-        assert int(reg.client.hget(reg.keys.meta, "notice_seq")) == 5
+        assert stream_notices(reg) == published
+        assert newest - notice_base(reg) == 5
     finally:
         pubsub.close()
 
@@ -74,10 +77,40 @@ def test_notice_lists_every_pair_of_a_bulk_eviction(redis_backend: Backend) -> N
     hashes = [2**63 - 1 - i for i in range(9_000)]
     reg.register_kv(range(9_000), hashes)
     reg.register_mamba(range(9_000), hashes)
-    reg.evict_kv(hashes)
-    (notice,) = stream_notices(reg)
+    seen: list[EvictionNotice] = []
+    reg.add_eviction_hook(seen.append)
+    pubsub = subscribe(redis_backend, reg)
+    try:
+        reg.evict_kv(hashes)
+        published = next_notice(pubsub)
+    finally:
+        pubsub.close()
+    expected = sorted(zip(range(9_000), hashes, strict=True))
+    (notice,) = seen
+    assert notice == published  # the channel carries every pair, as the hook sees them
     assert notice.kind == "cascade"
-    assert sorted(notice.pairs) == sorted(zip(range(9_000), hashes, strict=True))
+    assert sorted(notice.pairs) == expected
+    # The stream keeps at most 1 KiB of pairs per notice: this one is kept truncated, so
+    # a replay knows it must reconcile instead.
+    (kept,) = stream_notices(reg)
+    assert (kept.seq, kept.kind, kept.pairs, kept.truncated) == (notice.seq, "cascade", (), True)
+    assert reg.notices_after(notice.seq - 1) is None
+
+
+def test_stream_is_bounded_in_bytes(redis_backend: Backend) -> None:
+    """1,500 evictions of 100 Mamba entries each: the stream stays small (25 MB after
+    2,000 large evictions when every notice kept all its pairs)."""
+    if redis_backend.name == "fakeredis":
+        pytest.skip("fakeredis has no MEMORY USAGE")
+    reg = redis_backend.registry()
+    assert isinstance(reg, PrefixCacheRegistry)
+    hashes = [2**62 + i for i in range(100)]
+    for round_ in range(1_500):
+        reg.register_mamba(range(round_, round_ + 100), hashes)
+        reg.evict_mamba(hashes)
+    used = reg.client.memory_usage(reg.keys.mamba_evictions, samples=0)
+    # At most maxlen (1,000) + one stream node (100) entries of about 150 bytes each.
+    assert used < 1_100 * 400, used
 
 
 def test_stream_is_capped(redis_backend: Backend) -> None:
@@ -89,7 +122,7 @@ def test_stream_is_capped(redis_backend: Backend) -> None:
     length = reg.client.xlen(reg.keys.mamba_evictions)
     # MAXLEN ~ trims whole stream nodes (100 entries by default), never below the cap.
     assert 10 <= length <= 10 + 100
-    assert stream_notices(reg)[-1] == EvictionNotice(400, "evict", ((400, 400),))
+    assert relative(reg, stream_notices(reg)[-1]) == (400, "evict", ((400, 400),))
 
 
 def test_sequence_survives_reset(redis_backend: Backend) -> None:
@@ -99,7 +132,30 @@ def test_sequence_survives_reset(redis_backend: Backend) -> None:
     reg.reset()
     reg.register_mamba([1], [H[0]])
     reg.evict_mamba([H[0]])
-    assert [n.seq for n in stream_notices(reg)] == [1, 2]
+    assert [relative(reg, n)[:2] for n in stream_notices(reg)] == [(1, "clear"), (2, "evict")]
+
+
+def test_a_lost_meta_starts_a_new_history_whose_numbers_never_go_back(
+    redis_backend: Backend,
+) -> None:
+    """meta lost (gc, an empty restart, an eviction): the next notice names a new
+    incarnation and is numbered above every notice of the old one."""
+    reg = redis_backend.registry()
+    assert isinstance(reg, PrefixCacheRegistry)
+    reg.register_mamba([1, 2], H[:2])
+    reg.evict_mamba(H[:1])
+    old_incarnation, old_seq = reg.notice_position()
+    reg.client.delete(reg.keys.meta)  # as maxmemory eviction or a restart would
+    assert reg.notice_position() == ("", 0)
+    seen: list[EvictionNotice] = []
+    reg.add_eviction_hook(seen.append)
+    reg.evict_mamba(H[1:2])
+    (notice,) = seen
+    assert notice.incarnation not in ("", old_incarnation)
+    assert notice.seq > old_seq
+    assert reg.notice_position() == (notice.incarnation, notice.seq)
+    assert reg.notices_after(old_seq, incarnation=old_incarnation) is None
+    assert reg.notices_after(notice.seq - 1, incarnation=notice.incarnation) == [notice]
 
 
 @pytest.mark.parametrize(
@@ -122,10 +178,13 @@ def test_malformed_notices_are_rejected(message: bytes) -> None:
 
 
 def test_notice_parsing_accepts_str_and_bytes() -> None:
-    expected = EvictionNotice(12, "cascade", ((5, 2**63 - 1), (6, 7)))
-    assert parse_notice("12 cascade 5:9223372036854775807 6:7") == expected
-    assert parse_notice(b"12 cascade 5:9223372036854775807 6:7") == expected
-    assert parse_notice("13 clear").cleared
+    expected = EvictionNotice(12, "cascade", ((5, 2**63 - 1), (6, 7)), "1796024288853101482")
+    text = "12@1796024288853101482 cascade 5:9223372036854775807 6:7"
+    assert parse_notice(text) == expected
+    assert parse_notice(text.encode()) == expected
+    assert parse_notice("13 clear").cleared  # a notice without incarnation (first release)
+    with pytest.raises(ValueError, match="incarnation"):
+        parse_notice("13@x1 clear")
     with pytest.raises(ValueError, match="lacks field"):
         parse_stream_entry({b"seq": b"1", b"kind": b"evict"})
 
@@ -135,16 +194,18 @@ def test_hooks_receive_the_published_notices(backend: Backend) -> None:
     seen: list[EvictionNotice] = []
     reg.add_eviction_hook(seen.append)
     reg.register_kv([1, 2], H[:2])
-    assert reg.register_mamba_stamped([1, 2], H[:2]) == 0  # no notice numbered yet
+    stamp = reg.register_mamba_stamped([1, 2], H[:2])
+    base = notice_base(reg)
+    assert stamp - base == 0  # no notice numbered yet in this history
     reg.evict_kv(H[:1])
-    assert reg.register_mamba_stamped([5], H[1:2]) == 2  # its own replace notice is #2
+    assert reg.register_mamba_stamped([5], H[1:2]) - base == 2  # its own replace notice
     reg.clear_mamba()
-    assert seen == [
-        EvictionNotice(1, "cascade", ((1, H[0]),)),
-        EvictionNotice(2, "replace", ((2, H[1]),)),
-        EvictionNotice(3, "clear"),
+    assert [relative(reg, n) for n in seen] == [
+        (1, "cascade", ((1, H[0]),)),
+        (2, "replace", ((2, H[1]),)),
+        (3, "clear", ()),
     ]
-    assert reg.notice_sequence() == 3
+    assert reg.notice_sequence() - base == 3
     reg.remove_eviction_hook(seen.append)
     reg.register_mamba([1], H[:1])
     reg.evict_mamba(H[:1])
@@ -168,12 +229,13 @@ def test_notices_after_reads_the_stream_back(redis_backend: Backend) -> None:
     for i in range(1, 8):
         reg.register_mamba([i], [i])
         reg.evict_mamba([i])
+    b = notice_base(reg)
     everything = stream_notices(reg)
-    assert [n.seq for n in everything] == list(range(1, 8))
-    assert reg.notices_after(0, page=3) == everything
-    assert reg.notices_after(4, page=2) == everything[4:]
-    assert reg.notices_after(7) == []
-    assert reg.notices_after(9) is None  # numbers went backwards: the namespace was wiped
+    assert [n.seq - b for n in everything] == list(range(1, 8))
+    assert reg.notices_after(b, page=3) == everything
+    assert reg.notices_after(b + 4, page=2) == everything[4:]
+    assert reg.notices_after(b + 7) == []
+    assert reg.notices_after(b + 9) is None  # numbers went backwards: the namespace was wiped
     reg.client.xtrim(reg.keys.mamba_evictions, maxlen=2, approximate=False)
-    assert reg.notices_after(5) == everything[5:]
-    assert reg.notices_after(4) is None  # notice 5 was trimmed away: reconcile instead
+    assert reg.notices_after(b + 5) == everything[5:]
+    assert reg.notices_after(b + 4) is None  # notice 5 was trimmed away: reconcile instead
