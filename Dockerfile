@@ -4,6 +4,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY registry registry
 COPY gpu gpu
+COPY benchmarks benchmarks
 COPY lua lua
 RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
         "torch==2.13.0" ".[gpu,embedded,hiredis]"

@@ -7,6 +7,7 @@ Without a ``redis-server`` binary the real backends skip loudly, or fail under C
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -15,7 +16,13 @@ from typing import Any
 import fakeredis
 import pytest
 
-from registry import LocalPrefixCacheRegistry, PrefixCacheRegistry, RegistryBase
+from registry import (
+    Heartbeat,
+    LocalPrefixCacheRegistry,
+    NodeIndex,
+    PrefixCacheRegistry,
+    RegistryBase,
+)
 from tests.servers import RedisClusterServers, RedisServer, require_redis_server
 
 BACKENDS = ("local", "fakeredis", "redis", "cluster")
@@ -136,3 +143,24 @@ def relative(registry: RegistryBase, notice: Any) -> tuple[int, str, tuple[tuple
     """A notice as (number from its history's start, kind, pairs), comparable across
     registries (the incarnation itself differs)."""
     return notice.seq - notice_base(registry), notice.kind, notice.pairs
+
+
+def expire_lease(registry: PrefixCacheRegistry) -> None:
+    """End an owner's lease now, by the server's own clock, in ``meta`` and in the node
+    index: what the passing of time does, without a test waiting on a wall clock."""
+    seconds, micros = registry.client.time()
+    past = int(seconds) * 1000 + int(micros) // 1000 - 1
+    registry.client.hset(registry.keys.meta, "lease_until", past)
+    index = NodeIndex(registry.client, registry.keys.key_prefix)
+    registry.client.zadd(index.key, {registry.namespace: past})
+
+
+@pytest.fixture(autouse=True)
+def _stop_leftover_heartbeats() -> Iterator[None]:
+    """A test that fails half-way must not leave a heartbeat renewing after it."""
+    before = set(threading.enumerate())
+    yield
+    for thread in set(threading.enumerate()) - before:
+        owner = getattr(getattr(thread, "_target", None), "__self__", None)
+        if isinstance(owner, Heartbeat):
+            owner.stop()

@@ -47,7 +47,7 @@ def out_buffers(
     )
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
     """Poll ``condition`` until it holds or the deadline passes (then fail)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
@@ -17,7 +16,7 @@ from registry import (
     gc,
     live_nodes,
 )
-from tests.conftest import Backend, dump_keys, notice_base, registry_state
+from tests.conftest import Backend, dump_keys, expire_lease, notice_base, registry_state
 from tests.gpu_helpers import wait_until
 
 TOKENS = list(range(1000, 1160))  # 10 blocks of 16 tokens
@@ -102,7 +101,7 @@ def test_router_never_writes(redis_backend: Backend, prefix: str) -> None:
 def test_expired_lease_drops_out_and_gc_removes_the_namespace(
     redis_backend: Backend, prefix: str
 ) -> None:
-    short_lived = owner(redis_backend, "node-x", prefix, lease=0.3)
+    short_lived = owner(redis_backend, "node-x", prefix)
     long_lived = owner(redis_backend, "node-y", prefix)
     for reg in (short_lived, long_lived):
         reg.register_kv([1, 2], H[:2])
@@ -112,7 +111,8 @@ def test_expired_lease_drops_out_and_gc_removes_the_namespace(
     assert set(live_nodes(client, prefix)) == {"node-x", "node-y"}
     assert set(router.score(H)) == {"node-x", "node-y"}
     y_before = dump_keys(long_lived)
-    wait_until(lambda: live_nodes(client, prefix) == ["node-y"], what="node-x expires")
+    expire_lease(short_lived)
+    assert live_nodes(client, prefix) == ["node-y"]
     assert set(router.score(H)) == {"node-y"}
     assert router.score(H, namespaces=["node-x"]) == {}  # dead: never scored, even if asked
     assert gc(client, prefix) == ["node-x"]
@@ -128,10 +128,11 @@ def test_expired_lease_drops_out_and_gc_removes_the_namespace(
 
 
 def test_gc_spares_a_namespace_renewed_in_time(redis_backend: Backend, prefix: str) -> None:
-    reg = owner(redis_backend, "node-r", prefix, lease=0.2)
+    reg = owner(redis_backend, "node-r", prefix)
     reg.register_kv([1], H[:1])
     client = redis_backend.client()
-    wait_until(lambda: live_nodes(client, prefix) == [], what="lease expires")
+    expire_lease(reg)
+    assert live_nodes(client, prefix) == []
     index = NodeIndex(client, prefix)
     listed_dead = index.dead()
     assert listed_dead == ["node-r"]
@@ -191,15 +192,32 @@ def test_claim_announces_a_clear_to_listeners(redis_backend: Backend, prefix: st
 def test_heartbeat_keeps_the_lease_and_notices_being_superseded(
     redis_backend: Backend, prefix: str
 ) -> None:
-    reg = owner(redis_backend, "node-h", prefix, lease=0.3)
+    reg = owner(redis_backend, "node-h", prefix)
     client = redis_backend.client()
-    beat = reg.start_heartbeat(interval=0.05)
-    time.sleep(0.6)  # twice the lease: only the heartbeat keeps it alive
-    assert live_nodes(client, prefix) == ["node-h"]
-    redis_backend.registry("node-h", key_prefix=prefix).claim()  # type: ignore[attr-defined]
-    wait_until(beat.lost.is_set, what="heartbeat sees it was superseded")
-    assert not beat.alive
-    beat.stop()
+    beat = reg.start_heartbeat(interval=0.01)
+    try:
+        expire_lease(reg)  # the lease ran out; only the heartbeat can bring it back
+        assert live_nodes(client, prefix) == []
+        wait_until(lambda: live_nodes(client, prefix) == ["node-h"], what="a renewal")
+        redis_backend.registry("node-h", key_prefix=prefix).claim()  # type: ignore[attr-defined]
+        wait_until(beat.lost.is_set, what="heartbeat sees it was superseded")
+        assert not beat.alive
+    finally:
+        beat.stop()
+
+
+def test_a_heartbeat_stops_when_its_registry_is_gone(redis_backend: Backend, prefix: str) -> None:
+    """The heartbeat thread holds its registry weakly: dropping the registry ends it."""
+    import gc as garbage
+
+    if redis_backend.name == "fakeredis":
+        pytest.skip("fakeredis's Lua runtime keeps the calling frames (and the registry)")
+    reg = owner(redis_backend, "node-w", prefix)
+    beat = reg.start_heartbeat(interval=0.01)
+    del reg
+    garbage.collect()
+    wait_until(lambda: not beat.alive, what="the heartbeat thread ends")
+    assert not beat.lost.is_set()
 
 
 def test_bad_arguments(redis_backend: Backend, prefix: str) -> None:

@@ -38,19 +38,10 @@ from registry import (
     live_nodes,
 )
 from registry.redis_registry import CALL_BOUND
-from tests.conftest import Backend, dump_keys, new_namespace, registry_state
+from tests.conftest import Backend, dump_keys, expire_lease, new_namespace, registry_state
 from tests.servers import RedisServer, require_redis_server
 
 H = block_hashes(list(range(5000, 5160)), 16)  # 10 chained hashes
-
-
-def expire_lease(reg: PrefixCacheRegistry) -> None:
-    """End ``reg``'s lease now, by the server's clock, in meta and in the node index
-    (what the passing of time would do, without waiting for it)."""
-    seconds, micros = reg.client.time()
-    past = int(seconds) * 1000 + int(micros) // 1000 - 1
-    reg.client.hset(reg.keys.meta, "lease_until", past)
-    reg.client.zadd(NodeIndex(reg.client, reg.keys.key_prefix).key, {reg.namespace: past})
 
 
 def owner_writes(reg: PrefixCacheRegistry) -> list[tuple[str, Callable[[], object]]]:
