@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck wheel-smoke redis-server clean
+.PHONY: demo test test-busy lint typecheck wheel-smoke redis-server clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ redis-server:
 
 test: $(STAMP) redis-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# make test three times in a row while two CPU-burning processes run (a busy machine).
+test-busy: $(STAMP) redis-server
+	bash .ci/busy-test 3
 
 lint: $(STAMP)
 	$(BIN)/ruff check registry gpu benchmarks tests examples

@@ -38,6 +38,17 @@ end
 return done"""
 
 
+UNRECORDED_REGISTER = """local current = redis.call('HGET', KEYS[2], 'epoch')
+local n, done = #ARGV, 0
+for first = 2, n, 4000 do
+  done = done + redis.call('HSET', KEYS[1], unpack(ARGV, first, math.min(first + 3999, n)))
+end
+return done"""
+"""register_kv as it was before request ids: fencing and HSET, no reply record (GET at
+the start, SET with an expiry at the end). The ratio to it is what the exactly-once
+bookkeeping costs a write."""
+
+
 def _filler(base: int) -> list[int]:
     return flatten({2**59 + base * 10_000 + i: i for i in range(FILLER)})
 
@@ -126,6 +137,7 @@ def _operations(
     # The floor of any script: the same HSET / HDEL inside a minimal (chunked) script.
     hset_floor = client.register_script(FLOOR_SCRIPT.format(command="HSET"))
     hdel_floor = client.register_script(FLOOR_SCRIPT.format(command="HDEL"))
+    unrecorded = client.register_script(UNRECORDED_REGISTER)
     floor_key = f"bench-floor-{n}"
     client.hset(floor_key, items=_filler(n * 10 + 8))
 
@@ -157,6 +169,17 @@ def _operations(
             Operation("register", n, lambda: write.register_kv(ids, chain), "evalsha"),
             Operation("HSET", n, lambda: client.hset(raw_key, items=flat), "hset"),
             Operation("local", n, lambda: local.register_kv(ids, chain), ""),
+        ),
+        (
+            "request ids: register_kv / same without reply record",
+            Operation("register", n, lambda: write.register_kv(ids, chain), "evalsha"),
+            Operation(
+                "no record",
+                n,
+                lambda: unrecorded(keys=[write.keys.kv, write.keys.meta], args=["", *flat]),
+                "evalsha",
+            ),
+            None,
         ),
         (
             "floor: HSET in a minimal script",
@@ -447,6 +470,8 @@ RATIO_TARGETS = [
         for n in (512, 8192)
     ],
     ("register_kv, client p50 / HSET, n=64", "register_kv", 64, "client_ratio", 1.2),
+    ("request ids: register_kv server time / without, n=64", "request ids", 64,
+     "server_ratio", 1.5),
     ("evict_kv with cascade, client p50 / HDEL, n=64", "evict_kv", 64, "client_ratio", 1.2),
     ("score over 16 namespaces / one match_kv_prefix, n=512", "score", 512, "client_ratio", 2.0),
 ]  # fmt: skip
