@@ -339,6 +339,8 @@ def test_server_restart_empties_the_pool_and_the_listener_carries_on() -> None:
             elsewhere.evict_mamba([C])
             wait_until(lambda: pool.counts().in_use == 2, what="first notice")
             first, first_incarnation = listener.counts(), listener.incarnation
+            server.kill()  # down for a while: reads fail as RegistryUnavailable
+            wait_until(lambda: listener.counts().connection_losses >= 1, what="a loss")
             server.restart()
             wait_until(lambda: pool.counts().in_use == 0, timeout=20, what="slots freed")
             pool.store([4], [A], *states(1))  # the node re-registers what it holds
@@ -350,6 +352,9 @@ def test_server_restart_empties_the_pool_and_the_listener_carries_on() -> None:
         assert counts.reconciles >= 2
         assert incarnation not in ("", first_incarnation)
         assert counts.restarts >= 1
+        # A read that raised RegistryUnavailable is a lost connection, not an error.
+        assert counts.connection_losses >= 1
+        assert counts.errors == 0
         assert counts.last_seq > first.last_seq  # numbers never went back
         for c in (client, elsewhere.client):
             c.close()
