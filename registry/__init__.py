@@ -21,8 +21,9 @@ from registry.errors import (
 from registry.hashing import block_hashes
 from registry.keys import NamespaceKeys
 from registry.local import LocalPrefixCacheRegistry
-from registry.membership import Heartbeat, NodeIndex, gc, live_nodes
+from registry.membership import NodeIndex, collect_dead, live_nodes
 from registry.notices import EvictionNotice, parse_notice, parse_stream_entry
+from registry.ownership import Heartbeat
 from registry.redis_registry import PrefixCacheRegistry
 from registry.routing import NodeScore, PrefixRouter
 
@@ -47,9 +48,17 @@ __all__ = [
     "RegistryWrongType",
     "StaleEpochError",
     "block_hashes",
-    "gc",
+    "collect_dead",
     "live_nodes",
     "parse_notice",
     "parse_stream_entry",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``registry.gc``: the first release's name of ``collect_dead`` (which does not
+    shadow the standard library's ``gc`` in ``from registry import *``)."""
+    if name == "gc":
+        return collect_dead
+    raise AttributeError(f"module 'registry' has no attribute {name!r}")

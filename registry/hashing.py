@@ -19,9 +19,11 @@ from array import array
 from collections.abc import Iterable
 from typing import Any
 
+from registry.types import MAX_HASH
+
 ZERO_PARENT = bytes(32)
 SALT_DOMAIN = b"megatron-prefix-cache-salt-v1\0"
-HASH_MODULUS = 2**63 - 1
+HASH_MODULUS = MAX_HASH
 
 
 def _int64_bytes(tokens: Any) -> bytes:

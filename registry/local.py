@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from registry.base import RegistryBase
 from registry.notices import EvictionNotice
+from registry.types import BlockHash, BlockId, BlockPair, NoticeKind
 
 
 class LocalPrefixCacheRegistry(RegistryBase):
@@ -21,11 +22,12 @@ class LocalPrefixCacheRegistry(RegistryBase):
         self.mamba: dict[int, int] = {}
         self.notice_seq = 0
 
-    def _notice(self, kind: str, pairs: list[tuple[int, int]]) -> EvictionNotice | None:
-        if not pairs and kind != "clear":
+    def _notice(self, kind: NoticeKind, pairs: list[tuple[int, int]]) -> EvictionNotice | None:
+        if not pairs and kind != NoticeKind.CLEAR:
             return None
         self.notice_seq += 1
-        return EvictionNotice(self.notice_seq, kind, tuple(pairs))
+        listed = tuple(BlockPair(BlockId(b), BlockHash(h)) for b, h in pairs)
+        return EvictionNotice(self.notice_seq, kind, listed)
 
     def _match_kv_prefix(self, hashes: list[int]) -> list[int]:
         block_ids = []
@@ -42,7 +44,7 @@ class LocalPrefixCacheRegistry(RegistryBase):
     def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
         removed = {h for h in hashes if self.kv.pop(h, None) is not None}
         pairs = [(self.mamba.pop(h), h) for h in hashes if h in removed and h in self.mamba]
-        return removed, self._notice("cascade", pairs)
+        return removed, self._notice(NoticeKind.CASCADE, pairs)
 
     def _match_mamba_farthest(self, hashes: list[int]) -> int:
         for i in range(len(hashes) - 1, -1, -1):
@@ -55,12 +57,12 @@ class LocalPrefixCacheRegistry(RegistryBase):
             (old, h) for h, new in entries.items() if (old := self.mamba.get(h, new)) != new
         ]
         self.mamba.update(entries)
-        notice = self._notice("replace", replaced)
+        notice = self._notice(NoticeKind.REPLACE, replaced)
         return notice, self.notice_seq
 
     def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
         pairs = [(self.mamba.pop(h), h) for h in hashes if h in self.mamba]
-        return {h for _, h in pairs}, self._notice("evict", pairs)
+        return {h for _, h in pairs}, self._notice(NoticeKind.EVICT, pairs)
 
     def _mamba_block_ids(self, hashes: list[int]) -> list[int | None]:
         return [self.mamba.get(h) for h in hashes]
@@ -73,5 +75,5 @@ class LocalPrefixCacheRegistry(RegistryBase):
             self.kv.clear()
         if mamba and self.mamba:
             self.mamba.clear()
-            return self._notice("clear", [])
+            return self._notice(NoticeKind.CLEAR, [])
         return None

@@ -1,28 +1,24 @@
-"""Node membership: leases in a node index, a heartbeat, and garbage collection.
+"""Node membership: the node index of leases, and collecting dead namespaces.
 
-An owning registry ``claim()``s its namespace: a new epoch, an empty namespace and a
-lease whose end (by the Redis server's clock) is kept in two places: ``lease_until`` in
-the namespace's meta hash (checked atomically by the scripts that score or delete it)
-and the node index ``pcr:nodes`` (a ZSET, so routers and ``gc`` find namespaces without
-scanning the keyspace). A namespace whose lease ran out is garbage: ``gc`` deletes its
-keys and its index entry; its old owner's next write fails with ``StaleEpochError``.
+A claimed namespace's lease end (by the Redis server's clock) is kept in two places:
+``lease_until`` in its meta hash (checked atomically by the scripts that score or delete
+it) and the node index ``pcr:nodes`` (a ZSET, so routers and ``collect_dead`` find
+namespaces without scanning the keyspace). A namespace whose lease ran out is garbage:
+``collect_dead`` deletes its keys and its index entry; its old owner's next write fails
+with ``StaleEpochError``. Claiming and renewing live in ``registry.ownership``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import weakref
-from typing import Any, Protocol
+from typing import Any
 
-from registry.errors import REDIS_ERRORS, StaleEpochError, translate
+from registry.errors import REDIS_ERRORS, translate
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, node_index_key, validate_namespace
 from registry.scripts import ScriptRunner
 
 log = logging.getLogger(__name__)
-
-DEFAULT_LEASE_TTL = 10.0
-"""Seconds a claim or a renewal keeps a namespace alive."""
 
 
 class NodeIndex:
@@ -112,7 +108,7 @@ class NodeIndex:
             what if what.endswith("members") else repr(what),
         )
 
-    def gc(self) -> list[str]:
+    def collect_dead(self) -> list[str]:
         """Delete the keys and index entries of every dead namespace; return them.
 
         Each namespace's lease is checked again, atomically with its delete, so one that
@@ -126,6 +122,8 @@ class NodeIndex:
             self._run("forget_node", (self.key,), (namespace,))
             removed.append(namespace)
         return removed
+
+    gc = collect_dead  # the first release's name
 
 
 def _is_namespace(name: str) -> bool:
@@ -141,59 +139,9 @@ def live_nodes(client: Any, key_prefix: str = DEFAULT_KEY_PREFIX) -> list[str]:
     return NodeIndex(client, key_prefix).live()
 
 
-def gc(client: Any, key_prefix: str = DEFAULT_KEY_PREFIX) -> list[str]:
+def collect_dead(client: Any, key_prefix: str = DEFAULT_KEY_PREFIX) -> list[str]:
     """Remove every namespace whose lease has expired; return the namespaces removed."""
-    return NodeIndex(client, key_prefix).gc()
-
-
-class Renewable(Protocol):
-    """What a heartbeat renews: an owning registry."""
-
-    def renew(self) -> float: ...
-
-
-class Heartbeat:
-    """A daemon thread renewing an owner's lease every ``interval`` seconds.
-
-    It holds its owner weakly, so it stops by itself once the owner is garbage; it
-    also stops when the owner turns out to be superseded (``lost`` is set). Connection
-    errors are logged and retried at the next beat.
-    """
-
-    def __init__(self, owner: Renewable, interval: float, name: str) -> None:
-        self._owner = weakref.ref(owner)
-        self.interval = interval
-        self.lost = threading.Event()
-        self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            owner = self._owner()
-            if owner is None:
-                return  # the registry is gone: nothing left to keep alive
-            try:
-                owner.renew()
-            except StaleEpochError:
-                log.error("lease lost: this owner was superseded; heartbeat stops")
-                self.lost.set()
-                return
-            except Exception:
-                self.failures += 1
-                log.warning("lease renewal failed; retrying", exc_info=True)
-            finally:
-                del owner
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop renewing (the lease then runs out unless renewed otherwise)."""
-        self._stop.set()
-        self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    return NodeIndex(client, key_prefix).collect_dead()
 
 
 def _text(value: Any) -> str:

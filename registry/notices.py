@@ -25,7 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-KINDS = ("evict", "cascade", "replace", "clear")
+from registry.types import BlockHash, BlockId, BlockPair, NoticeKind
+
+KINDS = tuple(kind.value for kind in NoticeKind)
 
 
 @dataclass(frozen=True)
@@ -33,15 +35,15 @@ class EvictionNotice:
     """One numbered notice: which (block_id, hash) pairs left the Mamba hash."""
 
     seq: int
-    kind: str
-    pairs: tuple[tuple[int, int], ...] = ()
+    kind: NoticeKind | str  # a NoticeKind; compares equal to its text ("evict", ...)
+    pairs: tuple[BlockPair, ...] | tuple[tuple[int, int], ...] = ()
     incarnation: str = ""  # the namespace's history this number counts in
     truncated: bool = False  # read back from the stream without its pairs
 
     @property
     def cleared(self) -> bool:
         """True for a ``clear``: every entry went, listed or not."""
-        return self.kind == "clear"
+        return self.kind == NoticeKind.CLEAR
 
 
 def _text(value: object) -> str:
@@ -62,15 +64,15 @@ def _parse(
         raise ValueError(f"notice incarnation {incarnation!r} is not a number")
     if kind not in KINDS:
         raise ValueError(f"unknown notice kind {kind!r}")
-    pairs = []
+    pairs: list[BlockPair] = []
     for word in pair_words:
         block_id, sep, h = word.partition(":")
         if not (sep and block_id.isdigit() and h.isdigit() and word.isascii()):
             raise ValueError(f"malformed block_id:hash pair {word!r}")
-        pairs.append((int(block_id), int(h)))
+        pairs.append(BlockPair(BlockId(int(block_id)), BlockHash(int(h))))
     if kind == "clear" and pairs:
         raise ValueError("a clear notice carries no pairs")
-    return EvictionNotice(int(seq_text), kind, tuple(pairs), incarnation, truncated)
+    return EvictionNotice(int(seq_text), NoticeKind(kind), tuple(pairs), incarnation, truncated)
 
 
 def parse_notice(message: str | bytes) -> EvictionNotice:

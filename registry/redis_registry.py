@@ -1,13 +1,12 @@
 """``PrefixCacheRegistry``: the registry stored in Redis, one round trip per call.
 
-Every write is one EVALSHA of the script named after it in ``lua/`` (loaded again on
-NOSCRIPT after a restart, a failover or ``SCRIPT FLUSH``); every read of one key is a
-single HMGET or HGET. Empty input costs no round trip. Redis faults raise
-``RegistryUnavailable``.
+Every write is one EVALSHA of the script named after it in ``lua/`` (through the one
+``ScriptRunner``), under a fresh request id so that a re-sent copy never runs twice;
+every read of one key is a single HMGET or HGET. Empty input costs no round trip. Redis
+faults raise the registry's own errors (``registry.errors``).
 
-An owner (the serving node whose GPU holds the blocks) calls ``claim()`` once at
-start: its writes then carry its epoch and fail with ``StaleEpochError`` once another
-process claimed the namespace. Readers (routers, tools) and operators do not claim.
+Ownership (``claim``, ``renew``, the heartbeat) is in ``registry.ownership``; reading
+notices back from the stream in ``registry.replay``.
 
 Thread safety: the object keeps no mutable state besides the callback, hooks and the
 epoch it claimed, and a redis-py client is thread-safe, so one instance may be shared
@@ -24,8 +23,10 @@ from registry.base import RegistryBase
 from registry.client import RedisClient, client_from_url
 from registry.errors import REDIS_ERRORS, translate
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
-from registry.membership import DEFAULT_LEASE_TTL, Heartbeat, NodeIndex
-from registry.notices import EvictionNotice, parse_notice, parse_stream_entry
+from registry.membership import NodeIndex
+from registry.notices import EvictionNotice, parse_notice
+from registry.ownership import DEFAULT_LEASE_TTL, Ownership
+from registry.replay import notices_after
 from registry.scripts import ScriptRunner
 from registry.validation import flatten
 
@@ -61,7 +62,7 @@ def default_retry() -> Any:
     return Retry(ExponentialWithJitterBackoff(base=0.02, cap=RETRY_BACKOFF_CAP), RETRIES)
 
 
-class PrefixCacheRegistry(RegistryBase):
+class PrefixCacheRegistry(RegistryBase, Ownership):
     """The ``hash -> block_id`` registry of one namespace, kept in Redis."""
 
     def __init__(
@@ -185,53 +186,6 @@ class PrefixCacheRegistry(RegistryBase):
         """Load every script now (SCRIPT LOAD), so the first calls need no retry."""
         self._runner.load()
 
-    # -- ownership ----------------------------------------------------------------------
-
-    def claim(self, lease_ttl: float = DEFAULT_LEASE_TTL) -> int:
-        """Become the namespace's owner: take a new epoch (unique for all time), drop the
-        previous incarnation's entries, start a lease and announce it. The drop is a
-        'clear' notice, delivered to this object's hooks (so its slot pool frees at once)
-        and to every listener.
-
-        From now on this object's writes carry the epoch; once another process claims
-        the namespace, ``gc`` collects it or its ``meta`` is lost, they raise
-        ``StaleEpochError`` and change nothing. Returns the epoch.
-        """
-        lease_ttl = _lease_seconds(lease_ttl)
-        lease_ms = max(1, round(lease_ttl * 1000))
-        epoch, lease_until, notice = self._write(
-            "claim",
-            self._all_keys,
-            True,
-            (lease_ms,),
-            fence="",  # claims are never fenced
-        )
-        self.lease_ttl = lease_ttl
-        self._set_epoch(int(epoch))
-        self._notify(_notice(notice))
-        self._node_index().announce(self.namespace, int(lease_until))
-        return int(epoch)
-
-    def renew(self) -> float:
-        """Extend the lease by ``lease_ttl``; return its end (server clock, Unix seconds).
-
-        Raises ``StaleEpochError`` when superseded, ``RuntimeError`` before ``claim``.
-        """
-        if self.epoch is None:
-            raise RuntimeError("renew() needs an owner: call claim() first")
-        lease_until = int(self._write("renew", (self.keys.meta,), False, (self._lease_ms(),)))
-        self._node_index().announce(self.namespace, lease_until)
-        return lease_until / 1000
-
-    def start_heartbeat(self, interval: float | None = None) -> Heartbeat:
-        """Renew the lease from a daemon thread every ``interval`` s (default: a third of
-        the lease). ``Heartbeat.stop()`` ends it; ``Heartbeat.lost`` is set if superseded.
-        The thread holds this registry weakly: it stops once the registry is gone."""
-        if self.epoch is None:
-            raise RuntimeError("start_heartbeat() needs an owner: call claim() first")
-        beat = self.lease_ttl / 3 if interval is None else _lease_seconds(interval)
-        return Heartbeat(self, beat, name=f"heartbeat[{self.namespace}]")
-
     def _read(self, operation: str, command: Any, *args: Any) -> Any:
         """Run one read command; a Redis fault becomes the registry error for it."""
         try:
@@ -239,14 +193,6 @@ class PrefixCacheRegistry(RegistryBase):
         except REDIS_ERRORS as exc:
             error = translate(exc, f"namespace {self.namespace!r}: {operation}")
             raise (error or exc) from exc
-
-    def _lease_ms(self) -> int:
-        return max(1, round(self.lease_ttl * 1000))
-
-    def _node_index(self) -> NodeIndex:
-        if self._index is None:
-            self._index = NodeIndex(self.client, self.keys.key_prefix)
-        return self._index
 
     # -- storage primitives -----------------------------------------------------
 
@@ -311,45 +257,12 @@ class PrefixCacheRegistry(RegistryBase):
             return None
         return _notice(self._write("clear_mamba", self._mamba_write_keys, True))
 
-    # -- reading the notice stream ------------------------------------------------
-
     def notices_after(
         self, seq: int, *, incarnation: str | None = None, page: int = 500
     ) -> list[EvictionNotice] | None:
-        """Every notice numbered above ``seq``, oldest first, read back from the stream.
-
-        ``None`` when the stream cannot give all of them: it was trimmed, a notice was
-        kept without its pairs (too long), or the namespace's history restarted (its
-        incarnation is not ``incarnation``, when given): reconcile instead.
-        """
-        current, newest = self.notice_position()
-        if incarnation is not None and current != incarnation:
-            return None
-        if newest <= seq:
-            return [] if newest == seq else None
-        found: list[EvictionNotice] = []
-        upper = "+"
-        reached = False
-        while not reached:
-            entries = self._read(
-                "notices_after", self.client.xrevrange, self.keys.mamba_evictions, upper, "-", page
-            )
-            for _entry_id, fields in entries:
-                notice = parse_stream_entry(fields)
-                if notice.seq <= seq:
-                    reached = True
-                    break
-                found.append(notice)
-            if len(entries) < page:
-                break
-            upper = "(" + _text(entries[-1][0])
-        found.reverse()
-        numbers = [n.seq for n in found]
-        if not found or numbers != list(range(seq + 1, seq + 1 + len(found))):
-            return None
-        if any(n.truncated or n.incarnation != current for n in found):
-            return None
-        return found if numbers[-1] >= newest else None
+        """Every notice numbered above ``seq``, oldest first, read back from the stream;
+        ``None`` when the stream cannot give all of them (see ``registry.replay``)."""
+        return notices_after(self, seq, incarnation=incarnation, page=page)
 
 
 def redacted(url: str) -> str:
@@ -374,11 +287,3 @@ def _notice(text: Any) -> EvictionNotice | None:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _lease_seconds(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"a lease length must be a number of seconds, not {type(value).__name__}")
-    if not 0.001 <= value <= 86_400 * 365:
-        raise ValueError(f"a lease length must lie between 1 ms and a year, not {value}")
-    return float(value)

@@ -16,12 +16,11 @@ import operator
 from collections.abc import Iterable
 from typing import Any
 
-NO_HASH = -1
-"""Hash sentinel: this position has no hash (skipped or never matching)."""
-NO_PARENT = 0
-"""Hash sentinel: no parent / no match."""
-MAX_HASH = 2**63 - 1
-MAX_BLOCK_ID = 2**63 - 1
+from registry.types import MAX_BLOCK_ID as MAX_BLOCK_ID
+from registry.types import MAX_HASH as MAX_HASH
+from registry.types import NO_HASH as NO_HASH
+from registry.types import NO_PARENT as NO_PARENT
+
 _INT_ONLY = {int}
 
 

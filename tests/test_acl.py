@@ -28,7 +28,13 @@ import pytest
 import redis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from registry import PrefixCacheRegistry, PrefixRouter, RegistryPermissionError, gc, live_nodes
+from registry import (
+    PrefixCacheRegistry,
+    PrefixRouter,
+    RegistryPermissionError,
+    collect_dead,
+    live_nodes,
+)
 from registry.keys import node_index_key
 from registry.scripts import script_source
 from tests.servers import HOST, RedisServer, require_redis_server
@@ -511,7 +517,7 @@ def test_the_shared_node_index_is_not_isolated(admin: redis.Redis, connect: Conn
     assert raw(node_a).zadd(NODE_INDEX, {"node-b": 1}) == 0  # lease end moved to 1970
     assert "node-b" not in live_nodes(node_a.client)
     assert "node-b" not in router.score([B1, B2])
-    assert "node-b" not in gc(admin)
+    assert "node-b" not in collect_dead(admin)
     assert snapshot(admin, node_b) == {**before, NODE_INDEX: 1.0}
     assert raw(node_a).zrem(NODE_INDEX, "node-b") == 1  # ZREM is granted (announce uses it)
     assert "node-b" not in router.score([B1, B2])

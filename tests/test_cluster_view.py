@@ -13,7 +13,7 @@ from registry import (
     PrefixRouter,
     StaleEpochError,
     block_hashes,
-    gc,
+    collect_dead,
     live_nodes,
 )
 from tests.conftest import Backend, dump_keys, expire_lease, notice_base, registry_state
@@ -115,7 +115,7 @@ def test_expired_lease_drops_out_and_gc_removes_the_namespace(
     assert live_nodes(client, prefix) == ["node-y"]
     assert set(router.score(H)) == {"node-y"}
     assert router.score(H, namespaces=["node-x"]) == {}  # dead: never scored, even if asked
-    assert gc(client, prefix) == ["node-x"]
+    assert collect_dead(client, prefix) == ["node-x"]
     assert all(client.exists(k) == 0 for k in short_lived.keys.all_keys())
     assert client.zscore(NodeIndex(client, prefix).key, "node-x") is None
     assert dump_keys(long_lived) == y_before  # a live node's keys are untouched
@@ -124,7 +124,7 @@ def test_expired_lease_drops_out_and_gc_removes_the_namespace(
     with pytest.raises(StaleEpochError):
         short_lived.renew()
     assert all(client.exists(k) == 0 for k in short_lived.keys.all_keys())
-    assert gc(client, prefix) == []
+    assert collect_dead(client, prefix) == []
 
 
 def test_gc_spares_a_namespace_renewed_in_time(redis_backend: Backend, prefix: str) -> None:
@@ -138,7 +138,7 @@ def test_gc_spares_a_namespace_renewed_in_time(redis_backend: Backend, prefix: s
     assert listed_dead == ["node-r"]
     reg.renew()  # back between gc listing it and deleting it
     index.dead = lambda: listed_dead  # type: ignore[method-assign]
-    assert index.gc() == []  # the lease is checked again, atomically with the delete
+    assert index.collect_dead() == []  # the lease is checked again, atomically with the delete
     assert registry_state(reg)[0] == {H[0]: 1}
     assert live_nodes(client, prefix) == ["node-r"]
 

@@ -21,7 +21,7 @@ from registry import (
     PrefixRouter,
     RegistryUnavailable,
     StaleEpochError,
-    gc,
+    collect_dead,
     live_nodes,
 )
 from tests.servers import RedisServer, require_redis_server
@@ -61,7 +61,7 @@ def test_every_operation_raises_registry_unavailable_while_down(server: RedisSer
         ("notice_sequence", reg.notice_sequence),
         ("score", lambda: router.score(H)),
         ("live_nodes", lambda: live_nodes(reg.client)),
-        ("gc", lambda: gc(reg.client)),
+        ("collect_dead", lambda: collect_dead(reg.client)),
     ]
     for name, call in calls:
         started = time.monotonic()

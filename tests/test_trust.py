@@ -34,7 +34,7 @@ from registry import (
     RegistryWrongType,
     StaleEpochError,
     block_hashes,
-    gc,
+    collect_dead,
     live_nodes,
 )
 from registry.redis_registry import CALL_BOUND
@@ -100,7 +100,7 @@ def test_an_owner_collected_by_gc_stays_fenced_after_a_new_claim(
     zombie.register_kv([1], H[:1])
     expire_lease(zombie)
     client = redis_backend.client()
-    assert gc(client, prefix) == [namespace]
+    assert collect_dead(client, prefix) == [namespace]
     with pytest.raises(StaleEpochError):
         zombie.renew()
     fresh = redis_backend.registry(namespace, key_prefix=prefix)
@@ -192,7 +192,7 @@ def test_garbage_in_the_node_index_breaks_nothing(redis_backend: Backend, decode
     invalid = index.invalid()
     assert len(invalid) == len(GARBAGE) + 2
     assert "\\xff\\xfe" in invalid
-    assert gc(client, prefix) == []
+    assert collect_dead(client, prefix) == []
     assert sorted(index.remove_invalid()) == sorted(invalid)
     assert index.invalid() == []
     members = {m.decode() if isinstance(m, bytes) else m for m in admin.zrange(index_key, 0, -1)}

@@ -1,0 +1,178 @@
+"""Ownership of a namespace: claim, lease renewal, and the heartbeat thread.
+
+An owner (the serving node whose GPU holds the blocks) ``claim()``s its namespace once
+at start: a new epoch, unique for all time, an empty namespace and a lease. Its writes
+carry the epoch and fail with ``StaleEpochError`` once another process claimed the
+namespace, ``gc`` collected it, or its ``meta`` was lost. The lease end (server clock)
+is kept in the namespace's ``meta`` and in the node index, where routers and ``gc``
+find it. Readers (routers, tools) and operators never claim.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from abc import abstractmethod
+from typing import TYPE_CHECKING, Any, Protocol
+
+from registry.errors import StaleEpochError
+from registry.keys import NamespaceKeys
+from registry.membership import NodeIndex
+from registry.notices import EvictionNotice, parse_notice
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TTL = 10.0
+"""Seconds a claim or a renewal keeps a namespace alive."""
+
+
+class Ownership:
+    """``claim``, ``renew`` and ``start_heartbeat`` of ``PrefixCacheRegistry``, over its
+    write path (``_write``) and its epoch."""
+
+    keys: NamespaceKeys
+    client: Any
+    epoch: int | None
+    lease_ttl: float = DEFAULT_LEASE_TTL
+    _index: NodeIndex | None = None
+
+    @abstractmethod
+    def _write(
+        self,
+        operation: str,
+        keys: tuple[str, ...],
+        notices: bool,
+        data: Any = (),
+        *,
+        fence: str | None = None,
+    ) -> Any:
+        """Run a write script under a fresh request id."""
+
+    @abstractmethod
+    def _set_epoch(self, epoch: int | None) -> None:
+        """Carry ``epoch`` in every later write."""
+
+    if TYPE_CHECKING:
+
+        def _notify(self, notice: EvictionNotice | None) -> None:
+            """Pass a notice to the callback and hooks (``RegistryBase`` has it)."""
+
+    def claim(self, lease_ttl: float = DEFAULT_LEASE_TTL) -> int:
+        """Become the namespace's owner: take a new epoch (unique for all time), drop the
+        previous incarnation's entries, start a lease and announce it. The drop is a
+        'clear' notice, delivered to this object's hooks (so its slot pool frees at once)
+        and to every listener.
+
+        From now on this object's writes carry the epoch; once another process claims
+        the namespace, ``gc`` collects it or its ``meta`` is lost, they raise
+        ``StaleEpochError`` and change nothing. Returns the epoch. A server out of memory
+        refuses the claim before changing anything (``RegistryOutOfMemory``).
+        """
+        lease_ttl = lease_seconds(lease_ttl)
+        k = self.keys
+        epoch, lease_until, notice = self._write(
+            "claim",
+            (k.kv, k.mamba, k.meta, k.mamba_evictions),
+            True,
+            (max(1, round(lease_ttl * 1000)),),
+            fence="",  # claims are never fenced
+        )
+        self.lease_ttl = lease_ttl
+        self._set_epoch(int(epoch))
+        self._notify(parse_notice(notice) if notice else None)
+        self._node_index().announce(k.namespace, int(lease_until))
+        return int(epoch)
+
+    def renew(self) -> float:
+        """Extend the lease by ``lease_ttl``; return its end (server clock, Unix seconds).
+
+        Raises ``StaleEpochError`` when superseded, ``RuntimeError`` before ``claim``.
+        Works while Redis is at ``maxmemory``: it adds no memory.
+        """
+        if self.epoch is None:
+            raise RuntimeError("renew() needs an owner: call claim() first")
+        lease_ms = max(1, round(self.lease_ttl * 1000))
+        lease_until = int(self._write("renew", (self.keys.meta,), False, (lease_ms,)))
+        self._node_index().announce(self.keys.namespace, lease_until)
+        return lease_until / 1000
+
+    def start_heartbeat(self, interval: float | None = None) -> Heartbeat:
+        """Renew the lease from a daemon thread every ``interval`` s (default: a third of
+        the lease). ``Heartbeat.stop()`` ends it; ``Heartbeat.lost`` is set if superseded.
+        The thread holds this registry weakly: it stops once the registry is gone."""
+        if self.epoch is None:
+            raise RuntimeError("start_heartbeat() needs an owner: call claim() first")
+        beat = self.lease_ttl / 3 if interval is None else lease_seconds(interval)
+        return Heartbeat(self, beat, name=f"heartbeat[{self.keys.namespace}]")
+
+    def _node_index(self) -> NodeIndex:
+        if self._index is None:
+            self._index = NodeIndex(self.client, self.keys.key_prefix)
+        return self._index
+
+
+def lease_seconds(value: object) -> float:
+    """A lease length or heartbeat interval, checked: a number of seconds, 1 ms to a year."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"a lease length must be a number of seconds, not {type(value).__name__}")
+    if not 0.001 <= value <= 86_400 * 365:
+        raise ValueError(f"a lease length must lie between 1 ms and a year, not {value}")
+    return float(value)
+
+
+class Renewable(Protocol):
+    """What a heartbeat renews: an owning registry."""
+
+    def renew(self) -> float: ...
+
+
+class Heartbeat:
+    """A daemon thread renewing an owner's lease every ``interval`` seconds.
+
+    It holds its owner weakly, so it stops by itself once the owner is garbage; it
+    also stops when the owner turns out to be superseded (``lost`` is set). Other
+    failures (Redis away) are logged, counted in ``failures`` and retried at the next
+    beat. Usable as a context manager: leaving the block stops it.
+    """
+
+    def __init__(self, owner: Renewable, interval: float, name: str) -> None:
+        self._owner = weakref.ref(owner)
+        self.interval = interval
+        self.lost = threading.Event()
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            owner = self._owner()
+            if owner is None:
+                return  # the registry is gone: nothing left to keep alive
+            try:
+                owner.renew()
+            except StaleEpochError:
+                log.error("lease lost: this owner was superseded; heartbeat stops")
+                self.lost.set()
+                return
+            except Exception:
+                self.failures += 1
+                log.warning("lease renewal failed; retrying", exc_info=True)
+            finally:
+                del owner
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop renewing (the lease then runs out unless renewed otherwise)."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> Heartbeat:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

@@ -1,0 +1,63 @@
+"""Reading a namespace's notices back from its capped stream (for listeners' catch-up)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from registry.keys import NamespaceKeys
+from registry.notices import EvictionNotice, parse_stream_entry
+
+
+class StreamReader(Protocol):
+    """What replay needs of a registry: its keys, its position and one read path."""
+
+    keys: NamespaceKeys
+    client: Any
+
+    def notice_position(self) -> tuple[str, int]: ...
+
+    def _read(self, operation: str, command: Any, *args: Any) -> Any: ...
+
+
+def notices_after(
+    registry: StreamReader, seq: int, *, incarnation: str | None = None, page: int = 500
+) -> list[EvictionNotice] | None:
+    """Every notice numbered above ``seq``, oldest first, read back from the stream.
+
+    ``None`` when the stream cannot give all of them: it was trimmed, a notice was kept
+    without its pairs (too long), or the namespace's history restarted (its incarnation
+    is not ``incarnation``, when given): reconcile instead.
+    """
+    current, newest = registry.notice_position()
+    if incarnation is not None and current != incarnation:
+        return None
+    if newest <= seq:
+        return [] if newest == seq else None
+    found: list[EvictionNotice] = []
+    upper = "+"
+    reached = False
+    stream = registry.keys.mamba_evictions
+    while not reached:
+        entries = registry._read(
+            "notices_after", registry.client.xrevrange, stream, upper, "-", page
+        )
+        for _entry_id, fields in entries:
+            notice = parse_stream_entry(fields)
+            if notice.seq <= seq:
+                reached = True
+                break
+            found.append(notice)
+        if len(entries) < page:
+            break
+        upper = "(" + _text(entries[-1][0])
+    found.reverse()
+    numbers = [n.seq for n in found]
+    if not found or numbers != list(range(seq + 1, seq + 1 + len(found))):
+        return None
+    if any(n.truncated or n.incarnation != current for n in found):
+        return None
+    return found if numbers[-1] >= newest else None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
