@@ -17,11 +17,17 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from registry.base import RegistryBase
 from registry.client import RedisClient, client_from_url
-from registry.errors import REDIS_ERRORS, translate
+from registry.errors import (
+    REDIS_ERRORS,
+    RegistryMisconfigured,
+    RegistryPermissionError,
+    translate,
+)
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
 from registry.notices import EvictionNotice, parse_notice
@@ -249,6 +255,76 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         )
         return ("" if incarnation is None else _text(incarnation)), int(seq or 0)
 
+    # -- reading a whole namespace (tools, audits) ----------------------------------------
+
+    def entries(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The whole KV and Mamba maps (``hash -> block id``), read in one round trip.
+        O(entries): for audits and tools, not for an engine's hot path."""
+        kv, mamba = self._pipelined(
+            "entries", [("HGETALL", self.keys.kv), ("HGETALL", self.keys.mamba)]
+        )
+        return _int_map(kv), _int_map(mamba)
+
+    def info(self) -> NamespaceInfo:
+        """Sizes, owner epoch, lease and notice position of the namespace, in one round
+        trip (plus one ``MEMORY USAGE`` per key when ``memory`` is wanted)."""
+        kv, mamba, meta, now = self._pipelined(
+            "info",
+            [
+                ("HLEN", self.keys.kv),
+                ("HLEN", self.keys.mamba),
+                ("HGETALL", self.keys.meta),
+                ("TIME",),
+            ],
+        )
+        fields = {_text(k): _text(v) for k, v in meta.items()}
+        seconds, micros = now
+        return NamespaceInfo(
+            namespace=self.namespace,
+            kv_entries=int(kv),
+            mamba_entries=int(mamba),
+            epoch=int(fields["epoch"]) if "epoch" in fields else None,
+            incarnation=fields.get("incarnation", ""),
+            notice_seq=int(fields.get("notice_seq", 0)),
+            lease_until_ms=int(fields["lease_until"]) if "lease_until" in fields else None,
+            server_ms=int(seconds) * 1000 + int(micros) // 1000,
+        )
+
+    def memory_bytes(self) -> int | None:
+        """Bytes the namespace's long-lived keys take (``MEMORY USAGE``); None where the
+        server has no such command (fakeredis) or refuses it (ACL)."""
+        try:
+            replies = self._pipelined(
+                "memory", [("MEMORY", "USAGE", key) for key in self.keys.all_keys()]
+            )
+        except (RegistryMisconfigured, RegistryPermissionError):
+            return None
+        return sum(int(r or 0) for r in replies)
+
+    def scan_entries(
+        self, kind: str = "kv", cursor: int = 0, count: int = 50
+    ) -> tuple[int, list[tuple[int, int]]]:
+        """One ``HSCAN`` page of the ``kind`` ("kv" or "mamba") map: (next cursor, sorted
+        (hash, block id) pairs); cursor 0 again means the scan is complete."""
+        if kind not in ("kv", "mamba"):
+            raise ValueError(f"kind must be 'kv' or 'mamba', not {kind!r}")
+        key = self.keys.kv if kind == "kv" else self.keys.mamba
+        following, page = self._read("scan_entries", self.client.hscan, key, cursor, None, count)
+        return int(following), sorted((int(h), int(b)) for h, b in page.items())
+
+    def _pipelined(self, operation: str, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Several commands on this namespace's keys in one round trip (one slot)."""
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            replies: list[Any] = pipe.execute()
+            return replies
+
+        result: list[Any] = self._read(operation, run)
+        return result
+
     def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
         if kv and mamba:
             return _notice(self._write("reset", self._all_keys, True))
@@ -278,6 +354,38 @@ def bounded_options(client_options: dict[str, Any]) -> dict[str, Any]:
     options = {**DEFAULT_CLIENT_OPTIONS, **client_options}
     options.setdefault("retry", default_retry())
     return options
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """What ``PrefixCacheRegistry.info()`` reads about a namespace."""
+
+    namespace: str
+    kv_entries: int
+    mamba_entries: int
+    epoch: int | None  # the owner's epoch; None if never claimed
+    incarnation: str  # its history ("" before the first write)
+    notice_seq: int  # the last notice number
+    lease_until_ms: int | None  # the owner's lease end (server clock); None if never claimed
+    server_ms: int  # the server's clock when read
+
+    @property
+    def state(self) -> str:
+        """"live", "dead" (lease over) or "no lease"."""
+        if self.lease_until_ms is None:
+            return "no lease"
+        return "live" if self.lease_until_ms > self.server_ms else "dead"
+
+    @property
+    def lease_left_s(self) -> float | None:
+        """Seconds of lease left (negative: ran out that long ago); None if no lease."""
+        if self.lease_until_ms is None:
+            return None
+        return (self.lease_until_ms - self.server_ms) / 1000
+
+
+def _int_map(raw: Any) -> dict[int, int]:
+    return {int(h): int(b) for h, b in raw.items()}
 
 
 def _notice(text: Any) -> EvictionNotice | None:
