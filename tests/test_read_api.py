@@ -19,12 +19,17 @@ def test_entries_info_and_scan_describe_the_namespace(redis_backend: Backend) ->
     info = reg.info()
     assert (info.kv_entries, info.mamba_entries, info.epoch) == (600, 2, epoch)
     assert info.state == "live"
-    assert info.lease_left_s is not None and 0 < info.lease_left_s <= 60
+    assert info.lease_left_s is not None
+    assert 0 < info.lease_left_s <= 60
     assert (info.incarnation, info.notice_seq) == reg.notice_position()
     expire_lease(reg)
     assert reg.info().state == "dead"
     memory = reg.memory_bytes()
-    assert memory is None if redis_backend.name == "fakeredis" else memory and memory > 0
+    if redis_backend.name == "fakeredis":
+        assert memory is None
+    else:
+        assert memory is not None
+        assert memory > 0
     seen: list[tuple[int, int]] = []
     cursor = 0
     while True:
