@@ -43,7 +43,7 @@ def test_quick_bench_reports_every_operation_and_target(tmp_path: Path) -> None:
     assert {"match_kv_prefix", "HMGET"} == set(report["throughput_4_processes_n64"])
     assert report["listener_notice_to_free_ms"]["missing"] == 0
     targets = {t["target"]: t for t in report["targets"]}
-    assert len(targets) == 10
+    assert len(targets) == 11
     for target in targets.values():
         assert isinstance(target["measured"], float | int)
         assert target["limit"].startswith(("≤", "≥"))

@@ -46,7 +46,7 @@ def test_lru_eviction_goes_through_the_registry(backend: Backend) -> None:
     conv, ssm = states(1, seed=99)
     pool.store([4], [E], conv, ssm)
     # Block 1 was the least recently used: evicted in the registry, notice, slot freed.
-    assert seen == [EvictionNotice(1, "evict", ((1, B),))]
+    assert [(n.kind, n.pairs) for n in seen] == [("evict", ((1, B),))]  # numbers vary
     assert freed == [[(1, B)]]
     assert registry_state(reg)[1] == {A: 0, C: 2, D: 3, E: 4}
     assert pool.pairs() == {(0, A), (2, C), (3, D), (4, E)}
@@ -56,7 +56,8 @@ def test_lru_eviction_goes_through_the_registry(backend: Backend) -> None:
     assert (counts.in_use, counts.evicted, counts.freed) == (4, 1, 1)
     # Two more blocks evict the next two least recently used, 2 and 3, in one call.
     pool.store([5, 6], [B, 9999], *states(2, seed=5))
-    assert seen[-1] == EvictionNotice(2, "evict", ((2, C), (3, D)))
+    assert [(n.kind, n.pairs) for n in seen[1:]] == [("evict", ((2, C), (3, D)))]
+    assert seen[0].seq < seen[1].seq
     assert pool.pairs() == {(0, A), (4, E), (5, B), (6, 9999)}
 
 
@@ -236,6 +237,99 @@ def test_store_restore_free_on_cuda() -> None:
     freed = time.perf_counter() - start
     assert pool.counts().in_use == 256
     print(f"\ncuda: store 512 blocks {stored * 1e3:.2f} ms, evict+free 256 {freed * 1e3:.2f} ms")
+
+
+def device_checks(device: str, elsewhere: str) -> None:
+    """A pool on ``device`` refuses tensors on ``elsewhere`` before changing anything (also
+    when the refused store would replace a block), restores bit for bit onto its own
+    device, casts only when asked, and stays exact under threads there."""
+    reg = LocalPrefixCacheRegistry()
+    pool = make_pool(reg, slots=4, device=device, dtype=torch.bfloat16)
+    cuda = device == "cuda"
+    expected = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(device)
+    assert pool.device == pool.conv_states.device == expected
+    conv, ssm = states(2, dtype=torch.bfloat16, device=device)
+    pool.store([0, 1], [A, B], conv, ssm)
+    before = (pool.counts(), pool.pairs(), dict(reg.mamba), reg.notice_seq)
+    there = states(2, dtype=torch.bfloat16, device=elsewhere)
+    with pytest.raises(ValueError, match=f"conv is on {elsewhere}"):
+        pool.store([2, 3], [C, D], *there)
+    with pytest.raises(ValueError, match=f"ssm is on {elsewhere}"):
+        pool.store([0, 1], [C, D], conv, there[1])  # would replace blocks 0 and 1
+    assert (pool.counts(), pool.pairs(), dict(reg.mamba), reg.notice_seq) == before
+    foreign_out = out_buffers(torch.bfloat16, elsewhere)
+    with pytest.raises(ValueError, match=f"conv_out is on {elsewhere}"):
+        pool.restore(0, *foreign_out)
+    conv_out, ssm_out = out_buffers(torch.bfloat16, device)
+    conv_out.fill_(7)
+    with pytest.raises(ValueError, match=f"ssm_out is on {elsewhere}"):
+        pool.restore(0, conv_out, foreign_out[1])
+    assert bool((conv_out == 7).all())
+    for i in (0, 1):
+        assert pool.restore(i, conv_out, ssm_out)
+        assert torch.equal(conv_out, conv[:, i])
+        assert torch.equal(ssm_out, ssm[:, i])
+    wide_conv, wide_ssm = out_buffers(torch.float32, device)
+    with pytest.raises(TypeError, match=r"conv_out has dtype torch\.float32"):
+        pool.restore(0, wide_conv, wide_ssm)
+    assert pool.restore(0, wide_conv, wide_ssm, cast=True)
+    assert torch.equal(wide_conv, conv[:, 0].float())
+    pool.close()
+    threaded_stores(device)
+
+
+def threaded_stores(device: str) -> None:
+    """Four threads store one block at a time into 8 slots on ``device``: never
+    exhausted, each eviction counted once, every slot holding its own block's state."""
+    import threading
+
+    import fakeredis
+
+    reg = PrefixCacheRegistry(fakeredis.FakeRedis(), "device-threads")  # thread-safe, unlike local
+    pool = make_pool(reg, slots=8, device=device)
+    failures: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        try:
+            for i in range(25):
+                block = worker * 100 + i
+                conv = torch.full((3, 1, 4, 2), float(block), device=device)
+                ssm = torch.full((3, 1, 2, 3, 4), float(block), device=device)
+                pool.store([block], [10_000 + block], conv, ssm)
+        except BaseException as exc:
+            failures.append(exc)
+
+    workers = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    try:
+        for thread in workers:
+            thread.start()
+    finally:
+        for thread in workers:
+            if thread.ident is not None:
+                thread.join(60)
+    assert not any(t.is_alive() for t in workers)
+    assert failures == []
+    counts = pool.counts()
+    assert (counts.stored, counts.in_use, counts.evicted, counts.freed) == (100, 8, 92, 92)
+    conv_out, ssm_out = out_buffers(torch.float32, device)
+    for block, h in pool.pairs():
+        assert pool.restore(block, conv_out, ssm_out, expected_hash=h)
+        assert bool((conv_out == block).all())
+        assert bool((ssm_out == block).all())
+    assert pool.pairs() == {(b, h) for h, b in registry_state(reg)[1].items()}
+    pool.close()
+    reg.client.close()
+
+
+def test_device_checks_on_cpu() -> None:
+    device_checks("cpu", "meta")
+
+
+@pytest.mark.cuda
+def test_device_checks_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    device_checks("cuda", "cpu")
 
 
 def test_a_registration_whose_reply_was_lost_is_withdrawn_at_reconcile(backend: Backend) -> None:

@@ -27,7 +27,9 @@ def engine(url: str, namespace: str, worker: int, seconds: float, out: Any) -> N
     """One serving process: match, evict to stay under capacity, register KV and Mamba,
     sometimes evict Mamba; every reply must equal the mirror's."""
     rng = random.Random(worker)
-    reg = PrefixCacheRegistry.from_url(url, namespace, notice_stream_maxlen=500)
+    # Reply records live reply_ttl (30 s by default, longer than a soak): with the
+    # shortest TTL their memory levels off within a second, so growth would show.
+    reg = PrefixCacheRegistry.from_url(url, namespace, notice_stream_maxlen=500, reply_ttl=1)
     mirror = LocalPrefixCacheRegistry()
     lru: OrderedDict[int, None] = OrderedDict()
     base = (worker + 1) * 10**15  # this process's own hash and block-id ranges
