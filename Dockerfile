@@ -4,6 +4,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY registry registry
 COPY gpu gpu
+COPY sim sim
 COPY benchmarks benchmarks
 COPY lua lua
 RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \

@@ -95,8 +95,8 @@ def test_password_never_appears_in_the_error(server: RedisServer) -> None:
 def test_simulation_rides_out_a_server_restart(server: RedisServer) -> None:
     """Redis goes away for 40 requests and comes back empty: requests are served
     without the cache meanwhile, every node claims again, and the end is consistent."""
-    from gpu.fleet import FleetConfig, simulate
-    from gpu.workload import WorkloadConfig
+    from sim import FleetConfig, simulate
+    from sim.workload import WorkloadConfig
 
     client = redis.Redis(
         port=server.port, socket_connect_timeout=1, socket_timeout=2, retry=Retry(NoBackoff(), 0)

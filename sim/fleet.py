@@ -1,0 +1,109 @@
+"""A simulated fleet of serving nodes sharing prefix-cache state through Redis.
+
+Each node owns a namespace (``claim``), a bounded KV block pool with reference counts
+and leaf-first LRU eviction (a block whose descendants are cached is never evicted),
+and a Mamba slot pool (small CPU tensors) with its eviction listener. Every request is
+served the way a hybrid engine would: match the KV prefix, find the farthest Mamba
+checkpoint inside it and restore it, evict to make room, register the new blocks, and
+checkpoint the Mamba state of the prompt's last block. A router sends each request to a
+node, round-robin or by prefix (``PrefixRouter.best``). At the end the run checks that
+the pools and the registry agree (``sim.audit``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from registry import PrefixRouter, RegistryUnavailable, block_hashes
+from sim.config import ROUTERS, FleetConfig, check_fleet_config
+from sim.node import Node, Totals
+from sim.timings import Timings
+from sim.workload import Workload
+
+
+def simulate(
+    client: Any,
+    config: FleetConfig,
+    router: str,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the workload through a fleet routed by ``router``; return the figures."""
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {router!r}")
+    check_fleet_config(config)
+    timings = Timings()
+    tag = "rr" if router == "round-robin" else router
+    nodes = [Node(client, f"sim-{tag}-node-{i}", config, timings) for i in range(config.nodes)]
+    names = [n.namespace for n in nodes]
+    by_name = dict(zip(names, nodes, strict=True))
+    prefix_router = PrefixRouter(client, config.key_prefix)
+    assigned: dict[str, int] = dict.fromkeys(names, 0)
+    totals = Totals()
+    route_fallbacks = 0
+    started = time.perf_counter()
+    try:
+        for request in Workload(config.workload):
+            for node in nodes:
+                node.heal(totals)
+            target = names[request.number % len(names)]
+            if router == "prefix":
+                hashes = block_hashes(request.tokens, config.block_size)
+                try:
+                    with timings.timed("route (score all nodes)"):
+                        target = (
+                            prefix_router.best(hashes, load=assigned, namespaces=names) or target
+                        )
+                except RegistryUnavailable:
+                    route_fallbacks += 1  # round-robin while Redis is away
+            assigned[target] += 1
+            by_name[target].serve(request, totals)
+            if progress is not None:
+                progress(request.number + 1, config.workload.requests)
+        elapsed = time.perf_counter() - started
+        consistency = _settle(nodes)
+    finally:
+        for node in nodes:
+            node.close()
+    listener_counts = [asdict(n.listener.counts()) for n in nodes]
+    pool_counts = [asdict(n.mamba.counts()) for n in nodes]
+    return {
+        "router": router,
+        "nodes": config.nodes,
+        "requests": totals.requests,
+        "seed": config.workload.seed,
+        "hit_rate_blocks": _ratio(totals.kv_hit_blocks, totals.prompt_blocks),
+        "usable_hit_rate_blocks": _ratio(totals.usable_hit_blocks, totals.prompt_blocks),
+        "hit_rate_tokens": _ratio(totals.prefill_tokens_saved, totals.prompt_tokens),
+        "totals": asdict(totals),
+        "requests_per_node": assigned,
+        "route_fallbacks": route_fallbacks,
+        "latency_ms": timings.summary(),
+        "consistency": consistency,
+        "mamba": {key: sum(c[key] for c in pool_counts) for key in pool_counts[0]},
+        "listener": {key: sum(c[key] for c in listener_counts) for key in listener_counts[0]},
+        "seconds": round(elapsed, 3),
+    }
+
+
+def _settle(nodes: list[Node], timeout: float = 10.0) -> dict[str, int]:
+    """Let every listener catch up, then sum the disagreements (they must be 0)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        caught_up = all(n.listener.counts().last_seq >= n.registry.notice_sequence() for n in nodes)
+        if caught_up or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    total: dict[str, int] = defaultdict(int)
+    for node in nodes:
+        for key, value in node.consistency().items():
+            total[key] += value
+    return dict(total)
+
+
+def _ratio(part: int, whole: int) -> float:
+    return round(part / whole, 4) if whole else 0.0
