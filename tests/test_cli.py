@@ -17,7 +17,7 @@ from registry import PrefixCacheRegistry, block_hashes
 from registry.cli import build_parser, main
 from tests.conftest import new_namespace
 from tests.gpu_helpers import wait_until
-from tests.servers import RedisServer
+from tests.servers import RedisServer, require_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--nodes", "3", "--requests", "250", "--kv-blocks", "256", "--mamba-slots", "16"]
@@ -131,12 +131,8 @@ def test_stats_shows_each_namespace(
     rows = {r["namespace"]: r for r in pcr(capsys, prepared, "stats")}
     assert set(rows) == {"node-live", "node-dead"}
     live, dead = rows["node-live"], rows["node-dead"]
-    assert (live["kv_entries"], live["mamba_entries"], live["state"], live["epoch"]) == (
-        4,
-        1,
-        "live",
-        1,
-    )
+    assert (live["kv_entries"], live["mamba_entries"], live["state"]) == (4, 1, "live")
+    assert live["epoch"] > 0
     assert (dead["kv_entries"], dead["state"]) == (1, "dead")
     assert live["memory_bytes"] > 0
 
@@ -200,6 +196,151 @@ def test_gc_removes_only_the_dead(
     assert [r["namespace"] for r in pcr(capsys, prepared, "stats")] == ["node-live"]
 
 
+INVALID_MEMBERS = {"bad name": 1, "": 2, "x{y}": 3, b"\xff\xfe": 4, "tab\there": 5}
+
+
+def test_stats_lists_invalid_index_members_and_gc_removes_them(
+    capsys: pytest.CaptureFixture[str], prepared: dict[str, Any]
+) -> None:
+    from registry import NodeIndex
+
+    client, prefix = prepared["client"], prepared["prefix"]
+    client.zadd(f"{prefix}:nodes", INVALID_MEMBERS)
+    invalid = NodeIndex(client, prefix).invalid()
+    assert len(invalid) == len(INVALID_MEMBERS)
+
+    rows = pcr(capsys, prepared, "stats")  # never fails because of them
+    assert {r["namespace"]: r["state"] for r in rows} == {
+        "node-live": "live",
+        "node-dead": "dead",
+        **dict.fromkeys(invalid, "invalid"),
+    }
+    assert capsys.readouterr().err == ""  # listed, not warned about
+    code = main(["stats", "--redis-url", prepared["url"], "--key-prefix", prefix])
+    table = capsys.readouterr().out
+    assert code == 0
+    assert "'bad name'" in table
+    assert "''" in table
+    assert len([line for line in table.splitlines() if "invalid" in line]) == len(invalid)
+
+    code = main(["match", "1", "--redis-url", prepared["url"], "--key-prefix", prefix])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert all(": WARNING: " in line for line in err.splitlines()), err
+
+    assert sorted(pcr(capsys, prepared, "gc", "--dry-run")) == sorted(["node-dead", *invalid])
+    assert NodeIndex(client, prefix).invalid() == invalid  # a dry run changes nothing
+    code = main(["gc", "--redis-url", prepared["url"], "--key-prefix", prefix])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        "removed 1: node-dead",
+        f"removed {len(invalid)} invalid node-index members: "
+        + " ".join(f"'{m}'" for m in invalid).replace("\t", "\\t"),
+    ]
+    assert NodeIndex(client, prefix).invalid() == []
+    assert [r["namespace"] for r in pcr(capsys, prepared, "stats")] == ["node-live"]
+
+
+def test_stats_warns_about_a_policy_that_evicts_registry_keys(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    require_redis_server()
+    with RedisServer() as server:
+        admin = server.client()
+        try:
+            PrefixCacheRegistry(admin, "node-0").claim(lease_ttl=60)
+            for policy, warned in [
+                ("allkeys-lru", True),
+                ("allkeys-lfu", True),
+                ("allkeys-random", True),
+                ("volatile-lru", False),
+                ("volatile-ttl", False),
+                ("noeviction", False),
+            ]:
+                admin.config_set("maxmemory-policy", policy)
+                code = main(["stats", "--redis-url", server.url, "--json"])
+                out, err = capsys.readouterr()
+                assert code == 0, err
+                assert [r["namespace"] for r in json.loads(out)] == ["node-0"]  # stdout: JSON
+                if warned:
+                    assert err.splitlines() == [
+                        f"pcr stats: WARNING: maxmemory-policy is {policy}: Redis may evict "
+                        "registry keys when it is full; use noeviction (or a volatile-* policy)"
+                    ]
+                else:
+                    assert err == "", policy
+            # A user that may not run CONFIG: no warning, no failure.
+            admin.config_set("maxmemory-policy", "allkeys-lru")
+            admin.acl_setuser(
+                "noconfig",
+                enabled=True,
+                passwords=["+noconfig-pw"],
+                keys=["*"],
+                channels=["*"],
+                commands=["+@all", "-config"],
+            )
+            url = f"redis://noconfig:noconfig-pw@127.0.0.1:{server.port}/0"
+            assert main(["stats", "--redis-url", url]) == 0
+            assert capsys.readouterr().err == ""
+        finally:
+            admin.close()
+
+
+def test_stats_on_fakeredis_skips_the_policy_check(capsys: pytest.CaptureFixture[str]) -> None:
+    import fakeredis
+
+    tcp = fakeredis.TcpFakeServer(("127.0.0.1", 0))
+    thread = threading.Thread(target=tcp.serve_forever)
+    thread.start()
+    try:
+        port = tcp.server_address[1]
+        code = main(["stats", "--redis-url", f"redis://127.0.0.1:{port}/0"])
+        out, err = capsys.readouterr()
+    finally:
+        tcp.shutdown()
+        tcp.server_close()
+        thread.join()
+    assert (code, err) == (0, "")
+    assert out.startswith("no namespaces")
+
+
+def test_stats_checks_the_policy_of_every_cluster_primary(
+    capsys: pytest.CaptureFixture[str], redis_cluster: Any
+) -> None:
+    host, port = redis_cluster.startup_nodes[0]
+    url = f"redis+cluster://{host}:{port}"
+    assert main(["stats", "--redis-url", url, "--key-prefix", "policy-check"]) == 0
+    assert capsys.readouterr().err == ""
+    last = redis_cluster.nodes[2].client()  # a primary: 3 masters, no replicas
+    try:
+        last.config_set("maxmemory-policy", "allkeys-random")
+        assert main(["stats", "--redis-url", url, "--key-prefix", "policy-check"]) == 0
+        err = capsys.readouterr().err
+    finally:
+        last.config_set("maxmemory-policy", "noeviction")
+        last.close()
+    assert err.startswith("pcr stats: WARNING: maxmemory-policy is allkeys-random"), err
+
+
+def test_a_redis_url_to_a_cluster_node_says_use_redis_cluster(
+    capsys: pytest.CaptureFixture[str], redis_cluster: Any
+) -> None:
+    host, port = redis_cluster.startup_nodes[0]
+    client = redis_cluster.client()
+    try:
+        # A key prefix whose node index lives on another node than the one in the URL.
+        owner = client.get_node_from_key
+        prefix = next(f"moved{i}" for i in range(1000) if owner(f"moved{i}:nodes").port != port)
+    finally:
+        client.close()
+    code = main(["stats", "--redis-url", f"redis://{host}:{port}/0", "--key-prefix", prefix])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert len(err.splitlines()) == 1, err
+    assert "use redis+cluster://" in err
+
+
 def run_pcr(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "registry", *args],
@@ -208,25 +349,31 @@ def run_pcr(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "message", "code"),
     [
-        (["simulate", "--nodes", "zero"], "invalid positive integer"),
-        (["simulate", "--router", "random"], "invalid choice"),
-        (["stats", "--bogus"], "unrecognized arguments"),
-        (["frobnicate"], "invalid choice"),
-        (["stats", "--redis-url", "redis://127.0.0.1:1/0"], "cannot reach Redis at 127.0.0.1:1"),
-        (["stats", "--redis-url", "http://user:hunter2@host/"], "unsupported Redis URL scheme"),
-        (["match", "--redis-url", "redis://127.0.0.1:1/0"], "give block hashes"),
-        (["inspect", "bad{name", "--redis-url", "redis://127.0.0.1:1/0"], "must not contain"),
-        (["match", "1", "--namespace", "a b", "--redis-url", "redis://127.0.0.1:1/0"], "namespace"),
+        (["simulate", "--nodes", "zero"], "invalid positive integer", 2),
+        (["simulate", "--router", "random"], "invalid choice", 2),
+        (["stats", "--bogus"], "unrecognized arguments", 2),
+        (["frobnicate"], "invalid choice", 2),
+        (["stats", "--redis-url", "redis://127.0.0.1:1/0"], "cannot reach Redis at 127.0.0.1:1", 1),
+        (["stats", "--redis-url", "http://user:hunter2@host/"], "unsupported Redis URL scheme", 2),
+        (["match", "--redis-url", "redis://127.0.0.1:1/0"], "give block hashes", 2),
+        (["inspect", "bad{name", "--redis-url", "redis://127.0.0.1:1/0"], "must not contain", 2),
+        (
+            ["match", "1", "--namespace", "a b", "--redis-url", "redis://127.0.0.1:1/0"],
+            "namespace",
+            2,
+        ),
     ],
 )
-def test_errors_are_one_clear_line(args: list[str], message: str) -> None:
+def test_errors_are_one_clear_line(args: list[str], message: str, code: int) -> None:
     done = run_pcr(*args)
-    assert done.returncode != 0
+    assert done.returncode == code, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert message in lines[0]
+    assert lines[0].startswith(f"pcr {args[0]}: error: " if args[0] != "frobnicate" else "pcr: ")
+    assert ": error: " in lines[0]
     assert "Traceback" not in done.stderr
     assert "hunter2" not in done.stderr
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from gpu import EvictionListener, MambaSlotPool
+from registry import EvictionNotice, PrefixCacheRegistry, RegistryUnavailable
 from sim.config import FleetConfig, FleetConfigError, check_fleet_config
 from sim.workload import WorkloadConfig
-from registry import EvictionNotice, PrefixCacheRegistry, RegistryUnavailable
 from tests.conftest import Backend, dump_keys, make_backend, registry_state
 from tests.gpu_helpers import CONV_SHAPE, LAYERS, SSM_SHAPE, make_pool, out_buffers, states
 
