@@ -5,7 +5,7 @@ COPY pyproject.toml README.md ./
 COPY registry registry
 COPY gpu gpu
 COPY sim sim
-COPY benchmarks benchmarks
+COPY pcr pcr
 COPY lua lua
 RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
         "torch==2.13.0" ".[gpu,embedded,hiredis]"

@@ -33,11 +33,12 @@ test-busy: $(STAMP) redis-server
 	bash .ci/busy-test 3
 
 lint: $(STAMP)
-	$(BIN)/ruff check registry gpu benchmarks tests examples
-	$(BIN)/ruff format --check registry gpu benchmarks tests examples
+	$(BIN)/ruff check registry gpu sim pcr tests examples
+	$(BIN)/ruff format --check registry gpu sim pcr tests examples
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
-	$(BIN)/mypy --strict registry gpu benchmarks
+	$(BIN)/mypy --strict registry gpu sim pcr
 
 wheel-smoke: $(STAMP)
 	bash .ci/wheel-smoke

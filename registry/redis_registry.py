@@ -371,7 +371,7 @@ class NamespaceInfo:
 
     @property
     def state(self) -> str:
-        """"live", "dead" (lease over) or "no lease"."""
+        """ "live", "dead" (lease over) or "no lease"."""
         if self.lease_until_ms is None:
             return "no lease"
         return "live" if self.lease_until_ms > self.server_ms else "dead"

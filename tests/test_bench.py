@@ -27,7 +27,7 @@ def test_quick_bench_reports_every_operation_and_target(tmp_path: Path) -> None:
     require_redis_server()
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "registry", "bench", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "pcr", "bench", "--quick", "--json", str(out)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

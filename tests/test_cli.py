@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from pcr.main import build_parser, main
 from registry import PrefixCacheRegistry, block_hashes
-from registry.cli import build_parser, main
 from tests.conftest import new_namespace
 from tests.gpu_helpers import wait_until
 from tests.servers import RedisServer, require_redis_server
@@ -343,7 +343,7 @@ def test_a_redis_url_to_a_cluster_node_says_use_redis_cluster(
 
 def run_pcr(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "registry", *args],
+        [sys.executable, "-m", "pcr", *args],
         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
     )  # fmt: skip
 

@@ -30,9 +30,14 @@ import redis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import registry.cli as cli
+import pcr.bench.command
+import pcr.bench.run
+import pcr.common as cli
+import pcr.inspection
+import pcr.simulate
+from pcr.common import MAX_CURSOR, MAX_PAGE
+from pcr.main import main
 from registry import NodeIndex, PrefixCacheRegistry, StaleEpochError, block_hashes
-from registry.cli import MAX_CURSOR, MAX_PAGE, main
 from registry.keys import validate_key_prefix, validate_namespace
 from tests.gpu_helpers import wait_until
 from tests.servers import RedisServer, require_redis_server
@@ -579,13 +584,10 @@ def test_unwritable_json_is_refused_before_the_run(
     def must_not_run(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the run started")
 
-    import benchmarks.run
-    import benchmarks.server
-
-    monkeypatch.setattr(benchmarks.run, "run", must_not_run)
-    monkeypatch.setattr(benchmarks.server, "BenchServer", must_not_run)
-    monkeypatch.setattr(cli, "_embedded_redis", must_not_run)
-    monkeypatch.setattr(cli, "_connect", must_not_run)
+    monkeypatch.setattr(pcr.bench.run, "run", must_not_run)
+    monkeypatch.setattr(pcr.bench.command, "RedisServer", must_not_run)
+    monkeypatch.setattr(pcr.simulate, "_embedded_redis", must_not_run)
+    monkeypatch.setattr(cli, "connect", must_not_run)
     line = one_line(capsys, 2, command, "--json", str(path))
     assert "argument --json: cannot write" in line
     assert capsys.readouterr().out == ""
@@ -729,7 +731,7 @@ def test_redis_lost_right_after_connecting(
     require_redis_server()
     with RedisServer() as server:
         _prepare(server)
-        connect = cli._connect
+        connect = cli.connect
 
         @contextlib.contextmanager
         def connect_then_lose_it(args: Any) -> Iterator[Any]:
@@ -737,7 +739,7 @@ def test_redis_lost_right_after_connecting(
                 server.stop()  # between PING and the command's first call
                 yield client
 
-        monkeypatch.setattr(cli, "_connect", connect_then_lose_it)
+        monkeypatch.setattr(cli, "connect", connect_then_lose_it)
         line = one_line(capsys, 1, *argv, "--redis-url", server.url, "--key-prefix", PREFIX)
     assert "unavailable" in line.lower() or "cannot reach" in line, line
 
@@ -771,7 +773,7 @@ def test_ctrl_c_exits_130_with_one_line(
     def interrupted(*args: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_follow", interrupted)
+    monkeypatch.setattr(pcr.inspection, "_follow", interrupted)
     line = one_line(capsys, 130, "watch", "ns", "--redis-url", targets.server.url)
     assert line == "pcr watch: interrupted"
 
@@ -847,7 +849,7 @@ def test_a_redis_error_escaping_every_handler_is_translated(
     def refused(*args: Any) -> Any:
         raise redis.ConnectionError("Error 111 connecting. Connection refused.")
 
-    monkeypatch.setattr(cli, "_print_scores", refused)
+    monkeypatch.setattr(pcr.inspection, "_print_scores", refused)
     line = one_line(capsys, 1, "match", "1", "--redis-url", targets.server.url)
     assert "Redis unavailable" in line
     assert f"127.0.0.1:{targets.server.port}" in line
@@ -858,7 +860,7 @@ def test_a_redis_error_escaping_every_handler_is_translated(
 
 def pcr_command() -> list[str]:
     script = Path(sys.executable).with_name("pcr")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "registry"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pcr"]
 
 
 def run_pcr(

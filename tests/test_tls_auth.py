@@ -29,8 +29,8 @@ from urllib.parse import quote
 import pytest
 import redis
 
+from pcr.main import main
 from registry import PrefixCacheRegistry
-from registry.cli import main
 from registry.errors import RegistryError
 from tests.conftest import new_namespace
 from tests.servers import HOST, RedisServer, require_redis_server
@@ -118,10 +118,10 @@ def capture_debug_logs(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def run_pcr(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m registry ARGS`` in a subprocess (no $REDIS_URL), output captured."""
+    """``python -m pcr ARGS`` in a subprocess (no $REDIS_URL), output captured."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     return subprocess.run(
-        [sys.executable, "-m", "registry", *args],
+        [sys.executable, "-m", "pcr", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from pcr.tables import format_table
 from registry import LocalPrefixCacheRegistry, PrefixCacheRegistry, PrefixRouter
 from registry.validation import flatten
 
@@ -504,7 +505,6 @@ def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as text tables."""
-    from registry.cli import format_table
 
     lines = []
     headers = [

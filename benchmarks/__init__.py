@@ -1,1 +1,0 @@
-"""Benchmarks of the registry against raw Redis commands (run by ``pcr bench``)."""

@@ -1,0 +1,9 @@
+"""``python -m pcr``: the same as the ``pcr`` command."""
+
+from __future__ import annotations
+
+import sys
+
+from pcr.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""``pcr bench``: every registry operation measured against the raw Redis commands."""

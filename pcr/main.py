@@ -1,0 +1,369 @@
+"""``pcr``: run the fleet simulation and inspect or repair a live registry.
+
+Every command that talks to Redis takes ``--redis-url`` (default: ``$REDIS_URL``, else
+``redis://localhost:6379/0``). ``pcr simulate`` needs the ``gpu`` extra (torch), loaded only
+when that command runs, so the other commands work from a torch-free install.
+
+Errors never show a traceback: each is exactly one line on stderr,
+``pcr COMMAND: error: MESSAGE``, and the exit status says which kind it was:
+
+* 2: a usage error, found before anything slow starts: an unknown option, a number out of
+  its range (NaN, infinities and huge values included), a namespace or key prefix that
+  breaks the naming rule, a malformed ``--redis-url``, a ``--json FILE`` that cannot be
+  written;
+* 1: a runtime error: Redis unreachable, lost, refusing the login or a command (ACL),
+  out of memory, a key of the wrong type, a URL that does not fit the server (cluster or
+  not, database index), a server that does not speak the Redis protocol; also any
+  unexpected failure, reported as ``internal error: ...``;
+* 130: interrupted (Ctrl-C), with the one line ``pcr COMMAND: interrupted``.
+
+Redis faults are mapped to the registry's error vocabulary by ``registry.errors.translate``
+(the project's one mapping), so the CLI and the library word them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import io
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.exceptions import RedisClusterException, RedisError
+
+# -- the parser -----------------------------------------------------------------------
+from pcr.bench.command import _command_bench
+from pcr.common import (
+    DEFAULT_URL,
+    EXIT_INTERRUPTED,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    MAX_BLOCK_SIZE,
+    MAX_CURSOR,
+    MAX_PAGE,
+    MAX_WATCH_SECONDS,
+    CommandError,
+    UsageError,
+    _block_size,
+    _cursor,
+    _hash,
+    _key_prefix,
+    _namespace,
+    _notices,
+    _one_line,
+    _page,
+    _Parser,
+    _port,
+    _positive,
+    _seconds,
+    _seed,
+    _token,
+    _url,
+    _where,
+)
+from pcr.inspection import (
+    _command_gc,
+    _command_inspect,
+    _command_match,
+    _command_stats,
+    _command_watch,
+)
+from pcr.simulate import _command_simulate
+from registry.errors import (
+    RegistryError,
+    translate,
+)
+from registry.keys import DEFAULT_KEY_PREFIX
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pcr`` argument parser (also used by tests to check documented commands)."""
+    parser = _Parser(
+        prog="pcr", description="Redis-backed prefix-cache registry: simulate, inspect, repair."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def redis_options(command: argparse.ArgumentParser, url_default: str | None) -> None:
+        command.add_argument(
+            "--redis-url",
+            type=_url,
+            default=url_default,
+            help="redis://, rediss://, unix://, redis+cluster:// URL (default: $REDIS_URL"
+            + (f", else {DEFAULT_URL})" if url_default else "; without it: an embedded fakeredis)"),
+        )
+        command.add_argument(
+            "--key-prefix",
+            type=_key_prefix,
+            default=DEFAULT_KEY_PREFIX,
+            help="key prefix (default: pcr)",
+        )
+
+    env_url = os.environ.get("REDIS_URL") or None  # set but empty: as if unset
+
+    sim = commands.add_parser("simulate", help="the serving-fleet simulation (the main job)")
+    redis_options(sim, env_url)
+    sim.add_argument(
+        "--serve-port", type=_port, help="also serve the embedded Redis on this TCP port"
+    )
+    sim.add_argument("--router", choices=["round-robin", "prefix", "both"], default="both")
+    sim.add_argument("--nodes", type=_positive, default=4, help="serving nodes (default 4)")
+    sim.add_argument(
+        "--requests", type=_positive, default=1000, help="requests per router (default 1000)"
+    )
+    sim.add_argument(
+        "--kv-blocks", type=_positive, default=512, help="KV blocks per node (default 512)"
+    )
+    sim.add_argument(
+        "--mamba-slots", type=_positive, default=32, help="Mamba slots per node (default 32)"
+    )
+    sim.add_argument(
+        "--block-size", type=_positive, default=16, help="tokens per block (default 16)"
+    )
+    sim.add_argument("--seed", type=_seed, default=0, help="workload seed (default 0)")
+    sim.add_argument(
+        "--json", metavar="FILE", help="also write the figures to FILE (checked before the run)"
+    )
+    sim.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (shown only on a terminal)"
+    )
+    sim.set_defaults(handler=_command_simulate, command_parser=sim)
+
+    bench = commands.add_parser("bench", help="measure every operation against raw Redis commands")
+    bench.add_argument(
+        "--redis-url",
+        type=_url,
+        default=None,
+        help="a standalone server to measure (default: a redis-server it starts itself); "
+        "it is FLUSHed",
+    )
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions: under a minute")
+    bench.add_argument(
+        "--json", metavar="FILE", help="also write the figures to FILE (checked before the run)"
+    )
+    bench.set_defaults(handler=_command_bench, command_parser=bench)
+
+    stats = commands.add_parser(
+        "stats", help="per namespace: entries, memory, lease, epoch, notices"
+    )
+    redis_options(stats, env_url or DEFAULT_URL)
+    stats.add_argument(
+        "--namespace",
+        type=_namespace,
+        action="append",
+        help="also show this namespace (repeatable)",
+    )
+    stats.add_argument("--json", action="store_true", help="JSON output")
+    stats.set_defaults(handler=_command_stats, command_parser=stats)
+
+    inspect = commands.add_parser("inspect", help="a namespace's mappings, one page at a time")
+    redis_options(inspect, env_url or DEFAULT_URL)
+    inspect.add_argument("namespace_name", metavar="NAMESPACE", type=_namespace)
+    inspect.add_argument("--kind", choices=["kv", "mamba"], default="kv")
+    inspect.add_argument(
+        "--cursor", type=_cursor, default=0, help=f"HSCAN cursor of the page (0 to {MAX_CURSOR})"
+    )
+    inspect.add_argument(
+        "--count", type=_page, default=50, help=f"about this many per page (1 to {MAX_PAGE})"
+    )
+    inspect.add_argument("--json", action="store_true", help="JSON output")
+    inspect.set_defaults(handler=_command_inspect, command_parser=inspect)
+
+    match = commands.add_parser(
+        "match", help="cached prefix of hashes or tokens (one node, or all)"
+    )
+    redis_options(match, env_url or DEFAULT_URL)
+    match.add_argument(
+        "hashes", metavar="HASH", nargs="*", type=_hash, help="block hashes (1 to 2^63-1)"
+    )
+    match.add_argument(
+        "--namespace",
+        dest="namespace_name",
+        type=_namespace,
+        help="one node (default: every live node)",
+    )
+    match.add_argument("--tokens", type=_token, nargs="+", help="token ids to hash instead")
+    match.add_argument(
+        "--block-size",
+        type=_block_size,
+        default=16,
+        help=f"tokens per block (1 to {MAX_BLOCK_SIZE})",
+    )
+    match.add_argument("--json", action="store_true", help="JSON output")
+    match.set_defaults(handler=_command_match, command_parser=match)
+
+    watch = commands.add_parser("watch", help="follow a namespace's eviction notices")
+    redis_options(watch, env_url or DEFAULT_URL)
+    watch.add_argument("namespace_name", metavar="NAMESPACE", type=_namespace)
+    watch.add_argument("--count", type=_notices, help="stop after this many notices")
+    watch.add_argument(
+        "--timeout",
+        type=_seconds,
+        help=f"stop after this many seconds (0 to {MAX_WATCH_SECONDS:.0f})",
+    )
+    watch.add_argument("--json", action="store_true", help="one JSON object per notice")
+    watch.set_defaults(handler=_command_watch, command_parser=watch)
+
+    gc = commands.add_parser(
+        "gc", help="remove namespaces whose lease has expired, and invalid node-index members"
+    )
+    redis_options(gc, env_url or DEFAULT_URL)
+    gc.add_argument("--dry-run", action="store_true", help="only list them")
+    gc.add_argument("--json", action="store_true", help="JSON output")
+    gc.set_defaults(handler=_command_gc, command_parser=gc)
+    return parser
+
+
+# -- the entry point ------------------------------------------------------------------
+
+
+def _say(command: str | None, message: str, label: str = "error") -> None:
+    prog = f"pcr {command}" if command else "pcr"
+    text = f"{prog}: {label}: {message}" if label else f"{prog}: {message}"
+    with contextlib.suppress(Exception):  # nothing more can be said without a stderr
+        sys.stderr.write(_scrub(_one_line(text)) + "\n")
+        sys.stderr.flush()
+
+
+_SECRETS: list[str] = []
+"""Passwords of the URL in use, never to be printed."""
+
+
+def _scrub(text: str) -> str:
+    for secret in _SECRETS:
+        text = text.replace(secret, "***")
+    return text
+
+
+def _remember_secrets(url: str | None) -> None:
+    _SECRETS.clear()
+    if url:
+        with contextlib.suppress(ValueError):
+            password = urlsplit(url).password
+            if password and len(password) >= 3:
+                from urllib.parse import unquote
+
+                _SECRETS.extend({password, unquote(password)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pcr`` console script and ``python -m registry``: returns the
+    exit status (0 fine, 1 runtime error, 2 usage error, 130 interrupted); errors are one
+    line on stderr, never a traceback."""
+    command: str | None = None
+    url: str | None = None
+    handler = _OneLineLog()
+    _tolerant_stdout()
+    try:
+        with warnings.catch_warnings(), handler.installed():
+            warnings.showwarning = handler.show_warning
+            parser = build_parser()
+            try:
+                args, extra = parser.parse_known_args(argv)
+                if extra:  # said by the command's parser: "pcr stats: error: ..."
+                    args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            except SystemExit as exc:  # --help, or a usage error already printed
+                sys.stdout.flush()  # here, where a broken pipe is still caught
+                return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+            command = handler.command = args.command
+            url = getattr(args, "redis_url", None)
+            _remember_secrets(url)
+            if command in ("stats", "gc"):  # these list invalid node-index members
+                handler.quiet = ("registry.membership",)
+            run: Callable[[argparse.Namespace], int] = args.handler
+            code = run(args)
+            sys.stdout.flush()
+            return code
+    except KeyboardInterrupt:
+        _say(command, "interrupted", label="")
+        return EXIT_INTERRUPTED
+    except UsageError as exc:
+        _say(command, f"{exc} (see pcr {command} --help)" if command else str(exc))
+        return EXIT_USAGE
+    except (CommandError, RegistryError) as exc:
+        _say(command, str(exc))
+        return EXIT_RUNTIME
+    except BrokenPipeError:
+        _quiet_stdout()
+        _say(command, "standard output was closed (broken pipe)")
+        return EXIT_RUNTIME
+    except (RedisError, RedisClusterException) as exc:  # one that no _talking block named
+        error = translate(exc, f"Redis at {_where(url)}" if url else "Redis")
+        _say(command, str(error or exc))
+        return EXIT_RUNTIME
+    except Exception as exc:
+        _say(command, f"internal error: {type(exc).__name__}: {exc}")
+        return EXIT_RUNTIME
+
+
+class _OneLineLog(logging.Handler):
+    """Library log records and Python warnings as one line each on stderr, while
+    ``main`` runs (the last-resort handler would print tracebacks)."""
+
+    LOGGERS = ("registry", "gpu", "benchmarks")
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.command: str | None = None
+        self.quiet: tuple[str, ...] = ()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        loggers = [logging.getLogger(name) for name in self.LOGGERS]
+        for logger in loggers:
+            logger.addHandler(self)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.quiet and record.name.startswith(self.quiet):
+            return
+        try:
+            message = record.getMessage()
+        except Exception:
+            message = str(record.msg)
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            message += f" ({type(exc).__name__}: {str(exc).strip()[:200]})"
+        _say(self.command, message, label=record.levelname)
+
+    def show_warning(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        _say(self.command, f"{category.__name__}: {message}", label="WARNING")
+
+
+def _tolerant_stdout() -> None:
+    """On a terminal that is not UTF-8, print what it cannot show as escapes instead of
+    failing (a namespace or invalid index member may hold any character)."""
+    stdout = sys.stdout
+    if isinstance(stdout, io.TextIOWrapper) and stdout.errors == "strict":
+        with contextlib.suppress(LookupError, ValueError):
+            if codecs.lookup(stdout.encoding).name != "utf-8":
+                stdout.reconfigure(errors="backslashreplace")
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the flush at exit cannot fail on the broken pipe."""
+    with contextlib.suppress(Exception):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
