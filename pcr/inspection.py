@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import json
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from redis.cluster import RedisCluster
@@ -19,7 +18,6 @@ from pcr.common import (
     EVICTING_POLICIES,
     CommandError,
     UsageError,
-    _int_or_none,
     _one_line,
     _talking,
     _text,
@@ -77,10 +75,8 @@ def _command_stats(args: argparse.Namespace) -> int:
         with _talking(server):
             warning = _eviction_warning(client)
         namespaces, invalid = _index_members(client, args.key_prefix)
-        with _talking(server):
-            now_ms = _server_ms(client)
         rows = [
-            _stats_row(client, namespace, args.key_prefix, now_ms)
+            _stats_row(client, namespace, args.key_prefix)
             for namespace in dict.fromkeys([*namespaces, *(args.namespace or [])])
         ]
     rows += [_invalid_row(member, args.json) for member in invalid]
@@ -96,26 +92,21 @@ def _command_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stats_row(client: Any, namespace: str, key_prefix: str, now_ms: int) -> dict[str, Any]:
-    keys = NamespaceKeys(namespace, key_prefix)
-    with _talking(f"namespace {namespace!r}, key {keys.meta!r}"):
-        meta = {_text(k): _text(v) for k, v in client.hgetall(keys.meta).items()}
-    with _talking(f"namespace {namespace!r}, key {keys.kv!r}"):
-        kv_entries = client.hlen(keys.kv)
-    with _talking(f"namespace {namespace!r}, key {keys.mamba!r}"):
-        mamba_entries = client.hlen(keys.mamba)
+def _stats_row(client: Any, namespace: str, key_prefix: str) -> dict[str, Any]:
+    registry = PrefixCacheRegistry(client, namespace, key_prefix=key_prefix)
     with _talking(f"namespace {namespace!r}"):
-        memory = _memory(client, keys.all_keys())
-    lease = _int_or_none(meta.get("lease_until"))
+        info = registry.info()
+        memory = registry.memory_bytes()
+    lease_left = info.lease_left_s
     return {
         "namespace": namespace,
-        "kv_entries": kv_entries,
-        "mamba_entries": mamba_entries,
+        "kv_entries": info.kv_entries,
+        "mamba_entries": info.mamba_entries,
         "memory_bytes": memory,
-        "state": "no lease" if lease is None else ("live" if lease > now_ms else "dead"),
-        "lease_left_s": None if lease is None else round((lease - now_ms) / 1000, 1),
-        "epoch": _int_or_none(meta.get("epoch", 0)),
-        "notice_seq": _int_or_none(meta.get("notice_seq", 0)),
+        "state": info.state,
+        "lease_left_s": None if lease_left is None else round(lease_left, 1),
+        "epoch": info.epoch,
+        "notice_seq": info.notice_seq,
     }
 
 
@@ -134,42 +125,28 @@ def _invalid_row(member: str, as_json: bool) -> dict[str, Any]:
     }
 
 
-def _server_ms(client: Any) -> int:
-    seconds, micros = client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
-
-
-def _memory(client: Any, keys: Sequence[str]) -> int | None:
-    try:
-        return sum(int(client.memory_usage(k) or 0) for k in keys)
-    except ResponseError:  # servers without MEMORY (fakeredis), or an ACL refusing it
-        return None
-
-
 def _command_inspect(args: argparse.Namespace) -> int:
     keys = NamespaceKeys(args.namespace_name, args.key_prefix)
     key = keys.kv if args.kind == "kv" else keys.mamba
     with common.connect(args) as client, _talking(f"key {key!r}"):
-        cursor, page = client.hscan(key, cursor=args.cursor, count=args.count)
-        total = None if args.json else client.hlen(key)
-    entries = []
-    for field, value in page.items():
-        pair = _int_or_none(field), _int_or_none(value)
-        if pair[0] is None or pair[1] is None:
+        registry = PrefixCacheRegistry(client, args.namespace_name, key_prefix=args.key_prefix)
+        try:
+            cursor, entries = registry.scan_entries(args.kind, args.cursor, args.count)
+        except ValueError:
             raise CommandError(
-                f"key {key!r} holds an entry that is not two integers: "
-                f"{_text(field)!r:.60} -> {_text(value)!r:.60}; something else wrote it"
-            )
-        entries.append(pair)
-    entries.sort()
+                f"key {key!r} holds an entry that is not two integers; something else wrote it"
+            ) from None
+        info = None if args.json else registry.info()
     if args.json:
-        print(json.dumps({"key": key, "next_cursor": int(cursor), "entries": entries}))
+        print(json.dumps({"key": key, "next_cursor": cursor, "entries": entries}))
         return 0
+    assert info is not None
+    total = info.kv_entries if args.kind == "kv" else info.mamba_entries
     print(f"{key}: {total} entries; this page {len(entries)}")
     if entries:
         print(format_table(["hash", "block_id"], entries))
-    if int(cursor):
-        print(f"more: pcr inspect {args.namespace_name} --kind {args.kind} --cursor {int(cursor)}")
+    if cursor:
+        print(f"more: pcr inspect {args.namespace_name} --kind {args.kind} --cursor {cursor}")
     return 0
 
 

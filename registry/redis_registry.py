@@ -283,10 +283,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             namespace=self.namespace,
             kv_entries=int(kv),
             mamba_entries=int(mamba),
-            epoch=int(fields["epoch"]) if "epoch" in fields else None,
+            epoch=_whole(fields.get("epoch")),
             incarnation=fields.get("incarnation", ""),
-            notice_seq=int(fields.get("notice_seq", 0)),
-            lease_until_ms=int(fields["lease_until"]) if "lease_until" in fields else None,
+            notice_seq=_whole(fields.get("notice_seq", "0")),
+            lease_until_ms=_whole(fields.get("lease_until")),
             server_ms=int(seconds) * 1000 + int(micros) // 1000,
         )
 
@@ -363,9 +363,9 @@ class NamespaceInfo:
     namespace: str
     kv_entries: int
     mamba_entries: int
-    epoch: int | None  # the owner's epoch; None if never claimed
+    epoch: int | None  # the owner's epoch; None if never claimed (or not a number)
     incarnation: str  # its history ("" before the first write)
-    notice_seq: int  # the last notice number
+    notice_seq: int | None  # the last notice number (None: meta holds something else)
     lease_until_ms: int | None  # the owner's lease end (server clock); None if never claimed
     server_ms: int  # the server's clock when read
 
@@ -382,6 +382,14 @@ class NamespaceInfo:
         if self.lease_until_ms is None:
             return None
         return (self.lease_until_ms - self.server_ms) / 1000
+
+
+def _whole(text: str | None) -> int | None:
+    """A meta field as an int; None when absent or written as something else."""
+    try:
+        return None if text is None else int(text)
+    except ValueError:
+        return None
 
 
 def _int_map(raw: Any) -> dict[int, int]:
