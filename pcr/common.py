@@ -23,6 +23,7 @@ from registry.errors import (
     translate,
 )
 from registry.keys import validate_key_prefix, validate_namespace
+from registry.redis_registry import bounded_options
 
 DEFAULT_URL = "redis://localhost:6379/0"
 
@@ -222,7 +223,7 @@ def connect(args: argparse.Namespace) -> Iterator[Any]:
     if _scheme(url) == "unix" and not where:
         raise UsageError("argument --redis-url: a unix:// URL names the socket: unix:///PATH")
     try:
-        client = client_from_url(url, socket_connect_timeout=3, socket_timeout=10)
+        client = client_from_url(url, **bounded_options({}))  # at most CALL_BOUND per call
     except REDIS_ERRORS as exc:  # a cluster client connects at once
         raise _connect_error(exc, where) from None
     except Exception as exc:

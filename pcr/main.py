@@ -81,6 +81,20 @@ from registry.errors import (
 )
 from registry.keys import DEFAULT_KEY_PREFIX
 
+BENCH_SIZES = (16, 64, 512, 8192)
+
+
+def _bench_sizes(text: str) -> tuple[int, ...]:
+    """``--sizes``: a comma-separated subset of the sizes ``pcr bench`` knows."""
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of sizes: {text!r:.40}") from None
+    if not sizes or not set(sizes) <= set(BENCH_SIZES):
+        known = ",".join(map(str, BENCH_SIZES))
+        raise argparse.ArgumentTypeError(f"sizes must be among {known}, not {text!r:.40}")
+    return sizes
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pcr`` argument parser (also used by tests to check documented commands)."""
@@ -143,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         "it is FLUSHed",
     )
     bench.add_argument("--quick", action="store_true", help="fewer repetitions: under a minute")
+    bench.add_argument(
+        "--sizes",
+        type=_bench_sizes,
+        default=BENCH_SIZES,
+        help="the prompt sizes to measure, comma-separated (default: 16,64,512,8192)",
+    )
     bench.add_argument(
         "--json", metavar="FILE", help="also write the figures to FILE (checked before the run)"
     )
@@ -305,7 +325,7 @@ class _OneLineLog(logging.Handler):
     """Library log records and Python warnings as one line each on stderr, while
     ``main`` runs (the last-resort handler would print tracebacks)."""
 
-    LOGGERS = ("registry", "gpu", "benchmarks")
+    LOGGERS = ("registry", "gpu", "sim", "pcr")
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

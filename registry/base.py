@@ -1,4 +1,4 @@
-"""The seed's twelve-method API, written once over four storage primitives.
+"""Megatron-Core's twelve-method registry API, written once over storage primitives.
 
 ``RegistryBase`` checks arguments, handles empty input without touching storage,
 and fires the Mamba-evict callback; subclasses only store and look up. So the Redis
@@ -46,7 +46,7 @@ class RegistryBase(ABC):
     def add_eviction_hook(self, hook: EvictionHook) -> None:
         """Also pass every notice this object's calls publish to ``hook``, in-process.
 
-        Unlike the seed callback, a hook sees clears too, and each notice's sequence
+        Unlike the Megatron-Core callback, a hook sees clears too, and each notice's sequence
         number and (block_id, hash) pairs, which a slot owner needs because block ids
         are reused. The Mamba slot pool attaches itself this way.
         """
@@ -153,7 +153,7 @@ class RegistryBase(ABC):
     # -- reset ------------------------------------------------------------------
 
     def clear_kv(self) -> None:
-        """Drop every KV entry (Mamba entries stay; no callback, as in the seed)."""
+        """Drop every KV entry (Mamba entries stay; no callback, as in Megatron-Core)."""
         self._clear(kv=True, mamba=False)
 
     def clear_mamba(self) -> None:

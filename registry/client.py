@@ -91,10 +91,12 @@ def _sentinel_master(url: str, tls: bool, options: dict[str, Any]) -> Any:
         master_options.setdefault("db", int(path[1]))
     if tls:
         master_options.setdefault("ssl", True)
-    timeouts = {
+    # The sentinels get the same bounded waits and retry policy as the master, so a
+    # silent sentinel cannot stretch a call past the bound the caller chose.
+    bounded = {
         k: master_options[k]
-        for k in ("socket_timeout", "socket_connect_timeout")
+        for k in ("socket_timeout", "socket_connect_timeout", "retry")
         if k in master_options
     }
-    sentinel = Sentinel(sentinels, sentinel_kwargs=timeouts)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(sentinels, sentinel_kwargs=bounded)  # type: ignore[no-untyped-call]
     return sentinel.master_for(path[0], **master_options)  # type: ignore[no-untyped-call]

@@ -17,6 +17,7 @@ Bad input never gets here: it raises ``TypeError``/``ValueError`` before anythin
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -125,7 +126,10 @@ _HINTS = {
 
 
 def _first_line(exc: BaseException) -> str:
-    return str(exc).split("\n")[0].strip() or type(exc).__name__
+    """The message's first line, without the client reprs redis-py appends (Sentinel)."""
+    line = str(exc).split("\n")[0]
+    line = re.sub(r"\s*:?\s*<redis\..*$", "", line).strip()
+    return line or type(exc).__name__
 
 
 def translate(exc: BaseException, what: str, *, write: bool = False) -> RegistryError | None:

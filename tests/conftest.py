@@ -1,37 +1,36 @@
-"""Backends for the conformance suite: in-memory, fakeredis, real Redis, real Cluster.
+"""Fixtures shared by every test: the session's real servers, the storage backends
+(``tests/support/backends.py``), fresh servers to kill, and no thread left behind.
 
-The real servers are started once per session on free ports (``tests/servers.py``);
-each test works in namespaces of its own, so tests never see each other's keys.
 Without a ``redis-server`` binary the real backends skip loudly, or fail under CI.
 """
 
 from __future__ import annotations
 
 import threading
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator
 
-import fakeredis
 import pytest
 
-from registry import (
-    Heartbeat,
-    LocalPrefixCacheRegistry,
-    NodeIndex,
-    PrefixCacheRegistry,
-    RegistryBase,
+from registry import Heartbeat
+from tests.support.backends import (
+    BACKEND_PARAMS,
+    REDIS_BACKEND_PARAMS,
+    Backend,
+    make_backend,
 )
-from tests.servers import RedisClusterServers, RedisServer, require_redis_server
-
-BACKENDS = ("local", "fakeredis", "redis", "cluster")
-REDIS_BACKENDS = ("fakeredis", "redis", "cluster")
+from tests.support.servers import RedisClusterServers, RedisServer, require_redis_server
 
 
-def new_namespace() -> str:
-    """A namespace no other test uses."""
-    return f"t-{uuid.uuid4().hex[:12]}"
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test by the real servers its fixtures start, so that ``-m "not cluster"``
+    and ``-m "not redis_server"`` deselect exactly the tests that need them."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if "redis_cluster" in names:
+            item.add_marker(pytest.mark.cluster)
+            item.add_marker(pytest.mark.redis_server)
+        elif names & {"redis_server", "own_server", "targets"}:  # targets: the CLI fuzz's
+            item.add_marker(pytest.mark.redis_server)
 
 
 @pytest.fixture(scope="session")
@@ -50,53 +49,15 @@ def redis_cluster() -> Iterator[RedisClusterServers]:
         yield cluster
 
 
-@dataclass
-class Backend:
-    """Makes registries (and raw clients) of one storage kind for one test."""
-
-    name: str
-    make_client: Callable[..., Any] | None
-    _clients: list[Any] = field(default_factory=list)
-
-    @property
-    def is_redis(self) -> bool:
-        return self.make_client is not None
-
-    def client(self, **options: Any) -> Any:
-        """A new raw client to this backend's server (not for ``local``)."""
-        assert self.make_client is not None, "the local backend has no Redis client"
-        client = self.make_client(**options)
-        self._clients.append(client)
-        return client
-
-    def registry(
-        self, namespace: str | None = None, *, decode_responses: bool = False, **options: Any
-    ) -> RegistryBase:
-        """A registry on a fresh namespace (or the one given)."""
-        if not self.is_redis:
-            return LocalPrefixCacheRegistry()
-        client = self.client(decode_responses=decode_responses)
-        return PrefixCacheRegistry(client, namespace or new_namespace(), **options)
-
-    def close(self) -> None:
-        for client in self._clients:
-            client.close()
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A redis-server of this test's own, to kill, restart or stop."""
+    require_redis_server()
+    with RedisServer() as server:
+        yield server
 
 
-def make_backend(name: str, request: pytest.FixtureRequest) -> Backend:
-    if name == "local":
-        return Backend(name, None)
-    if name == "fakeredis":
-        server = fakeredis.FakeServer()
-        return Backend(name, lambda **kw: fakeredis.FakeRedis(server=server, **kw))
-    if name == "redis":
-        real: RedisServer = request.getfixturevalue("redis_server")
-        return Backend(name, real.client)
-    cluster: RedisClusterServers = request.getfixturevalue("redis_cluster")
-    return Backend(name, cluster.client)
-
-
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=BACKEND_PARAMS)
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """Each of the four storage kinds in turn."""
     made = make_backend(request.param, request)
@@ -104,55 +65,12 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     made.close()
 
 
-@pytest.fixture(params=REDIS_BACKENDS)
+@pytest.fixture(params=REDIS_BACKEND_PARAMS)
 def redis_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """Each Redis storage kind in turn (fakeredis, a real server, a real cluster)."""
     made = make_backend(request.param, request)
     yield made
     made.close()
-
-
-def registry_state(registry: RegistryBase) -> tuple[dict[int, int], dict[int, int]]:
-    """The (kv, mamba) mappings a registry holds, read straight from its storage."""
-    if isinstance(registry, LocalPrefixCacheRegistry):
-        return dict(registry.kv), dict(registry.mamba)
-    assert isinstance(registry, PrefixCacheRegistry)
-    client, keys = registry.client, registry.keys
-    return (
-        {int(k): int(v) for k, v in client.hgetall(keys.kv).items()},
-        {int(k): int(v) for k, v in client.hgetall(keys.mamba).items()},
-    )
-
-
-def dump_keys(registry: PrefixCacheRegistry) -> dict[str, Any]:
-    """Byte-exact snapshot of every key of a registry's namespace (``DUMP``)."""
-    return {key: registry.client.dump(key) for key in registry.keys.all_keys()}
-
-
-def notice_base(registry: RegistryBase) -> int:
-    """Where a registry's notice numbers start: a Redis namespace's history counts from
-    the server's clock in microseconds (the first 16 digits of its incarnation id), the
-    in-memory registry from 0. Subtract it to compare numbers across registries."""
-    if not isinstance(registry, PrefixCacheRegistry):
-        return 0
-    incarnation, _seq = registry.notice_position()
-    return int(incarnation[:-3]) if incarnation else 0
-
-
-def relative(registry: RegistryBase, notice: Any) -> tuple[int, str, tuple[tuple[int, int], ...]]:
-    """A notice as (number from its history's start, kind, pairs), comparable across
-    registries (the incarnation itself differs)."""
-    return notice.seq - notice_base(registry), notice.kind, notice.pairs
-
-
-def expire_lease(registry: PrefixCacheRegistry) -> None:
-    """End an owner's lease now, by the server's own clock, in ``meta`` and in the node
-    index: what the passing of time does, without a test waiting on a wall clock."""
-    seconds, micros = registry.client.time()
-    past = int(seconds) * 1000 + int(micros) // 1000 - 1
-    registry.client.hset(registry.keys.meta, "lease_until", past)
-    index = NodeIndex(registry.client, registry.keys.key_prefix)
-    registry.client.zadd(index.key, {registry.namespace: past})
 
 
 @pytest.fixture(autouse=True)

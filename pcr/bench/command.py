@@ -33,7 +33,7 @@ def _command_bench(args: argparse.Namespace) -> int:
         with common.connect(args):
             pass
         with _talking(f"Redis at {_where(args.redis_url)}"):
-            report = bench.run(args.redis_url, quick=args.quick)
+            report = bench.run(args.redis_url, quick=args.quick, sizes=args.sizes)
     else:
         try:
             with RedisServer() as server:
@@ -41,7 +41,7 @@ def _command_bench(args: argparse.Namespace) -> int:
                     f"pcr bench: a redis-server of its own on 127.0.0.1:{server.port}", flush=True
                 )
                 with _talking(f"Redis at 127.0.0.1:{server.port}"):
-                    report = bench.run(server.url, quick=args.quick)
+                    report = bench.run(server.url, quick=args.quick, sizes=args.sizes)
         except RuntimeError as exc:
             raise CommandError(str(exc)) from None
     print(bench.format_report(report))

@@ -1,0 +1,298 @@
+"""Cluster view: leases and gc, epoch fencing, and prefix-aware routing scores."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from registry import (
+    NodeIndex,
+    PrefixCacheRegistry,
+    PrefixRouter,
+    StaleEpochError,
+    block_hashes,
+    collect_dead,
+    live_nodes,
+)
+from tests.support.backends import Backend, dump_keys, expire_lease, notice_base, registry_state
+from tests.support.waiting import wait_until
+
+TOKENS = list(range(1000, 1160))  # 10 blocks of 16 tokens
+H = block_hashes(TOKENS, 16)
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own, so its node index is its own too."""
+    return f"cv{uuid.uuid4().hex[:8]}"
+
+
+def owner(
+    backend: Backend, namespace: str, prefix: str, lease: float = 30.0
+) -> PrefixCacheRegistry:
+    reg = backend.registry(namespace, key_prefix=prefix)
+    assert isinstance(reg, PrefixCacheRegistry)
+    reg.claim(lease_ttl=lease)
+    return reg
+
+
+def three_nodes(backend: Backend, prefix: str) -> dict[str, PrefixCacheRegistry]:
+    a, b, c = (owner(backend, name, prefix) for name in ("node-a", "node-b", "node-c"))
+    a.register_kv(range(10), H)
+    a.register_mamba([3, 7], [H[3], H[7]])
+    b.register_kv(range(6), H[:6])
+    b.register_mamba([5], [H[5]])
+    c.register_kv(range(3), H[:3])
+    return {"node-a": a, "node-b": b, "node-c": c}
+
+
+def test_scores_and_best_node(redis_backend: Backend, prefix: str) -> None:
+    three_nodes(redis_backend, prefix)
+    router = PrefixRouter(redis_backend.client(), prefix)
+    scores = router.score(H)
+    assert {n: (s.kv_prefix, s.mamba_prefix) for n, s in scores.items()} == {
+        "node-a": (10, 8),
+        "node-b": (6, 6),
+        "node-c": (3, 0),
+    }
+    assert router.best(H) == "node-a"
+    # A shorter prompt: node-a's farthest Mamba state within 6 blocks is block 4.
+    short = H[:6]
+    assert {n: s.mamba_prefix for n, s in router.score(short).items()} == {
+        "node-a": 4,
+        "node-b": 6,
+        "node-c": 0,
+    }
+    assert router.best(short) == "node-b"
+    kv_router = PrefixRouter(redis_backend.client(), prefix, hybrid=False)
+    assert kv_router.best(short) == "node-a"  # tie at 6: then by name
+    assert kv_router.best(short, load={"node-a": 5, "node-b": 1}) == "node-b"
+    assert kv_router.best(short, load={"node-a": 0.1, "node-b": 0.2}) == "node-a"
+    # Nothing cached anywhere: the least loaded node wins.
+    other = block_hashes(list(range(9000, 9064)), 16)
+    assert router.best(other, load={"node-a": 3, "node-b": 2, "node-c": 9}) == "node-b"
+    assert router.score([]) == {n: router.score([])[n] for n in ("node-a", "node-b", "node-c")}
+    assert router.score(H, namespaces=["node-c"])["node-c"].kv_prefix == 3
+
+
+def test_binary_search_finds_every_prefix_length(redis_backend: Backend, prefix: str) -> None:
+    reg = owner(redis_backend, "node-z", prefix)
+    router = PrefixRouter(redis_backend.client(), prefix)
+    chain = list(range(1, 301))
+    for k in [0, 1, 2, 3, 64, 127, 128, 129, 299, 300]:
+        reg.reset()
+        reg.register_kv(range(k), chain[:k])
+        reg.register_mamba([0], [chain[0]])
+        score = router.score(chain)["node-z"]
+        assert (score.kv_prefix, score.mamba_prefix) == (k, min(k, 1)), k
+        assert score.kv_prefix == len(reg.match_kv_prefix(chain)[0])
+
+
+def test_router_never_writes(redis_backend: Backend, prefix: str) -> None:
+    nodes = three_nodes(redis_backend, prefix)
+    before = {n: dump_keys(r) for n, r in nodes.items()}
+    router = PrefixRouter(redis_backend.client(), prefix)
+    router.best(H)
+    assert {n: dump_keys(r) for n, r in nodes.items()} == before
+
+
+def test_expired_lease_drops_out_and_gc_removes_the_namespace(
+    redis_backend: Backend, prefix: str
+) -> None:
+    short_lived = owner(redis_backend, "node-x", prefix)
+    long_lived = owner(redis_backend, "node-y", prefix)
+    for reg in (short_lived, long_lived):
+        reg.register_kv([1, 2], H[:2])
+        reg.register_mamba([2], H[1:2])
+    client = redis_backend.client()
+    router = PrefixRouter(client, prefix, live_cache_ttl=0)
+    assert set(live_nodes(client, prefix)) == {"node-x", "node-y"}
+    assert set(router.score(H)) == {"node-x", "node-y"}
+    y_before = dump_keys(long_lived)
+    expire_lease(short_lived)
+    assert live_nodes(client, prefix) == ["node-y"]
+    assert set(router.score(H)) == {"node-y"}
+    assert router.score(H, namespaces=["node-x"]) == {}  # dead: never scored, even if asked
+    assert collect_dead(client, prefix) == ["node-x"]
+    assert all(client.exists(k) == 0 for k in short_lived.keys.all_keys())
+    assert client.zscore(NodeIndex(client, prefix).key, "node-x") is None
+    assert dump_keys(long_lived) == y_before  # a live node's keys are untouched
+    with pytest.raises(StaleEpochError):
+        short_lived.register_kv([3], H[2:3])  # the zombie resurrects nothing
+    with pytest.raises(StaleEpochError):
+        short_lived.renew()
+    assert all(client.exists(k) == 0 for k in short_lived.keys.all_keys())
+    assert collect_dead(client, prefix) == []
+
+
+def test_gc_spares_a_namespace_renewed_in_time(redis_backend: Backend, prefix: str) -> None:
+    reg = owner(redis_backend, "node-r", prefix)
+    reg.register_kv([1], H[:1])
+    client = redis_backend.client()
+    expire_lease(reg)
+    assert live_nodes(client, prefix) == []
+    index = NodeIndex(client, prefix)
+    listed_dead = index.dead()
+    assert listed_dead == ["node-r"]
+    reg.renew()  # back between gc listing it and deleting it
+    index.dead = lambda: listed_dead  # type: ignore[method-assign]
+    assert index.collect_dead() == []  # the lease is checked again, atomically with the delete
+    assert registry_state(reg)[0] == {H[0]: 1}
+    assert live_nodes(client, prefix) == ["node-r"]
+
+
+def test_restarted_owner_fences_the_old_one(redis_backend: Backend, prefix: str) -> None:
+    old = owner(redis_backend, "node-e", prefix)
+    old.register_kv([1, 2, 3], H[:3])
+    old.register_mamba([3], H[2:3])
+    seen: list[Any] = []
+    old.add_eviction_hook(seen.append)
+    new = redis_backend.registry("node-e", key_prefix=prefix)
+    assert isinstance(new, PrefixCacheRegistry)
+    assert new.claim() not in (None, old.epoch)  # epochs never repeat
+    assert new.match_kv_prefix(H) == ([], 0)  # the new incarnation starts empty
+    assert new.match_mamba_farthest(H) == 0
+    new.register_kv([7], H[:1])
+    snapshot = dump_keys(new)
+    for call in [
+        lambda: old.register_kv([9], H[:1]),
+        lambda: old.evict_kv(H[:1]),
+        lambda: old.register_mamba([9], H[:1]),
+        lambda: old.evict_mamba(H[:1]),
+        lambda: old.clear_kv(),
+        lambda: old.clear_mamba(),
+        lambda: old.reset(),
+        lambda: old.renew(),
+    ]:
+        with pytest.raises(StaleEpochError, match="node-e"):
+            call()
+    assert dump_keys(new) == snapshot  # nothing changed
+    assert seen == []  # and no hook fired
+    assert old.match_kv_prefix(H) == ([7], H[0])  # reads still work
+    operator = redis_backend.registry("node-e", key_prefix=prefix)  # not an owner: unfenced
+    assert operator.evict_kv(H[:1]) == {H[0]}
+
+
+def test_claim_announces_a_clear_to_listeners(redis_backend: Backend, prefix: str) -> None:
+    old = owner(redis_backend, "node-l", prefix)
+    old.register_mamba([1], H[:1])
+    new = redis_backend.registry("node-l", key_prefix=prefix)
+    assert isinstance(new, PrefixCacheRegistry)
+    heard: list[Any] = []
+    new.add_eviction_hook(heard.append)  # the pool attached to the new owner
+    new.claim()
+    (clear,) = heard  # delivered in-process too, so the pool frees at once
+    assert clear.kind == "clear"
+    assert new.notices_after(clear.seq - 1) == [clear]
+    assert [n.kind for n in new.notices_after(notice_base(new)) or []] == ["clear", "clear"]
+
+
+def test_heartbeat_keeps_the_lease_and_notices_being_superseded(
+    redis_backend: Backend, prefix: str
+) -> None:
+    reg = owner(redis_backend, "node-h", prefix)
+    client = redis_backend.client()
+    beat = reg.start_heartbeat(interval=0.01)
+    try:
+        expire_lease(reg)  # the lease ran out; only the heartbeat can bring it back
+        assert live_nodes(client, prefix) == []
+        wait_until(lambda: live_nodes(client, prefix) == ["node-h"], what="a renewal")
+        redis_backend.registry("node-h", key_prefix=prefix).claim()  # type: ignore[attr-defined]
+        wait_until(beat.lost.is_set, what="heartbeat sees it was superseded")
+        assert not beat.alive
+    finally:
+        beat.stop()
+
+
+def test_a_heartbeat_stops_when_its_registry_is_gone(redis_backend: Backend, prefix: str) -> None:
+    """The heartbeat thread holds its registry weakly: dropping the registry ends it."""
+    import gc as garbage
+
+    if redis_backend.name == "fakeredis":
+        pytest.skip("fakeredis's Lua runtime keeps the calling frames (and the registry)")
+    reg = owner(redis_backend, "node-w", prefix)
+    beat = reg.start_heartbeat(interval=0.01)
+    del reg
+    garbage.collect()
+    wait_until(lambda: not beat.alive, what="the heartbeat thread ends")
+    assert not beat.lost.is_set()
+
+
+def test_bad_arguments(redis_backend: Backend, prefix: str) -> None:
+    reg = redis_backend.registry(key_prefix=prefix)
+    assert isinstance(reg, PrefixCacheRegistry)
+    with pytest.raises(RuntimeError, match="claim"):
+        reg.renew()
+    with pytest.raises(ValueError, match="lease"):
+        reg.claim(lease_ttl=0)
+    with pytest.raises(TypeError, match="lease"):
+        reg.claim(lease_ttl="10")  # type: ignore[arg-type]
+    router = PrefixRouter(redis_backend.client(), prefix)
+    with pytest.raises(TypeError):
+        router.score([1.5])
+    with pytest.raises(ValueError, match="namespace"):
+        router.score(H, namespaces=["bad name"])
+
+
+def test_router_survives_script_flush(redis_backend: Backend, prefix: str) -> None:
+    three_nodes(redis_backend, prefix)
+    client = redis_backend.client()
+    router = PrefixRouter(client, prefix)
+    assert router.best(H) == "node-a"
+    client.script_flush()
+    assert router.best(H) == "node-a"
+
+
+def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix: str) -> None:
+    from tests.support.backends import make_backend
+
+    class Request:
+        def getfixturevalue(self, name: str) -> Any:
+            return redis_cluster
+
+    backend = make_backend("cluster", Request())  # type: ignore[arg-type]
+    try:
+        chain = list(range(10**12, 10**12 + 512))
+        nodes = {}
+        for i in range(16):
+            reg = owner(backend, f"node-{i:02d}", prefix)
+            reg.register_kv(range(i * 32), chain[: i * 32])
+            reg.register_mamba([0, i], [chain[0], chain[i]])
+            nodes[reg.namespace] = reg
+        client = backend.client()
+        shards = {client.get_node_from_key(r.keys.kv).name for r in nodes.values()}
+        assert len(shards) == 3
+        router = PrefixRouter(client, prefix)
+        executed: list[int] = []
+        original = client.pipeline
+
+        def counting_pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = original(*args, **kwargs)
+            run = pipe.execute
+
+            def execute(*a: Any, **k: Any) -> Any:
+                executed.append(1)
+                return run(*a, **k)
+
+            pipe.execute = execute
+            return pipe
+
+        client.pipeline = counting_pipeline
+        scores = router.score(chain)
+        assert len(executed) == 1  # one pipelined batch, sent to every shard at once
+        for name, reg in nodes.items():
+            block_ids, _ = reg.match_kv_prefix(chain)
+            kv = len(block_ids)
+            assert scores[name].kv_prefix == kv
+            assert scores[name].mamba_prefix == reg.match_mamba_farthest(chain[:kv])
+    finally:
+        backend.close()
+
+
+def test_router_leaves_the_prompt_alone(redis_backend: Backend, prefix: str) -> None:
+    three_nodes(redis_backend, prefix)
+    prompt = [*H[:3], -1, *H[3:]]
+    PrefixRouter(redis_backend.client(), prefix).score(prompt)
+    assert prompt == [*H[:3], -1, *H[3:]]

@@ -1,0 +1,530 @@
+"""Per-node Redis ACL users on a real redis-server: each serving node's user reaches only
+its own namespace (keys ``pcr:{NS}:*`` and channel ``pcr:{NS}:mamba-evicted``) plus the
+shared node index ``pcr:nodes``, with exactly the commands a serving node sends.
+
+Redis checks every command a Lua script calls against the ACL of the user that called the
+script, so the grant lists the commands the scripts call (their ``Calls:`` headers) as well
+as those the Python side sends itself. What the tests establish:
+
+* node-a's user runs everything a serving node does (claim, renew, every registry call,
+  ``live_nodes``, an ``EvictionListener`` freeing a slot of its ``MambaSlotPool``), no
+  command is refused on the way, and the commands it sends are exactly the ones granted;
+* redis-py's connection handshake needs no grant (``HELLO``/``AUTH`` are exempt from ACL
+  command checks; ``CLIENT SETINFO`` and ``CLIENT MAINT_NOTIFICATIONS`` fail harmlessly);
+* ``PING`` is needed as soon as a client has ``health_check_interval`` set;
+* node-a cannot read, write, evict, publish to or subscribe to node-b's data, not even
+  through a script (a key or channel a script touches is checked like a direct command,
+  declared in KEYS or not), and node-b's keys stay byte-for-byte the same;
+* the shared node index is not isolated: node-a can rewrite node-b's lease entry there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.exceptions import NoPermissionError, ResponseError
+
+from registry import (
+    PrefixCacheRegistry,
+    PrefixRouter,
+    RegistryPermissionError,
+    collect_dead,
+    live_nodes,
+)
+from registry.keys import node_index_key
+from registry.scripts import script_source
+from tests.support.servers import HOST, RedisServer, require_redis_server
+
+pytestmark = pytest.mark.redis_server
+
+PREFIX = "pcr"
+NODE_INDEX = node_index_key(PREFIX)  # "pcr:nodes"
+PASSWORDS = {"node-a": "node-a-Pw-5Qx", "node-b": "node-b-Pw-8Kd"}
+
+# What a serving node sends. Top level, from the Python side: EVALSHA (every write),
+# SCRIPT LOAD (after NOSCRIPT), HMGET and HGET (reads), XREVRANGE (notice replay),
+# SUBSCRIBE (the eviction listener), PING (redis-py's health check). Inside the scripts
+# (lua/*.lua, "Calls:"): TIME, HGET, HMGET, HSET, HSETNX, HDEL, HINCRBY, EXISTS, UNLINK,
+# XADD, PUBLISH, and on the node index ZSCORE, ZADD (announce) and ZRANGEBYSCORE
+# (live_nodes). Not a node's: HEXISTS (score.lua, routers) and ZREM (forget_node.lua, gc).
+NODE_COMMANDS = (
+    "evalsha",
+    "script|load",
+    "hget",
+    "hmget",
+    "xrevrange",
+    "subscribe",
+    "ping",
+    "time",
+    "hset",
+    "hdel",
+    "hincrby",
+    "exists",
+    "unlink",
+    "xadd",
+    "publish",
+    "zscore",
+    "zadd",
+    "zrem",
+    "zrangebyscore",
+    "get",
+    "set",
+)
+
+# Handshake commands redis-py 8 sends on every new connection and ignores the failure of.
+# Redis 7.0 does not know these subcommands ("unknown subcommand", no ACL check); a server
+# that knows them refuses them with NOPERM under this ACL and logs each refusal.
+HANDSHAKE_EXTRAS = ("client|setinfo", "client|maint_notifications")
+
+A1, A2, A3, A4 = 1_000_001, 1_000_002, 1_000_003, 1_000_004
+B1, B2, B3 = 2_000_001, 2_000_002, 2_000_003
+
+
+def acl_rules(user: str) -> list[str]:
+    """The ``ACL SETUSER <user>`` arguments for the serving node whose namespace is ``user``."""
+    return [
+        "reset",  # start from nothing: off, no passwords, keys, channels or commands
+        "on",
+        f">{PASSWORDS[user]}",
+        f"~{PREFIX}:{{{user}}}:*",  # the namespace's keys: kv, mamba, meta, mamba-evictions
+        f"~{NODE_INDEX}",  # the shared node index (claim and renew announce the lease)
+        "resetchannels",
+        f"&{PREFIX}:{{{user}}}:*",  # the namespace's channel, mamba-evicted
+        "-@all",
+        *(f"+{command}" for command in NODE_COMMANDS),
+    ]
+
+
+def command(client: redis.Redis, *args: Any) -> Any:
+    """A raw command, as redis-cli would send it."""
+    return client.execute_command(*args)  # type: ignore[no-untyped-call]
+
+
+def raw(registry: PrefixCacheRegistry) -> redis.Redis:
+    """The registry's redis-py client (``from_url`` builds a ``redis.Redis`` here)."""
+    assert isinstance(registry.client, redis.Redis)
+    return registry.client
+
+
+def pubsub(client: redis.Redis) -> Any:
+    """A ``PubSub`` on one of ``client``'s connections (the caller closes it)."""
+    return client.pubsub()  # type: ignore[no-untyped-call]
+
+
+def url_for(server: RedisServer, user: str) -> str:
+    return f"redis://{user}:{PASSWORDS[user]}@{HOST}:{server.port}/0"
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def is_noperm(exc: BaseException | None) -> bool:
+    """redis-py turns a ``-NOPERM`` reply into NoPermissionError (dropping the prefix);
+    the registry's calls raise RegistryPermissionError with it as the cause."""
+    if isinstance(exc, RegistryPermissionError):
+        return is_noperm(exc.__cause__)
+    return isinstance(exc, NoPermissionError) or (
+        isinstance(exc, ResponseError) and "NOPERM" in str(exc)
+    )
+
+
+def refused_in_script(exc: BaseException) -> bool:
+    """A command refused inside a script: Redis 7.0 replies ``ERR The user executing the
+    script can't ...``, not NOPERM, so redis-py raises a plain ResponseError."""
+    return is_noperm(exc) or "The user executing the script can't" in str(exc)
+
+
+def acl_log(admin: redis.Redis, user: str) -> list[dict[str, str]]:
+    """The server's ACL LOG entries (refusals) for ``user``, as text, newest first."""
+    entries = [
+        {text(k): text(v) for k, v in entry.items()} for entry in command(admin, "ACL", "LOG")
+    ]
+    return [entry for entry in entries if entry["username"] == user]
+
+
+def refusals(admin: redis.Redis, user: str) -> list[dict[str, str]]:
+    """``acl_log`` less redis-py's ignored handshake extras (refused on newer servers)."""
+    return [entry for entry in acl_log(admin, user) if entry["object"] not in HANDSHAKE_EXTRAS]
+
+
+def server_version(admin: redis.Redis) -> tuple[int, ...]:
+    return tuple(int(part) for part in text(admin.info("server")["redis_version"]).split("."))
+
+
+def used_commands(admin: redis.Redis) -> dict[str, dict[str, Any]]:
+    """``INFO commandstats`` since the last ``CONFIG RESETSTAT``, by command name."""
+    stats = admin.info("commandstats")
+    return {name.removeprefix("cmdstat_"): value for name, value in stats.items()}
+
+
+def next_message(pubsub: Any, timeout: float = 5.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.1)
+        if message is not None:
+            return {k: text(v) if isinstance(v, bytes) else v for k, v in message.items()}
+    raise AssertionError("no pub/sub message arrived")
+
+
+# -- fixtures ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    """A redis-server of this module's own, with the users node-a and node-b."""
+    require_redis_server()
+    with RedisServer() as started:
+        admin = started.client()
+        try:
+            for user in PASSWORDS:
+                assert command(admin, "ACL", "SETUSER", user, *acl_rules(user)) in (
+                    b"OK",
+                    "OK",
+                    True,
+                )
+        finally:
+            admin.close()
+        yield started
+
+
+@pytest.fixture
+def admin(server: RedisServer) -> Iterator[redis.Redis]:
+    """The default (unrestricted) user, with an empty ACL LOG at the start of each test."""
+    client = server.client()
+    command(client, "ACL", "LOG", "RESET")
+    yield client
+    client.close()
+
+
+Connect = Callable[..., PrefixCacheRegistry]
+
+
+@pytest.fixture
+def connect(server: RedisServer) -> Iterator[Connect]:
+    """``connect(user, namespace=user, **client_options)``: a registry logged in as
+    ``user`` through ``from_url``; every client is closed after the test."""
+    made: list[PrefixCacheRegistry] = []
+
+    def make(user: str, namespace: str | None = None, **options: Any) -> PrefixCacheRegistry:
+        registry = PrefixCacheRegistry.from_url(url_for(server, user), namespace or user, **options)
+        made.append(registry)
+        return registry
+
+    yield make
+    for registry in made:
+        raw(registry).close()
+
+
+# -- the users --------------------------------------------------------------------------
+
+
+def test_the_users_hold_exactly_the_recipe(admin: redis.Redis) -> None:
+    for user in PASSWORDS:
+        reply = command(admin, "ACL", "GETUSER", user)
+        info = {text(k): v for k, v in reply.items()}
+        assert [text(f) for f in info["flags"]] == ["on", "sanitize-payload"]
+        assert text(info["keys"]) == f"~{PREFIX}:{{{user}}}:* ~{NODE_INDEX}"
+        assert text(info["channels"]) == f"&{PREFIX}:{{{user}}}:*"
+        granted = text(info["commands"]).split()
+        assert granted[0] == "-@all"
+        assert sorted(granted[1:]) == sorted(f"+{c}" for c in NODE_COMMANDS)
+        assert info["selectors"] == []
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_connecting_needs_no_grant(admin: redis.Redis, connect: Connect, protocol: int) -> None:
+    """RESP2 logs in with AUTH, RESP3 (redis-py 8's default) with HELLO 3 AUTH: both are
+    exempt from ACL command checks. redis-py's CLIENT SETINFO / MAINT_NOTIFICATIONS are
+    unknown to Redis 7.0 and refused (NOPERM) by newer servers; redis-py ignores either."""
+    admin.config_resetstat()
+    registry = connect("node-a", protocol=protocol)
+    assert registry.match_kv_prefix([A1]) == ([], 0)
+    login = "auth" if protocol == 2 else "hello"
+    stats = used_commands(admin)
+    assert stats[login]["calls"] >= 1
+    assert stats[login]["rejected_calls"] == 0
+    assert refusals(admin, "node-a") == []
+    with pytest.raises(ResponseError) as refused:
+        command(raw(registry), "CLIENT", "SETINFO", "LIB-NAME", "probe")
+    if server_version(admin) < (7, 2):
+        assert "unknown subcommand" in str(refused.value).lower()
+    else:
+        assert is_noperm(refused.value)
+
+
+# -- what node A needs ------------------------------------------------------------------
+
+
+def test_node_a_can_do_everything_a_serving_node_does(admin: redis.Redis, connect: Connect) -> None:
+    # Whatever ran before: claim() must add node-a to the index (ZADD), and every script
+    # must be loaded by node-a itself (NOSCRIPT, then SCRIPT LOAD).
+    admin.zrem(NODE_INDEX, "node-a")
+    admin.script_flush()
+    admin.config_resetstat()
+    registry = connect("node-a")
+    freed: list[list[int]] = []
+    registry.set_mamba_evict_callback(freed.append)
+
+    epoch = registry.claim(lease_ttl=30.0)
+    assert epoch >= 1
+    incarnation, base = registry.notice_position()  # notice numbers survive a claim
+    assert "node-a" in live_nodes(registry.client)
+    lease_end = registry.renew()
+    assert lease_end > time.time()
+
+    # Its own channel: a subscriber logged in as node-a hears the notices.
+    subscriber = pubsub(raw(registry))
+    try:
+        subscriber.subscribe(registry.keys.mamba_evicted_channel)
+        assert next_message(subscriber)["type"] == "subscribe"
+
+        registry.register_kv([1, 2, 3, 4], [A1, A2, A3, A4])
+        assert registry.match_kv_prefix([A1, A2, A3, A4, 9]) == ([1, 2, 3, 4], A4)
+        registry.register_mamba([2, 3], [A2, A3])
+        assert registry.match_mamba_farthest([A1, A2, A3, A4]) == 3
+        assert registry.find_mamba_backoff([A1, A2, A3, A4], 2) == 2
+        assert registry.mamba_block_ids([A2, A4]) == [2, None]
+
+        assert registry.evict_kv([A3, A4]) == {A3, A4}  # cascades to A3's Mamba entry
+        assert freed == [[3]]
+        assert next_message(subscriber)["data"] == f"{base + 1}@{incarnation} cascade 3:{A3}"
+        assert registry.match_kv_prefix([A1, A2, A3]) == ([1, 2], A2)
+        assert registry.match_mamba_farthest([A1, A2, A3]) == 2
+
+        assert registry.evict_mamba([A2]) == {A2}
+        assert freed == [[3], [2]]
+        assert next_message(subscriber)["data"] == f"{base + 2}@{incarnation} evict 2:{A2}"
+        notices = registry.notices_after(base)
+        assert notices is not None
+        assert [(n.seq, n.kind, n.pairs) for n in notices] == [
+            (base + 1, "cascade", ((3, A3),)),
+            (base + 2, "evict", ((2, A2),)),
+        ]
+
+        registry.clear_kv()
+        assert registry.match_kv_prefix([A1]) == ([], 0)
+        registry.register_mamba([1], [A1])
+        registry.clear_mamba()
+        assert next_message(subscriber)["data"] == f"{base + 3}@{incarnation} clear"
+        registry.register_kv([1], [A1])
+        registry.register_mamba([1], [A1])
+        registry.reset()
+        assert next_message(subscriber)["data"] == f"{base + 4}@{incarnation} clear"
+        assert registry.match_kv_prefix([A1]) == ([], 0)
+        assert registry.match_mamba_farthest([A1]) == 0
+        assert registry.notice_sequence() == base + 4
+    finally:
+        subscriber.close()
+
+    # redis-py's health check (any client with health_check_interval) sends PING.
+    checked = connect("node-a", health_check_interval=0.001)
+    assert checked.match_kv_prefix([A1]) == ([], 0)
+    time.sleep(0.01)
+    assert checked.match_kv_prefix([A1]) == ([], 0)
+
+    assert refusals(admin, "node-a") == []
+    stats = used_commands(admin)
+    assert {name for name, s in stats.items() if s["rejected_calls"]} == set()
+    # Besides the admin's own INFO / CONFIG RESETSTAT / ACL LOG and the login (HELLO or AUTH, no
+    # grant needed), node-a used every granted command and nothing else.
+    node_a_used = set(stats) - {"info", "config|resetstat", "acl|log", "hello", "auth"}
+    assert node_a_used == set(NODE_COMMANDS)
+
+
+def test_ping_is_needed_for_redis_py_health_checks(
+    server: RedisServer, admin: redis.Redis, connect: Connect
+) -> None:
+    """Without +ping, the first call after an idle health-check interval fails."""
+    rules = [r for r in acl_rules("node-a") if r != "+ping"]
+    assert len(rules) == len(acl_rules("node-a")) - 1
+    command(admin, "ACL", "SETUSER", "node-a-noping", *rules)
+    try:
+        url = url_for(server, "node-a").replace("node-a:", "node-a-noping:", 1)
+        registry = PrefixCacheRegistry.from_url(url, "node-a", health_check_interval=0.001)
+        try:
+            assert registry.match_kv_prefix([A1]) == ([], 0)
+            time.sleep(0.01)
+            with pytest.raises(RegistryPermissionError, match="'ping'") as refused:
+                registry.match_kv_prefix([A1])
+            assert isinstance(refused.value.__cause__, NoPermissionError)
+        finally:
+            raw(registry).close()
+    finally:
+        command(admin, "ACL", "DELUSER", "node-a-noping")
+    assert [(e["reason"], e["object"]) for e in acl_log(admin, "node-a-noping")] == [
+        ("command", "ping")
+    ]
+
+
+def test_eviction_listener_as_node_a_frees_a_slot(
+    server: RedisServer, admin: redis.Redis, connect: Connect
+) -> None:
+    pytest.importorskip("torch")
+    from gpu import EvictionListener
+    from tests.support.gpu import make_pool, states
+    from tests.support.waiting import wait_until
+
+    registry = connect("node-a")
+    registry.claim(lease_ttl=30.0)
+    base = registry.notice_sequence()
+    pool = make_pool(registry)
+    try:
+        pool.store([1, 2], [A1, A2], *states(2))
+        elsewhere = connect("node-a")  # another process of node A: no in-process hook
+        with EvictionListener(url_for(server, "node-a"), "node-a", pool) as listener:
+            assert elsewhere.evict_mamba([A1]) == {A1}
+            wait_until(lambda: pool.pairs() == {(2, A2)}, what="slot of A1 freed")
+            elsewhere.register_kv([2], [A2])
+            assert elsewhere.evict_kv([A2]) == {A2}  # cascade
+            wait_until(lambda: pool.counts().in_use == 0, what="slot of A2 freed")
+            counts = listener.counts()
+        assert not listener.alive
+    finally:
+        pool.close()
+    assert (counts.applied, counts.errors, counts.reconnects) == (2, 0, 0)
+    assert counts.last_seq == base + 2
+    assert pool.counts().freed == 2
+    assert refusals(admin, "node-a") == []
+
+
+# -- what node A must not reach ---------------------------------------------------------
+
+
+def snapshot(admin: redis.Redis, registry: PrefixCacheRegistry) -> dict[str, Any]:
+    """Byte-exact copy of a namespace's keys (DUMP) and its node-index entry."""
+    keys: dict[str, Any] = {key: admin.dump(key) for key in registry.keys.all_keys()}
+    keys[NODE_INDEX] = admin.zscore(NODE_INDEX, registry.namespace)
+    return keys
+
+
+def test_node_a_cannot_reach_node_b(admin: redis.Redis, connect: Connect) -> None:
+    node_b = connect("node-b")  # node-b's own user fills its namespace
+    node_b.claim(lease_ttl=60.0)
+    node_b.register_kv([11, 12, 13], [B1, B2, B3])
+    node_b.register_mamba([12, 13], [B2, B3])
+    assert node_b.evict_mamba([B3]) == {B3}  # a notice in node-b's stream
+    before = snapshot(admin, node_b)
+    assert all(value is not None for value in before.values())
+
+    watcher = pubsub(raw(node_b))  # node-b's listener would hear a forged notice
+    try:
+        watcher.subscribe(node_b.keys.mamba_evicted_channel)
+        assert next_message(watcher)["type"] == "subscribe"
+
+        node_a = connect("node-a")
+        node_a.claim(lease_ttl=30.0)
+        node_a.register_mamba([7], [A1])
+        client = raw(node_a)
+        intruder = PrefixCacheRegistry(client, "node-b")  # node-b's names, node-a's login
+        attempts: dict[str, Callable[[], object]] = {
+            "match_kv_prefix": lambda: intruder.match_kv_prefix([B1, B2]),
+            "match_mamba_farthest": lambda: intruder.match_mamba_farthest([B1, B2]),
+            "register_kv": lambda: intruder.register_kv([99], [B3]),
+            "register_mamba": lambda: intruder.register_mamba([99], [B1]),
+            "evict_kv": lambda: intruder.evict_kv([B1, B2]),
+            "evict_mamba": lambda: intruder.evict_mamba([B2]),
+            "clear_kv": intruder.clear_kv,
+            "clear_mamba": intruder.clear_mamba,
+            "reset": intruder.reset,
+            "claim": intruder.claim,
+            "notices_after": lambda: intruder.notices_after(0),
+            "HGETALL": lambda: client.hgetall(node_b.keys.kv),
+            "HGET": lambda: client.hget(node_b.keys.meta, "epoch"),
+            "PUBLISH": lambda: client.publish(node_b.keys.mamba_evicted_channel, "9 clear"),
+        }
+        for name, attempt in attempts.items():
+            with pytest.raises((ResponseError, RegistryPermissionError)) as refused:
+                attempt()
+            assert is_noperm(refused.value), f"{name}: {refused.value!r}"
+
+        # SUBSCRIBE to node-b's channel is refused.
+        eavesdropper = pubsub(client)
+        try:
+            eavesdropper.subscribe(node_b.keys.mamba_evicted_channel)  # refused on reading
+            with pytest.raises(ResponseError) as refused:
+                next_message(eavesdropper)
+            assert is_noperm(refused.value)
+        finally:
+            eavesdropper.close()
+
+        # A script run on node-a's own keys but told to publish on node-b's channel: the
+        # PUBLISH inside the script is checked against node-a's ACL and refused. Redis
+        # does not roll a script back, so node-a's own writes before it stay.
+        sha = client.script_load(script_source("evict_mamba"))
+        own_keys = (
+            node_a.keys.reply_prefix + "f0-1",
+            node_a.keys.mamba,
+            node_a.keys.meta,
+            node_a.keys.mamba_evictions,
+        )
+        forged = (str(node_a.epoch), "f0-1", 30_000, node_b.keys.mamba_evicted_channel, 100, A1)
+        seq = node_a.notice_sequence()
+        with pytest.raises(ResponseError) as refused:
+            client.evalsha(sha, len(own_keys), *own_keys, *forged)
+        assert refused_in_script(refused.value)
+        assert "publish to the channel" in str(refused.value)
+        assert node_a.mamba_block_ids([A1]) == [None]  # HDEL ran before the PUBLISH
+        assert node_a.notice_sequence() == seq + 1  # numbered, streamed, never published
+
+        # node-a may SCRIPT LOAD any code, but what it calls is checked all the same,
+        # including keys a script names without declaring them in KEYS.
+        sneaky = client.script_load("return redis.call('HGET', ARGV[1], 'epoch')")
+        with pytest.raises(ResponseError) as refused:
+            client.evalsha(sneaky, 0, node_b.keys.meta)
+        assert refused_in_script(refused.value)
+        assert "access at least one of the keys" in str(refused.value)
+
+        time.sleep(0.1)
+        assert watcher.get_message(timeout=0.1) is None  # node-b heard nothing
+    finally:
+        watcher.close()
+
+    assert snapshot(admin, node_b) == before
+    log = acl_log(admin, "node-a")
+    seen = {(e["reason"], e["context"], e["object"]) for e in log}
+    channel = node_b.keys.mamba_evicted_channel
+    # A write's first key is its reply record, so that is the key refused for writes.
+    assert any(
+        (r, c) == ("key", "toplevel") and o.startswith(node_b.keys.reply_prefix) for r, c, o in seen
+    )
+    assert ("key", "toplevel", node_b.keys.meta) in seen
+    assert ("command", "toplevel", "hgetall") in seen
+    assert ("channel", "toplevel", channel) in seen  # PUBLISH and SUBSCRIBE
+    assert ("channel", "lua", channel) in seen  # the PUBLISH inside the script
+    assert ("key", "lua", node_b.keys.meta) in seen  # the undeclared key inside the script
+    assert {e["reason"] for e in log} <= {"key", "command", "channel"}
+    assert refusals(admin, "node-b") == []
+
+
+def test_the_shared_node_index_is_not_isolated(admin: redis.Redis, connect: Connect) -> None:
+    """``~pcr:nodes`` with ZADD lets node-a rewrite any member of the index: here it
+    marks node-b dead, so routers stop scoring node-b until node-b's next renew()
+    announces it again. gc keeps node-b's keys: it re-checks the lease in node-b's meta."""
+    node_b = connect("node-b")
+    node_b.claim(lease_ttl=60.0)
+    node_b.register_kv([11, 12], [B1, B2])
+    node_b.register_mamba([12], [B2])
+    node_a = connect("node-a")
+    node_a.claim(lease_ttl=60.0)
+    router = PrefixRouter(admin, live_cache_ttl=0.0)
+    assert "node-b" in router.score([B1, B2])
+    before = snapshot(admin, node_b)
+
+    assert raw(node_a).zadd(NODE_INDEX, {"node-b": 1}) == 0  # lease end moved to 1970
+    assert "node-b" not in live_nodes(node_a.client)
+    assert "node-b" not in router.score([B1, B2])
+    assert "node-b" not in collect_dead(admin)
+    assert snapshot(admin, node_b) == {**before, NODE_INDEX: 1.0}
+    assert raw(node_a).zrem(NODE_INDEX, "node-b") == 1  # ZREM is granted (announce uses it)
+    assert "node-b" not in router.score([B1, B2])
+    assert snapshot(admin, node_b) == {**before, NODE_INDEX: None}
+
+    node_b.renew()
+    assert "node-b" in live_nodes(node_a.client)
+    assert router.score([B1, B2])["node-b"].kv_prefix == 2
+    assert node_b.match_kv_prefix([B1, B2]) == ([11, 12], B2)
