@@ -469,7 +469,7 @@ def test_fuzzed_argv_and_environment_give_one_line_and_the_right_exit(
     targets: Targets, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     @settings(
-        max_examples=120,
+        max_examples=60,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     )
