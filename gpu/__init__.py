@@ -1,6 +1,7 @@
 """GPU side of the registry: Mamba state slots and the eviction listener (torch).
 
-Imports ``registry``; ``registry`` never imports this package.
+Imports ``registry`` only; ``sim`` and ``pcr`` import it, ``registry`` never does (the
+import-linter contracts in pyproject.toml hold that; ARCHITECTURE.md shows the layers).
 """
 
 from __future__ import annotations
