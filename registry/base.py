@@ -9,7 +9,7 @@ differential tests compare storage engines, not two copies of the rules.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from registry.notices import EvictionNotice
 from registry.validation import (
@@ -19,6 +19,7 @@ from registry.validation import (
     registration,
     search_length,
 )
+from registry.views import HashMapView
 
 MambaEvictCallback = Callable[[list[int]], None]
 EvictionHook = Callable[[EvictionNotice], object]
@@ -30,6 +31,19 @@ class RegistryBase(ABC):
     def __init__(self) -> None:
         self._on_mamba_evicted: MambaEvictCallback | None = None
         self._eviction_hooks: tuple[EvictionHook, ...] = ()
+
+    # -- Megatron-Core's dicts, as live read-only views ------------------------------
+
+    @property
+    def kv_hash_to_block_id(self) -> HashMapView:
+        """The KV map (``hash -> block id``) as a live, read-only ``Mapping``: each lookup
+        is one read of the storage, iteration a scan (``registry.views``)."""
+        return HashMapView(self, "kv")
+
+    @property
+    def mamba_hash_to_block_id(self) -> HashMapView:
+        """The Mamba map (``hash -> block id``) as a live, read-only ``Mapping``."""
+        return HashMapView(self, "mamba")
 
     # -- callback ---------------------------------------------------------------
 
@@ -202,3 +216,19 @@ class RegistryBase(ABC):
     def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
         """Drop every entry of the chosen maps, atomically together; a clear notice
         when Mamba entries went."""
+
+    @abstractmethod
+    def _view_get(self, kind: str, h: int) -> int | None:
+        """The block id of hash ``h`` in map ``kind`` ("kv" or "mamba"), or None."""
+
+    @abstractmethod
+    def _view_contains(self, kind: str, h: int) -> bool:
+        """Whether map ``kind`` holds hash ``h``."""
+
+    @abstractmethod
+    def _view_len(self, kind: str) -> int:
+        """The number of entries in map ``kind``."""
+
+    @abstractmethod
+    def _view_items(self, kind: str) -> Iterator[tuple[int, int]]:
+        """Every (hash, block id) of map ``kind`` (a scan: may miss concurrent changes)."""

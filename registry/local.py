@@ -8,6 +8,8 @@ thread-safe: guard it with a lock if several threads use one instance.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from registry.base import RegistryBase
 from registry.notices import EvictionNotice
 from registry.types import BlockHash, BlockId, BlockPair, NoticeKind
@@ -77,3 +79,15 @@ class LocalPrefixCacheRegistry(RegistryBase):
             self.mamba.clear()
             return self._notice(NoticeKind.CLEAR, [])
         return None
+
+    def _view_get(self, kind: str, h: int) -> int | None:
+        return (self.kv if kind == "kv" else self.mamba).get(h)
+
+    def _view_contains(self, kind: str, h: int) -> bool:
+        return h in (self.kv if kind == "kv" else self.mamba)
+
+    def _view_len(self, kind: str) -> int:
+        return len(self.kv if kind == "kv" else self.mamba)
+
+    def _view_items(self, kind: str) -> Iterator[tuple[int, int]]:
+        return iter(list((self.kv if kind == "kv" else self.mamba).items()))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,6 +255,37 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             "notice_position", self.client.hmget, self.keys.meta, ["incarnation", "notice_seq"]
         )
         return ("" if incarnation is None else _text(incarnation)), int(seq or 0)
+
+    # -- the dict views (registry.views): one command per lookup ------------------------
+
+    def _view_key(self, kind: str) -> str:
+        return self.keys.kv if kind == "kv" else self.keys.mamba
+
+    def _view_get(self, kind: str, h: int) -> int | None:
+        value = self._read(f"{kind}_hash_to_block_id", self.client.hget, self._view_key(kind), h)
+        return None if value is None else int(value)
+
+    def _view_contains(self, kind: str, h: int) -> bool:
+        return bool(
+            self._read(f"{kind}_hash_to_block_id", self.client.hexists, self._view_key(kind), h)
+        )
+
+    def _view_len(self, kind: str) -> int:
+        return int(self._read(f"{kind}_hash_to_block_id", self.client.hlen, self._view_key(kind)))
+
+    def _view_items(self, kind: str) -> Iterator[tuple[int, int]]:
+        key, cursor, seen = self._view_key(kind), 0, set()
+        while True:
+            cursor, page = self._read(
+                f"{kind}_hash_to_block_id", self.client.hscan, key, cursor, None, 1000
+            )
+            for field, block_id in page.items():
+                h = int(field)
+                if h not in seen:  # HSCAN may return an entry twice (a rehash)
+                    seen.add(h)
+                    yield h, int(block_id)
+            if int(cursor) == 0:
+                return
 
     # -- reading a whole namespace (tools, audits) ----------------------------------------
 
