@@ -272,7 +272,7 @@ def _remember_secrets(url: str | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``pcr`` console script and ``python -m registry``: returns the
+    """Entry point of the ``pcr`` console script and ``python -m pcr``: returns the
     exit status (0 fine, 1 runtime error, 2 usage error, 130 interrupted); errors are one
     line on stderr, never a traceback."""
     command: str | None = None
