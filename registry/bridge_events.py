@@ -1,0 +1,323 @@
+"""Decoding vLLM and SGLang KV-cache event batches (the input side of ``pcr bridge``).
+
+Engines publish what their prefix cache stored and removed as msgpack batches on a ZeroMQ
+PUB socket (``/work/shared/ENGINES.md`` has the wire facts). This module only decodes:
+no sockets, no Redis. Two payload layouts exist in the wild (an array layout, where each
+event is ``[tag, field, ...]``, and a map layout, where each event is ``{"type": tag,
+...}``); both are accepted, events are told apart by their tag, and anything malformed
+raises :class:`BadEvent` naming the field, never another exception type.
+
+Decoding rules shared by both layouts:
+
+- fields are read by name (map) or by their declared order (array); fields the module
+  does not know, and trailing array elements past the known ones, are ignored, so
+  fields that engines append in later releases do not break decoding;
+- fields may be missing (trailing in the array layout, at their default in the map
+  layout) and then read as ``None``; only ``block_hashes`` and ``token_ids`` of
+  ``BlockStored`` and ``block_hashes`` of ``BlockRemoved`` are required (every engine
+  release sends them, and the array layout cannot omit a field before them);
+- events of an unknown type are skipped and counted in :attr:`EventBatch.unknown`;
+- a ``bool`` is never accepted where an ``int`` is expected.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NewType, TypeAlias
+
+EngineHash = NewType("EngineHash", int)
+"""An engine's block hash in one canonical form: an unsigned 64-bit int in [0, 2**64-1]."""
+
+HASH_MODULUS = 2**64
+"""Signed hashes below 0 are mapped into the unsigned range by adding this."""
+MIN_SIGNED_HASH = -(2**63)
+"""The smallest int hash accepted (SGLang's signed 64-bit hashes)."""
+MAX_UNSIGNED_HASH = 2**64 - 1
+"""The largest int hash accepted (vLLM's unsigned 64-bit hashes)."""
+HASH_BYTES_USED = 8
+"""A bytes hash is read as its last this-many bytes, big-endian (vLLM's int form)."""
+SEQ_BYTES = 8
+"""The sequence frame of a ZeroMQ message: 8 bytes, big-endian unsigned."""
+FRAME_COUNT = 3
+"""A published message is ``[topic, seq, payload]``."""
+
+TAG_STORED = "BlockStored"
+TAG_REMOVED = "BlockRemoved"
+TAG_CLEARED = "AllBlocksCleared"
+
+# Field order of the array layout (after the tag), as the engines declare them. Names
+# this module does not keep (lora_name, extra_keys, ...) are listed so that the positions
+# of the later ones stay right.
+STORED_FIELDS: tuple[str, ...] = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
+REMOVED_FIELDS: tuple[str, ...] = ("block_hashes", "medium", "group_idx")
+
+
+class BadEvent(ValueError):
+    """A message, batch or event that does not follow the engines' wire format."""
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """The engine stored these blocks (one hash per block, chained from the parent)."""
+
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None
+    token_ids: tuple[int, ...]
+    block_size: int | None
+    lora_id: int | None
+    medium: str | None
+    group_idx: int | None
+    kv_cache_spec_kind: str | None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """The engine evicted these blocks from its cache (of ``medium``, if given)."""
+
+    block_hashes: tuple[EngineHash, ...]
+    medium: str | None
+    group_idx: int | None
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The engine dropped its whole prefix cache: every block it announced is gone."""
+
+
+Event: TypeAlias = "BlockStored | BlockRemoved | AllBlocksCleared"
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """One published batch: its events in order, and how many unknown ones were skipped."""
+
+    ts: float
+    events: tuple[Event, ...]
+    data_parallel_rank: int | None
+    unknown: int
+
+
+def engine_hash(value: object, field: str = "block hash") -> EngineHash:
+    """Map an engine's hash (signed int, unsigned int or digest bytes) to the one canonical
+    unsigned 64-bit form, so that the same block compares equal however it was sent."""
+    if isinstance(value, bool):
+        raise BadEvent(f"{field} must be an int or bytes, not bool")
+    if isinstance(value, int):
+        if not MIN_SIGNED_HASH <= value <= MAX_UNSIGNED_HASH:
+            raise BadEvent(f"{field} {value} is outside [-2**63, 2**64-1]")
+        return EngineHash(value + HASH_MODULUS if value < 0 else value)
+    if isinstance(value, (bytes, bytearray)):
+        if len(value) < HASH_BYTES_USED:
+            raise BadEvent(
+                f"{field} is {len(value)} bytes long; a bytes hash needs at least {HASH_BYTES_USED}"
+            )
+        return EngineHash(int.from_bytes(value[-HASH_BYTES_USED:], "big", signed=False))
+    raise BadEvent(f"{field} must be an int or bytes, not {type(value).__name__}")
+
+
+def _int(value: object, field: str, *, minimum: int | None = None) -> int:
+    """Return ``value`` if it is an int (never a bool) at or above ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadEvent(f"{field} must be an int, not {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise BadEvent(f"{field} must be at least {minimum}, not {value}")
+    return value
+
+
+def _optional_int(value: object, field: str, *, minimum: int | None = None) -> int | None:
+    """An int field that may be nil."""
+    return None if value is None else _int(value, field, minimum=minimum)
+
+
+def _optional_str(value: object, field: str) -> str | None:
+    """A text field that may be nil."""
+    if value is None or isinstance(value, str):
+        return value
+    raise BadEvent(f"{field} must be a string or nil, not {type(value).__name__}")
+
+
+def _list(value: object, field: str) -> list[Any]:
+    """Return ``value`` if it is a msgpack array (decoded as a list)."""
+    if not isinstance(value, list):
+        raise BadEvent(f"{field} must be an array, not {type(value).__name__}")
+    return value
+
+
+def _hashes(value: object, field: str) -> tuple[EngineHash, ...]:
+    """A list of block hashes, each normalised."""
+    return tuple(engine_hash(item, f"{field}[{i}]") for i, item in enumerate(_list(value, field)))
+
+
+def _fields(
+    raw: list[Any] | Mapping[Any, Any], names: tuple[str, ...], required: tuple[str, ...], tag: str
+) -> dict[str, Any]:
+    """Name an event's fields: by declared order (array layout, tag already dropped) or by
+    key (map layout); missing ones are absent, unknown ones dropped, required ones checked."""
+    if isinstance(raw, list):
+        found = dict(zip(names, raw, strict=False))
+    else:
+        found = {name: raw[name] for name in names if name in raw}
+    for name in required:
+        if name not in found:
+            raise BadEvent(f"{tag} is missing its required field {name}")
+    return found
+
+
+def _block_stored(raw: list[Any] | Mapping[Any, Any], where: str) -> BlockStored:
+    """Build a ``BlockStored`` from its fields, checking every type."""
+    tag = f"{where} {TAG_STORED}"
+    f = _fields(raw, STORED_FIELDS, ("block_hashes", "token_ids"), tag)
+    token_ids = tuple(
+        _int(token, f"{tag} token_ids[{i}]")
+        for i, token in enumerate(_list(f["token_ids"], f"{tag} token_ids"))
+    )
+    block_size = _optional_int(f.get("block_size"), f"{tag} block_size", minimum=1)
+    if block_size is not None and len(token_ids) % block_size:
+        raise BadEvent(
+            f"{tag} token_ids holds {len(token_ids)} tokens, not a multiple of "
+            f"block_size {block_size}"
+        )
+    parent = f.get("parent_block_hash")
+    return BlockStored(
+        block_hashes=_hashes(f["block_hashes"], f"{tag} block_hashes"),
+        parent_block_hash=None
+        if parent is None
+        else engine_hash(parent, f"{tag} parent_block_hash"),
+        token_ids=token_ids,
+        block_size=block_size,
+        lora_id=_optional_int(f.get("lora_id"), f"{tag} lora_id"),
+        medium=_optional_str(f.get("medium"), f"{tag} medium"),
+        group_idx=_optional_int(f.get("group_idx"), f"{tag} group_idx", minimum=0),
+        kv_cache_spec_kind=_optional_str(f.get("kv_cache_spec_kind"), f"{tag} kv_cache_spec_kind"),
+    )
+
+
+def _block_removed(raw: list[Any] | Mapping[Any, Any], where: str) -> BlockRemoved:
+    """Build a ``BlockRemoved`` from its fields, checking every type."""
+    tag = f"{where} {TAG_REMOVED}"
+    f = _fields(raw, REMOVED_FIELDS, ("block_hashes",), tag)
+    return BlockRemoved(
+        block_hashes=_hashes(f["block_hashes"], f"{tag} block_hashes"),
+        medium=_optional_str(f.get("medium"), f"{tag} medium"),
+        group_idx=_optional_int(f.get("group_idx"), f"{tag} group_idx", minimum=0),
+    )
+
+
+def _event(raw: object, where: str) -> Event | None:
+    """Decode one event of either layout by its tag; ``None`` for an unknown type."""
+    body: list[Any] | Mapping[Any, Any]
+    if isinstance(raw, list):
+        if not raw:
+            raise BadEvent(f"{where} is an empty array; it needs a type tag first")
+        tag, body = raw[0], raw[1:]
+        tag_field = f"{where} tag"
+    elif isinstance(raw, dict):
+        if "type" not in raw:
+            raise BadEvent(f"{where} is a map without a 'type' field")
+        tag, body = raw["type"], raw
+        tag_field = f"{where} type"
+    else:
+        raise BadEvent(f"{where} must be an array or a map, not {type(raw).__name__}")
+    if not isinstance(tag, str):
+        raise BadEvent(f"{tag_field} must be a string, not {type(tag).__name__}")
+    if tag == TAG_STORED:
+        return _block_stored(body, where)
+    if tag == TAG_REMOVED:
+        return _block_removed(body, where)
+    if tag == TAG_CLEARED:
+        return AllBlocksCleared()
+    return None
+
+
+def _batch(raw: object) -> EventBatch:
+    """Decode a batch of either layout from the unpacked msgpack value."""
+    if isinstance(raw, list):
+        if len(raw) < 2:
+            raise BadEvent(f"batch is an array of {len(raw)} elements; it needs [ts, events]")
+        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    elif isinstance(raw, dict):
+        for name in ("ts", "events"):
+            if name not in raw:
+                raise BadEvent(f"batch map is missing its required field {name}")
+        ts, events, rank = raw["ts"], raw["events"], raw.get("data_parallel_rank")
+    else:
+        raise BadEvent(f"batch must be an array or a map, not {type(raw).__name__}")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise BadEvent(f"batch ts must be a number, not {type(ts).__name__}")
+    if not math.isfinite(ts):
+        raise BadEvent(f"batch ts must be finite, not {ts}")
+    decoded: list[Event] = []
+    unknown = 0
+    for i, item in enumerate(_list(events, "batch events")):
+        event = _event(item, f"events[{i}]")
+        if event is None:
+            unknown += 1
+        else:
+            decoded.append(event)
+    return EventBatch(
+        ts=float(ts),
+        events=tuple(decoded),
+        data_parallel_rank=_optional_int(rank, "batch data_parallel_rank", minimum=0),
+        unknown=unknown,
+    )
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one msgpack event batch (vLLM's array or map layout, or SGLang's array
+    layout); raise :class:`BadEvent` for anything that does not follow the format."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise BadEvent(f"payload must be bytes, not {type(payload).__name__}")
+    try:
+        # Imported here so that the registry imports without the optional dependency.
+        msgpack = importlib.import_module("msgpack")
+    except ImportError as exc:
+        raise BadEvent(
+            "decoding engine events needs the msgpack package (pip install msgpack)"
+        ) from exc
+    try:
+        raw: object = msgpack.unpackb(bytes(payload), raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise BadEvent(f"payload is not a msgpack value: {type(exc).__name__}: {exc}") from exc
+    try:
+        return _batch(raw)
+    except BadEvent:
+        raise
+    except Exception as exc:  # e.g. an unhashable map key met by a lookup
+        raise BadEvent(f"malformed batch: {type(exc).__name__}: {exc}") from exc
+
+
+def decode_frames(frames: Sequence[bytes]) -> tuple[str, int, EventBatch]:
+    """Decode one published ZeroMQ message ``[topic, seq, payload]`` into (topic, seq,
+    batch); the seq frame is 8 bytes big-endian unsigned, counted per publisher."""
+    given: object = frames  # checked at run time: callers hand over what a socket gave
+    if isinstance(given, (bytes, bytearray, str)) or not isinstance(given, Sequence):
+        raise BadEvent(f"frames must be a list of bytes, not {type(given).__name__}")
+    if len(frames) != FRAME_COUNT:
+        raise BadEvent(f"message has {len(frames)} frames; it needs [topic, seq, payload]")
+    topic_raw, seq_raw, payload = frames
+    for name, frame in (("topic", topic_raw), ("seq", seq_raw), ("payload", payload)):
+        if not isinstance(frame, (bytes, bytearray, memoryview)):
+            raise BadEvent(f"{name} frame must be bytes, not {type(frame).__name__}")
+    try:
+        topic = bytes(topic_raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadEvent(f"topic frame is not UTF-8 text: {exc}") from exc
+    if len(seq_raw) != SEQ_BYTES:
+        raise BadEvent(f"seq frame is {len(seq_raw)} bytes long; it must be {SEQ_BYTES}")
+    seq = int.from_bytes(bytes(seq_raw), "big", signed=False)
+    return topic, seq, decode_batch(payload)
