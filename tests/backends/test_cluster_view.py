@@ -196,8 +196,9 @@ def test_heartbeat_keeps_the_lease_and_notices_being_superseded(
     client = redis_backend.client()
     beat = reg.start_heartbeat(interval=0.01)
     try:
-        expire_lease(reg)  # the lease ran out; only the heartbeat can bring it back
-        assert live_nodes(client, prefix) == []
+        # The lease ran out (the heartbeat may renew it at any moment, so the dead state
+        # is not asserted); only a renewal can bring the node back into the live set.
+        expire_lease(reg)
         wait_until(lambda: live_nodes(client, prefix) == ["node-h"], what="a renewal")
         redis_backend.registry("node-h", key_prefix=prefix).claim()  # type: ignore[attr-defined]
         wait_until(beat.lost.is_set, what="heartbeat sees it was superseded")
