@@ -23,7 +23,7 @@ from tests.support.servers import RedisClusterServers, RedisServer, require_redi
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test by the real servers its fixtures start, so that ``-m "not cluster"``
-    and ``-m "not redis_server"`` deselect exactly the tests that need them."""
+    and ``-m "not redis_server"`` deselect the tests that need them."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if "redis_cluster" in names:
