@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from redis.exceptions import (
     AskError,
@@ -184,12 +182,3 @@ def translate(exc: BaseException, what: str, *, write: bool = False) -> Registry
     if isinstance(exc, OSError):
         return RegistryUnavailable(f"{what}: Redis unavailable: {reason}", outcome_unknown=write)
     return None
-
-
-@contextmanager
-def unavailable_as_registry_error(what: str, *, write: bool = False) -> Iterator[None]:
-    """Raise the registry error for any Redis fault inside the block (``translate``)."""
-    try:
-        yield
-    except REDIS_ERRORS as exc:
-        raise (translate(exc, what, write=write) or exc) from exc

@@ -59,26 +59,25 @@ class NodeIndex:
         """Members of the index that are not valid namespaces (bytes that are not
         printable text shown as ``\\xNN``)."""
         shown, _count = self._run("live_nodes", (self.key,), ("invalid",))
-        found = [_text(n) for n in shown]
-        # Well-formed text that breaks the namespace rules (Unicode spaces, controls).
-        members = [_text(n) for n in self._run("live_nodes", (self.key,), ("live",))[0]]
-        members += [_text(n) for n in self._run("live_nodes", (self.key,), ("dead",))[0]]
-        return found + [n for n in members if not _is_namespace(n)]
+        return [_text(n) for n in shown] + self._breaking_the_rules()
 
     def remove_invalid(self) -> list[str]:
         """Remove every invalid member from the index; return them as ``invalid()``."""
         shown, _count = self._run("live_nodes", (self.key,), ("purge",))
-        removed = [_text(n) for n in shown]
-        members = [_text(n) for n in self._run("live_nodes", (self.key,), ("live",))[0]]
-        members += [_text(n) for n in self._run("live_nodes", (self.key,), ("dead",))[0]]
-        for name in members:
-            if not _is_namespace(name):
-                try:
-                    self.client.zrem(self.key, name)
-                except REDIS_ERRORS as exc:
-                    raise (translate(exc, f"node index {self.key!r}: remove") or exc) from exc
-                removed.append(name)
-        return removed
+        rest = self._breaking_the_rules()
+        if rest:
+            try:
+                self.client.zrem(self.key, *rest)
+            except REDIS_ERRORS as exc:
+                raise (translate(exc, f"node index {self.key!r}: remove") or exc) from exc
+        return [_text(n) for n in shown] + rest
+
+    def _breaking_the_rules(self) -> list[str]:
+        """Well-formed text members that the Lua check lets through but the namespace
+        rules refuse (Unicode spaces, controls, over 200 characters)."""
+        members = [*self._run("live_nodes", (self.key,), ("live",))[0]]
+        members += self._run("live_nodes", (self.key,), ("dead",))[0]
+        return [name for name in map(_text, members) if not _is_namespace(name)]
 
     def _members(self, mode: str) -> list[str]:
         names, skipped = self._run("live_nodes", (self.key,), (mode,))

@@ -11,6 +11,7 @@ meanwhile may be seen or not), and every attempt to write through it raises
 
 from __future__ import annotations
 
+import operator
 from collections.abc import ItemsView, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -89,14 +90,10 @@ class _Items(ItemsView[int, int]):
 
 def _hash_key(key: object) -> int | None:
     """``key`` as a hash that can be stored, or None (then it is in no map)."""
-    if isinstance(key, bool) or not isinstance(key, int):
-        try:
-            import operator
-
-            key = operator.index(key)  # type: ignore[arg-type]
-        except TypeError:
-            return None
-        if isinstance(key, bool):
-            return None
-    assert isinstance(key, int)
-    return key if 1 <= key <= MAX_HASH else None
+    if isinstance(key, bool):
+        return None
+    try:
+        h = operator.index(key)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return h if 1 <= h <= MAX_HASH else None
