@@ -42,6 +42,17 @@ local function now_ms()
   return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 end
 
+-- A new owner epoch for the namespace: the server's clock in microseconds plus three
+-- random digits, never a counter that a lost meta would restart; nudged if it equals the
+-- current one (two claims in one microsecond with the same random digits).
+local function new_epoch(meta_key)
+  local epoch = now_us_text() .. nonce()
+  if epoch == redis.call('HGET', meta_key, 'epoch') then
+    epoch = string.sub(epoch, 1, -2) .. ((tonumber(string.sub(epoch, -1)) + 1) % 10)
+  end
+  return epoch
+end
+
 -- Owner fencing. Returns an error reply when `epoch` is set and is not the namespace's
 -- current epoch (in meta; a lost meta matches no epoch, since epochs never repeat).
 local function stale_epoch(meta_key, epoch)

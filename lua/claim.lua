@@ -11,6 +11,7 @@
 -- KEYS[4]  pcr:{node-0}:meta                    HASH schema, epoch, incarnation,
 --                                                    notice_seq, lease_until
 -- KEYS[5]  pcr:{node-0}:mamba-evictions         STREAM of notices, capped
+-- KEYS[6]  pcr:{node-0}:engine-blocks           HASH of a bridged namespace (dropped too)
 -- ARGV[1]  ""                                   (claims are never fenced)
 -- ARGV[2]  "5f1c2a9b03e1-7"                     request id (its first hex digits give
 --                                                the epoch's random part)
@@ -20,17 +21,16 @@
 -- ARGV[6]  "10000"                              lease length in milliseconds
 --
 -- Returns: { new epoch, lease end (server clock, ms), clear notice }, numbers as text.
--- Calls:   GET, TIME, HGET, HSET, UNLINK, HINCRBY, XADD, PUBLISH, SET
+-- Calls:   GET, TIME, HGET, HSET, UNLINK, HDEL, HINCRBY, XADD, PUBLISH, SET
 local early = begin_write(KEYS[4])
 if early then return early end
-local epoch = now_us_text() .. nonce()
-if epoch == redis.call('HGET', KEYS[4], 'epoch') then
-  epoch = string.sub(epoch, 1, -2) .. ((tonumber(string.sub(epoch, -1)) + 1) % 10)
-end
+local epoch = new_epoch(KEYS[4])
 -- The first write adds data, so a server out of memory (noeviction) refuses the whole
 -- claim here, before anything changed (Redis checks only a script's first write).
 local lease_until = digits(now_ms() + tonumber(ARGV[6]))
 redis.call('HSET', KEYS[4], 'epoch', epoch, 'lease_until', lease_until)
-redis.call('UNLINK', KEYS[2], KEYS[3])
+redis.call('UNLINK', KEYS[2], KEYS[3], KEYS[6])
+-- A new owner starts a new history: it is not following an engine until it says so.
+redis.call('HDEL', KEYS[4], 'bridge_seq', 'bridge_engine', 'bridge_endpoint', 'bridge_block_size')
 local notice = publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'clear', '')
 return finish_write({epoch, lease_until, notice})

@@ -83,6 +83,10 @@ class BlockStored:
     medium: str | None
     group_idx: int | None
     kv_cache_spec_kind: str | None
+    lora_name: str | None = None
+    keyed: bool = False
+    """Whether any block carries extra keys (multimodal inputs, a LoRA name, a cache
+    salt): then the engine's hash covers more than the tokens."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,16 @@ def _block_stored(raw: list[Any] | Mapping[Any, Any], where: str) -> BlockStored
         medium=_optional_str(f.get("medium"), f"{tag} medium"),
         group_idx=_optional_int(f.get("group_idx"), f"{tag} group_idx", minimum=0),
         kv_cache_spec_kind=_optional_str(f.get("kv_cache_spec_kind"), f"{tag} kv_cache_spec_kind"),
+        lora_name=_optional_str(f.get("lora_name"), f"{tag} lora_name"),
+        keyed=_keyed(f.get("extra_keys"), f"{tag} extra_keys"),
     )
+
+
+def _keyed(value: object, field: str) -> bool:
+    """``extra_keys`` is nil or one entry per block (nil, or that block's extra keys)."""
+    if value is None:
+        return False
+    return any(item is not None for item in _list(value, field))
 
 
 def _block_removed(raw: list[Any] | Mapping[Any, Any], where: str) -> BlockRemoved:
@@ -301,9 +314,10 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise BadEvent(f"malformed batch: {type(exc).__name__}: {exc}") from exc
 
 
-def decode_frames(frames: Sequence[bytes]) -> tuple[str, int, EventBatch]:
-    """Decode one published ZeroMQ message ``[topic, seq, payload]`` into (topic, seq,
-    batch); the seq frame is 8 bytes big-endian unsigned, counted per publisher."""
+def split_frames(frames: Sequence[bytes]) -> tuple[str, int, bytes]:
+    """Check one published ZeroMQ message ``[topic, seq, payload]`` and split it into
+    (topic, seq, payload) without decoding the payload; the seq frame is 8 bytes
+    big-endian unsigned, counted per publisher."""
     given: object = frames  # checked at run time: callers hand over what a socket gave
     if isinstance(given, (bytes, bytearray, str)) or not isinstance(given, Sequence):
         raise BadEvent(f"frames must be a list of bytes, not {type(given).__name__}")
@@ -319,5 +333,11 @@ def decode_frames(frames: Sequence[bytes]) -> tuple[str, int, EventBatch]:
         raise BadEvent(f"topic frame is not UTF-8 text: {exc}") from exc
     if len(seq_raw) != SEQ_BYTES:
         raise BadEvent(f"seq frame is {len(seq_raw)} bytes long; it must be {SEQ_BYTES}")
-    seq = int.from_bytes(bytes(seq_raw), "big", signed=False)
+    return topic, int.from_bytes(bytes(seq_raw), "big", signed=False), bytes(payload)
+
+
+def decode_frames(frames: Sequence[bytes]) -> tuple[str, int, EventBatch]:
+    """Decode one published ZeroMQ message ``[topic, seq, payload]`` into (topic, seq,
+    batch); see :func:`split_frames`."""
+    topic, seq, payload = split_frames(frames)
     return topic, seq, decode_batch(payload)

@@ -71,10 +71,23 @@ def block_hashes(tokens: Any, block_size: int, *, salt: str | bytes | None = Non
         parent = hashlib.sha256(SALT_DOMAIN + salt).digest()
     else:
         raise TypeError(f"salt must be str, bytes or None, not {type(salt).__name__}")
+    return [digest_hash(d) for d in chain_digests(parent, tokens, block_size)]
+
+
+def chain_digests(parent: bytes, tokens: Any, block_size: int) -> list[bytes]:
+    """The 32-byte digest of every complete ``block_size``-token block of ``tokens``,
+    chained from ``parent`` (``ZERO_PARENT`` at a prompt's start, or the digest of the
+    block before): continuing a chain gives the same digests as hashing the whole prompt.
+    """
     data = _int64_bytes(tokens)
     step = 8 * block_size
-    hashes = []
+    digests = []
     for offset in range(0, len(data) - step + 1, step):
         parent = hashlib.sha256(parent + data[offset : offset + step]).digest()
-        hashes.append(int.from_bytes(parent[:8], "little") % HASH_MODULUS + 1)
-    return hashes
+        digests.append(parent)
+    return digests
+
+
+def digest_hash(digest: bytes) -> int:
+    """A block's hash from its digest: the first 8 bytes, little-endian, in [1, 2^63-1]."""
+    return int.from_bytes(digest[:8], "little") % HASH_MODULUS + 1

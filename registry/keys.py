@@ -93,6 +93,15 @@ class NamespaceKeys:
         return f"{self.base}:mamba-evicted"
 
     @property
+    def engine_blocks(self) -> str:
+        """HASH, bridged namespaces only (``pcr bridge``): the engine's block hash
+        (unsigned, decimal) -> ``"<own hash> <block id> <digest hex> <holders>"``: the
+        registry's own hash of that block, its position in its prefix (the block id a
+        bridged namespace stores), the chain digest its children continue from, and which
+        (group, medium) slots of the engine hold it (``lua/bridge_apply.lua``)."""
+        return f"{self.base}:engine-blocks"
+
+    @property
     def reply_prefix(self) -> str:
         """Start of the STRING keys ``pcr:{NS}:reply:<request id>``: each write's reply,
         kept for ``reply_ttl`` seconds (then expired by Redis) so that a re-sent copy of
@@ -101,7 +110,7 @@ class NamespaceKeys:
 
     def all_keys(self) -> tuple[str, ...]:
         """Every long-lived key (not the channel, nor the expiring reply records)."""
-        return (self.kv, self.mamba, self.meta, self.mamba_evictions)
+        return (self.kv, self.mamba, self.meta, self.mamba_evictions, self.engine_blocks)
 
     def owns(self, key: str) -> bool:
         """Whether ``key`` is one of this namespace's keys, reply records included."""

@@ -73,7 +73,7 @@ class Ownership:
         k = self.keys
         epoch, lease_until, notice = self._write(
             "claim",
-            (k.kv, k.mamba, k.meta, k.mamba_evictions),
+            (k.kv, k.mamba, k.meta, k.mamba_evictions, k.engine_blocks),
             True,
             (max(1, round(lease_ttl * 1000)),),
             fence="",  # claims are never fenced

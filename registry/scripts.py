@@ -40,6 +40,8 @@ OPERATIONS = (
     "gc_namespace",
     "forget_node",
     "score",
+    "bridge_apply",
+    "bridge_resume",
 )
 
 PRELUDE = "_prelude"

@@ -397,7 +397,10 @@ def test_eviction_listener_as_node_a_frees_a_slot(
 
 def snapshot(admin: redis.Redis, registry: PrefixCacheRegistry) -> dict[str, Any]:
     """Byte-exact copy of a namespace's keys (DUMP) and its node-index entry."""
-    keys: dict[str, Any] = {key: admin.dump(key) for key in registry.keys.all_keys()}
+    k = registry.keys  # not engine_blocks: only bridged namespaces have it
+    keys: dict[str, Any] = {
+        key: admin.dump(key) for key in (k.kv, k.mamba, k.meta, k.mamba_evictions)
+    }
     keys[NODE_INDEX] = admin.zscore(NODE_INDEX, registry.namespace)
     return keys
 

@@ -92,6 +92,7 @@ FULL_STORED = BlockStored(
     medium="GPU",
     group_idx=1,
     kv_cache_spec_kind="mamba",
+    lora_name="lora-a",
 )
 
 
