@@ -3,8 +3,10 @@
 The router asks Redis directly (the registry is the truth there), so restarts and lost
 events cannot leave it with stale copies. One ``score`` costs one round trip per Redis
 node, whatever the number of namespaces: a pipeline on a standalone server; on Redis
-Cluster redis-py's cluster pipeline groups the calls by shard, writes to every shard,
-then reads every reply, so the shards work at the same time. Each namespace's score is
+Cluster ``ScriptRunner.run_many`` groups the calls by the primary serving their slot,
+writes to every primary, then reads every reply, so the shards work at the same time
+(redis-py's cluster pipeline would first send a blocking ``COMMAND GETKEYS`` per call; it
+is used only when the slot map moved, to follow the redirections). Each namespace's score is
 one script (``lua/score.lua``): a binary search over the parent chain for the KV prefix,
 then a short backward scan for Mamba state, and -1 for a namespace without a live lease.
 The prompt's hashes travel packed in one argument, encoded once for all namespaces.

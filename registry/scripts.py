@@ -21,7 +21,16 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from registry.errors import REDIS_ERRORS, RegistryError, StaleEpochError, translate
 
@@ -149,6 +158,10 @@ class ScriptRunner:
         self, operation: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
     ) -> list[Any]:
         sha = script_sha(operation)
+        if _is_cluster(self.client):
+            routed = _per_node(self.client, [("EVALSHA", sha, len(k), *k, *a) for k, a in calls])
+            if routed is not None:
+                return routed
         pipe = self.client.pipeline(transaction=False)
         for keys, args in calls:
             # execute_command, not pipe.evalsha: redis-py's cluster pipeline refuses evalsha.
@@ -169,6 +182,57 @@ class ScriptRunner:
         if isinstance(exc, ResponseError) and str(exc).startswith(STALE_EPOCH):
             return StaleEpochError(namespace or context, epoch, str(exc))
         return _translated(exc, what, write=write)
+
+
+def _is_cluster(client: Any) -> bool:
+    """Whether ``client`` is a redis-py ``RedisCluster`` (by what it offers)."""
+    return callable(getattr(client, "get_node_from_key", None)) and hasattr(client, "nodes_manager")
+
+
+REDIRECTED = (MovedError, AskError, TryAgainError, ClusterDownError)
+
+
+def _per_node(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any] | None:
+    """Run ``commands`` (each on the keys of one slot, its first key after the key count
+    naming it) on a Redis Cluster: grouped by the primary that serves their slot, written
+    to every primary first, then every reply read, so each shard costs one round trip and
+    the shards work at the same time. redis-py's cluster pipeline would first ask a node
+    ``COMMAND GETKEYS`` for every command, one blocking round trip each.
+
+    Error replies come back as exception objects, in order. Returns None when the
+    cluster's layout moved (a redirection, a lost connection): then the caller runs
+    redis-py's own pipeline, which follows redirections and refreshes the layout.
+    """
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    for i, command in enumerate(commands):
+        node = client.get_node_from_key(command[3])
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    replies: list[Any] = [None] * len(commands)
+    taken: list[tuple[Any, Any, list[int]]] = []
+    healthy = False
+    try:
+        for node, indexes in groups.values():
+            pool = client.get_redis_connection(node).connection_pool
+            connection = pool.get_connection()
+            taken.append((pool, connection, indexes))
+            connection.send_packed_command(connection.pack_commands([commands[i] for i in indexes]))
+        for _pool, connection, indexes in taken:
+            for i in indexes:
+                try:
+                    replies[i] = connection.read_response()
+                except ResponseError as exc:
+                    replies[i] = exc
+        healthy = True
+    except (RedisConnectionError, RedisTimeoutError):
+        return None
+    finally:
+        for pool, connection, _indexes in taken:
+            if not healthy:
+                connection.disconnect()  # a half-read connection must not be reused
+            pool.release(connection)
+    if any(isinstance(reply, REDIRECTED) for reply in replies):
+        return None
+    return replies
 
 
 def _translated(exc: BaseException, what: str, *, write: bool) -> RegistryError:

@@ -6,6 +6,8 @@ import uuid
 from typing import Any
 
 import pytest
+import redis
+from redis.connection import Connection
 
 from registry import (
     NodeIndex,
@@ -266,28 +268,64 @@ def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix:
         shards = {client.get_node_from_key(r.keys.kv).name for r in nodes.values()}
         assert len(shards) == 3
         router = PrefixRouter(client, prefix)
-        executed: list[int] = []
-        original = client.pipeline
+        router.score(chain)  # scripts loaded, connections open
+        primaries = {n.name: redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()}
+        for admin in primaries.values():
+            admin.config_resetstat()
+        sends: list[str] = []
+        original = Connection.send_packed_command
 
-        def counting_pipeline(*args: Any, **kwargs: Any) -> Any:
-            pipe = original(*args, **kwargs)
-            run = pipe.execute
+        def counting(self: Connection, *args: Any, **kwargs: Any) -> Any:
+            sends.append(f"{self.host}:{self.port}")
+            return original(self, *args, **kwargs)
 
-            def execute(*a: Any, **k: Any) -> Any:
-                executed.append(1)
-                return run(*a, **k)
-
-            pipe.execute = execute
-            return pipe
-
-        client.pipeline = counting_pipeline
-        scores = router.score(chain)
-        assert len(executed) == 1  # one pipelined batch, sent to every shard at once
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Connection, "send_packed_command", counting)
+            scores = router.score(chain)
+        # One round trip per shard: one write to each primary, no COMMAND GETKEYS.
+        assert sorted(sends) == sorted(primaries)
+        for name, admin in primaries.items():
+            stats = admin.info("commandstats")
+            admin.close()
+            here = sum(client.get_node_from_key(r.keys.kv).name == name for r in nodes.values())
+            assert stats["cmdstat_evalsha"]["calls"] == here
+            assert "cmdstat_command|getkeys" not in stats
         for name, reg in nodes.items():
             block_ids, _ = reg.match_kv_prefix(chain)
             kv = len(block_ids)
             assert scores[name].kv_prefix == kv
             assert scores[name].mamba_prefix == reg.match_mamba_farthest(chain[:kv])
+    finally:
+        backend.close()
+
+
+def test_scores_stay_exact_when_the_slot_map_is_stale(redis_cluster: Any, prefix: str) -> None:
+    """Commands sent to a node that no longer serves their slot are answered MOVED; the
+    router then falls back to redis-py's pipeline, which follows the redirection."""
+    from tests.support.backends import make_backend
+
+    class Request:
+        def getfixturevalue(self, name: str) -> Any:
+            return redis_cluster
+
+    backend = make_backend("cluster", Request())  # type: ignore[arg-type]
+    try:
+        regs = [owner(backend, f"moved-{i}", prefix) for i in range(6)]
+        for i, reg in enumerate(regs):
+            reg.register_kv(range(i + 1), H[: i + 1])
+        client = backend.client()
+        wrong = {}
+        primaries = client.get_primaries()
+        for reg in regs:  # each namespace mapped to a primary that does not serve it
+            right = client.get_node_from_key(reg.keys.kv)
+            wrong[reg.keys.kv] = next(n for n in primaries if n.name != right.name)
+        real = client.get_node_from_key
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(client, "get_node_from_key", lambda key, *a: wrong.get(key) or real(key))
+            scores = PrefixRouter(client, prefix).score(H)
+        assert {n: s.kv_prefix for n, s in scores.items()} == {
+            reg.namespace: i + 1 for i, reg in enumerate(regs)
+        }
     finally:
         backend.close()
 
