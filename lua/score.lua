@@ -1,7 +1,10 @@
 -- score: how much of a prompt one live node has cached, for routing. Uses the parent
 -- chain (if block i is cached, so are blocks before it) to find the KV prefix with a
--- binary search (O(log n) lookups), then scans back from its end for the farthest
--- block that also has Mamba state.
+-- binary search (O(log n) lookups), then, for hybrid models only, finds the farthest
+-- block of that prefix that also has Mamba state: when the namespace holds few Mamba
+-- entries, by looking each of them up in the packed prompt (a C-speed substring search);
+-- otherwise by HMGETs scanning back from the prefix's end in growing chunks (8, 32,
+-- 128, ... hashes), which touches each candidate at most once.
 --
 -- The hashes come packed in ONE argument, each as 19 zero-padded decimal digits: the
 -- router sends the same prompt to many namespaces, and one string is cheap to send and
@@ -12,16 +15,20 @@
 -- KEYS[2]  pcr:{node-0}:mamba    HASH hash -> block id with Mamba state
 -- KEYS[3]  pcr:{node-0}:meta     HASH lease_until
 -- ARGV[1]  "0008815920390121000..."  the prompt's block hashes, 19 digits each
+-- ARGV[2]  "1" or "0"                  hybrid: "0" skips the Mamba lookup (reports 0)
 --
 -- Returns: -1 when the namespace has no live lease (dead nodes are never scored), else
 --          { KV prefix length, Mamba-aware prefix length (<= the KV prefix) }.
--- Calls:   TIME, HGET, HEXISTS, HMGET
+-- Calls:   TIME, HGET, HEXISTS, HLEN, HKEYS, HMGET
 local WIDTH = 19
+local FEW_MAMBA = 32  -- up to this many Mamba entries, look each up in the prompt
 local packed = ARGV[1]
 
+-- The i-th hash without its zero padding (a hash is at least 1: a non-zero digit is there).
 local function hash_at(i)
-  local digits = string.sub(packed, (i - 1) * WIDTH + 1, i * WIDTH)
-  return (string.gsub(digits, '^0+', ''))
+  local last = i * WIDTH
+  local first = string.find(packed, '[1-9]', last - WIDTH + 1)
+  return string.sub(packed, first, last)
 end
 
 local lease_until = redis.call('HGET', KEYS[3], 'lease_until')
@@ -36,6 +43,30 @@ while low < high do
   else
     high = middle - 1
   end
+end
+if ARGV[2] == '0' or low == 0 then
+  return {low, 0}
+end
+local entries = redis.call('HLEN', KEYS[2])
+if entries == 0 then
+  return {low, 0}
+end
+if entries <= FEW_MAMBA then
+  local farthest = 0
+  for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
+    local padded = string.rep('0', WIDTH - #field) .. field
+    local at = string.find(packed, padded, 1, true)
+    while at and at <= low * WIDTH do  -- every aligned match inside the KV prefix
+      if (at - 1) % WIDTH == 0 then
+        local position = (at - 1) / WIDTH + 1
+        if position > farthest then
+          farthest = position
+        end
+      end
+      at = string.find(packed, padded, at + 1, true)
+    end
+  end
+  return {low, farthest}
 end
 local last, size = low, 8
 while last >= 1 do

@@ -8,7 +8,9 @@ writes to every primary, then reads every reply, so the shards work at the same 
 (redis-py's cluster pipeline would first send a blocking ``COMMAND GETKEYS`` per call; it
 is used only when the slot map moved, to follow the redirections). Each namespace's score is
 one script (``lua/score.lua``): a binary search over the parent chain for the KV prefix,
-then a short backward scan for Mamba state, and -1 for a namespace without a live lease.
+then (``hybrid`` routers only) the farthest Mamba checkpoint inside it, at a cost bounded
+by the smaller of the namespace's Mamba entries and the prefix, and -1 for a namespace
+without a live lease.
 The prompt's hashes travel packed in one argument, encoded once for all namespaces.
 
 A router never writes and never claims an epoch. It is thread-safe.
@@ -34,7 +36,8 @@ class NodeScore:
 
     namespace: str
     kv_prefix: int  # leading blocks with KV cached
-    mamba_prefix: int  # leading blocks usable with Mamba state (farthest checkpoint <= kv_prefix)
+    mamba_prefix: int  # leading blocks usable with Mamba state (farthest checkpoint <= kv_prefix);
+    # 0 from a router built with hybrid=False, which skips the Mamba lookup
     usable: int  # what routing ranks by: mamba_prefix for hybrid models, else kv_prefix
 
 
@@ -115,10 +118,11 @@ class PrefixRouter:
         return keys
 
     def _run_pipeline(self, names: list[str], packed: bytes) -> list[Any]:
+        mode = "1" if self.hybrid else "0"
         calls = []
         for name in names:
             keys = self._keys_of(name)
-            calls.append(((keys.kv, keys.mamba, keys.meta), (packed,)))
+            calls.append(((keys.kv, keys.mamba, keys.meta), (packed, mode)))
         return self._runner.run_many(
             "score", calls, context=f"routing over {len(names)} namespaces"
         )

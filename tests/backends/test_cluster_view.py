@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import uuid
 from typing import Any
 
@@ -90,6 +91,36 @@ def test_binary_search_finds_every_prefix_length(redis_backend: Backend, prefix:
         score = router.score(chain)["node-z"]
         assert (score.kv_prefix, score.mamba_prefix) == (k, min(k, 1)), k
         assert score.kv_prefix == len(reg.match_kv_prefix(chain)[0])
+
+
+@pytest.mark.parametrize("entries", [1, 5, 32, 33, 200])
+def test_mamba_prefix_is_exact_for_few_and_many_checkpoints(
+    redis_backend: Backend, prefix: str, entries: int
+) -> None:
+    """Up to 32 Mamba entries the script finds each in the packed prompt, above that it
+    scans the prefix back; both give the farthest checkpoint inside the KV prefix, also
+    for checkpoints of other prompts, beyond the prefix, or at hashes whose digits
+    appear across two packed hashes."""
+    rng = random.Random(entries)
+    reg = owner(redis_backend, "node-m", prefix)
+    chain = [rng.randrange(1, 2**63) for _ in range(400)]
+    reg.register_kv(range(300), chain[:300])
+    others = [rng.randrange(1, 2**63) for _ in range(entries - 1)]
+    # A Mamba hash whose 19 padded digits appear in the packed prompt across hashes 9|10.
+    others.append(int(str(chain[9]).zfill(19)[-7:] + str(chain[10]).zfill(19)[:12]))
+    positions = rng.sample(range(400), min(entries, 40))
+    mamba = {h: 1 for h in others}
+    mamba.update({chain[p]: 1 for p in positions})
+    reg.register_mamba(range(len(mamba)), list(mamba)[: len(mamba)])
+    hybrid = PrefixRouter(redis_backend.client(), prefix)
+    plain = PrefixRouter(redis_backend.client(), prefix, hybrid=False)
+    for prompt in (chain, chain[:150], chain[:7], [*chain[:50], *others[:3]]):
+        kv = len(reg.match_kv_prefix(prompt)[0])
+        expected = reg.match_mamba_farthest(prompt[:kv])
+        score = hybrid.score(prompt)["node-m"]
+        assert (score.kv_prefix, score.mamba_prefix, score.usable) == (kv, expected, expected)
+        flat = plain.score(prompt)["node-m"]
+        assert (flat.kv_prefix, flat.mamba_prefix, flat.usable) == (kv, 0, kv)
 
 
 def test_router_never_writes(redis_backend: Backend, prefix: str) -> None:
