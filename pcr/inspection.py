@@ -29,7 +29,7 @@ from registry.hashing import block_hashes
 from registry.keys import NamespaceKeys
 from registry.membership import NodeIndex
 from registry.notices import parse_notice
-from registry.redis_registry import PrefixCacheRegistry
+from registry.redis_registry import NamespaceInfo, PrefixCacheRegistry, namespace_infos
 from registry.routing import PrefixRouter
 
 
@@ -75,10 +75,10 @@ def _command_stats(args: argparse.Namespace) -> int:
         with _talking(server):
             warning = _eviction_warning(client)
         namespaces, invalid = _index_members(client, args.key_prefix)
-        rows = [
-            _stats_row(client, namespace, args.key_prefix)
-            for namespace in dict.fromkeys([*namespaces, *(args.namespace or [])])
-        ]
+        names = list(dict.fromkeys([*namespaces, *(args.namespace or [])]))
+        with _talking(server):
+            infos = namespace_infos(client, names, key_prefix=args.key_prefix)
+        rows = [_stats_row(info, memory) for info, memory in infos]
     rows += [_invalid_row(member, args.json) for member in invalid]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -92,11 +92,9 @@ def _command_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stats_row(client: Any, namespace: str, key_prefix: str) -> dict[str, Any]:
-    registry = PrefixCacheRegistry(client, namespace, key_prefix=key_prefix)
-    with _talking(f"namespace {namespace!r}"):
-        info = registry.info()
-        memory = registry.memory_bytes()
+def _stats_row(info: NamespaceInfo, memory: int | None) -> dict[str, Any]:
+    """One namespace's row of ``pcr stats``."""
+    namespace = info.namespace
     lease_left = info.lease_left_s
     return {
         "namespace": namespace,
@@ -107,7 +105,16 @@ def _stats_row(client: Any, namespace: str, key_prefix: str) -> dict[str, Any]:
         "lease_left_s": None if lease_left is None else round(lease_left, 1),
         "epoch": info.epoch,
         "notice_seq": info.notice_seq,
+        "bridged_from": _bridged_from(info),
     }
+
+
+def _bridged_from(info: Any) -> str | None:
+    """``vllm tcp://10.0.0.7:5557 bs=16`` for a namespace fed by ``pcr bridge``."""
+    if info.bridge_endpoint is None:
+        return None
+    size = "" if info.bridge_block_size is None else f" bs={info.bridge_block_size}"
+    return f"{info.bridge_engine} {info.bridge_endpoint}{size}"
 
 
 def _invalid_row(member: str, as_json: bool) -> dict[str, Any]:
@@ -122,6 +129,7 @@ def _invalid_row(member: str, as_json: bool) -> dict[str, Any]:
         "lease_left_s": None,
         "epoch": None,
         "notice_seq": None,
+        "bridged_from": None,
     }
 
 

@@ -34,7 +34,7 @@ from registry.membership import NodeIndex
 from registry.notices import EvictionNotice, parse_notice
 from registry.ownership import DEFAULT_LEASE_TTL, Ownership
 from registry.replay import notices_after
-from registry.scripts import ScriptRunner
+from registry.scripts import ScriptRunner, is_cluster, run_per_node
 from registry.validation import flatten
 
 DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
@@ -300,35 +300,14 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
     def info(self) -> NamespaceInfo:
         """Sizes, owner epoch, lease and notice position of the namespace, in one round
         trip (plus one ``MEMORY USAGE`` per key when ``memory`` is wanted)."""
-        kv, mamba, meta, now = self._pipelined(
-            "info",
-            [
-                ("HLEN", self.keys.kv),
-                ("HLEN", self.keys.mamba),
-                ("HGETALL", self.keys.meta),
-                ("TIME",),
-            ],
-        )
-        fields = {_text(k): _text(v) for k, v in meta.items()}
-        seconds, micros = now
-        return NamespaceInfo(
-            namespace=self.namespace,
-            kv_entries=int(kv),
-            mamba_entries=int(mamba),
-            epoch=_whole(fields.get("epoch")),
-            incarnation=fields.get("incarnation", ""),
-            notice_seq=_whole(fields.get("notice_seq", "0")),
-            lease_until_ms=_whole(fields.get("lease_until")),
-            server_ms=int(seconds) * 1000 + int(micros) // 1000,
-        )
+        replies = self._pipelined("info", _info_commands(self.keys))
+        return _info_from(self.namespace, replies)
 
     def memory_bytes(self) -> int | None:
         """Bytes the namespace's long-lived keys take (``MEMORY USAGE``); None where the
         server has no such command (fakeredis) or refuses it (ACL)."""
         try:
-            replies = self._pipelined(
-                "memory", [("MEMORY", "USAGE", key) for key in self.keys.all_keys()]
-            )
+            replies = self._pipelined("memory", _memory_commands(self.keys))
         except (RegistryMisconfigured, RegistryPermissionError):
             return None
         return sum(int(r or 0) for r in replies)
@@ -400,6 +379,12 @@ class NamespaceInfo:
     notice_seq: int | None  # the last notice number (None: meta holds something else)
     lease_until_ms: int | None  # the owner's lease end (server clock); None if never claimed
     server_ms: int  # the server's clock when read
+    # Set on namespaces fed by ``pcr bridge`` (registry.bridge): which engine, where,
+    # its block size and the last engine sequence number applied.
+    bridge_engine: str | None = None
+    bridge_endpoint: str | None = None
+    bridge_block_size: int | None = None
+    bridge_seq: int | None = None
 
     @property
     def state(self) -> str:
@@ -414,6 +399,76 @@ class NamespaceInfo:
         if self.lease_until_ms is None:
             return None
         return (self.lease_until_ms - self.server_ms) / 1000
+
+
+def _info_commands(keys: NamespaceKeys) -> list[tuple[Any, ...]]:
+    return [("HLEN", keys.kv), ("HLEN", keys.mamba), ("HGETALL", keys.meta), ("TIME",)]
+
+
+def _memory_commands(keys: NamespaceKeys) -> list[tuple[Any, ...]]:
+    return [("MEMORY", "USAGE", key) for key in keys.all_keys()]
+
+
+def _info_from(namespace: str, replies: list[Any]) -> NamespaceInfo:
+    kv, mamba, meta, now = replies
+    fields = {_text(k): _text(v) for k, v in meta.items()}
+    seconds, micros = now
+    return NamespaceInfo(
+        namespace=namespace,
+        kv_entries=int(kv),
+        mamba_entries=int(mamba),
+        epoch=_whole(fields.get("epoch")),
+        incarnation=fields.get("incarnation", ""),
+        notice_seq=_whole(fields.get("notice_seq", "0")),
+        lease_until_ms=_whole(fields.get("lease_until")),
+        server_ms=int(seconds) * 1000 + int(micros) // 1000,
+        bridge_engine=fields.get("bridge_engine"),
+        bridge_endpoint=fields.get("bridge_endpoint"),
+        bridge_block_size=_whole(fields.get("bridge_block_size")),
+        bridge_seq=_whole(fields.get("bridge_seq")),
+    )
+
+
+def namespace_infos(
+    client: Any,
+    namespaces: list[str],
+    *,
+    key_prefix: str = DEFAULT_KEY_PREFIX,
+    memory: bool = True,
+) -> list[tuple[NamespaceInfo, int | None]]:
+    """``info()`` and ``memory_bytes()`` of many namespaces in one round trip per Redis
+    node (for ``pcr stats``): a pipeline on a standalone server, one batch per primary on
+    a cluster. Memory is None where the server has no ``MEMORY USAGE`` or refuses it."""
+    routed: list[tuple[str, tuple[Any, ...]]] = []
+    for namespace in namespaces:
+        keys = NamespaceKeys(namespace, key_prefix)
+        commands = _info_commands(keys) + (_memory_commands(keys) if memory else [])
+        routed += [(keys.meta, command) for command in commands]
+    if not routed:
+        return []
+    replies = None
+    try:
+        if is_cluster(client):
+            replies = run_per_node(client, routed)
+        if replies is None:
+            pipe = client.pipeline(transaction=False)
+            for _key, command in routed:
+                pipe.execute_command(*command)
+            replies = pipe.execute(raise_on_error=False)
+    except REDIS_ERRORS as exc:
+        raise (translate(exc, f"reading {len(namespaces)} namespaces") or exc) from exc
+    per = len(routed) // len(namespaces)
+    result = []
+    for i, namespace in enumerate(namespaces):
+        mine = replies[i * per : (i + 1) * per]
+        for reply in mine[:4]:
+            if isinstance(reply, Exception):
+                raise (translate(reply, f"namespace {namespace!r}: info") or reply) from reply
+        used = None
+        if memory and not any(isinstance(r, Exception) for r in mine[4:]):
+            used = sum(int(r or 0) for r in mine[4:])
+        result.append((_info_from(namespace, mine[:4]), used))
+    return result
 
 
 def _whole(text: str | None) -> int | None:

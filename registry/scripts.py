@@ -158,7 +158,7 @@ class ScriptRunner:
         self, operation: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
     ) -> list[Any]:
         sha = script_sha(operation)
-        if _is_cluster(self.client):
+        if is_cluster(self.client):
             routed = _per_node(self.client, [("EVALSHA", sha, len(k), *k, *a) for k, a in calls])
             if routed is not None:
                 return routed
@@ -184,7 +184,7 @@ class ScriptRunner:
         return _translated(exc, what, write=write)
 
 
-def _is_cluster(client: Any) -> bool:
+def is_cluster(client: Any) -> bool:
     """Whether ``client`` is a redis-py ``RedisCluster`` (by what it offers)."""
     return callable(getattr(client, "get_node_from_key", None)) and hasattr(client, "nodes_manager")
 
@@ -193,21 +193,27 @@ REDIRECTED = (MovedError, AskError, TryAgainError, ClusterDownError)
 
 
 def _per_node(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any] | None:
-    """Run ``commands`` (each on the keys of one slot, its first key after the key count
-    naming it) on a Redis Cluster: grouped by the primary that serves their slot, written
-    to every primary first, then every reply read, so each shard costs one round trip and
-    the shards work at the same time. redis-py's cluster pipeline would first ask a node
-    ``COMMAND GETKEYS`` for every command, one blocking round trip each.
+    """``run_per_node`` for script calls: each EVALSHA goes where its first key lives."""
+    return run_per_node(client, [(command[3], command) for command in commands])
+
+
+def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> list[Any] | None:
+    """Run commands on a Redis Cluster, each on the primary serving its routing key's
+    slot (``routed`` holds (routing key, command) pairs; a command without a key, such
+    as TIME, goes where its key says): grouped by primary, written to every primary
+    first, then every reply read, so each shard costs one round trip and the shards
+    work at the same time. redis-py's cluster pipeline would first ask a node
+    ``COMMAND GETKEYS`` for every script call, one blocking round trip each.
 
     Error replies come back as exception objects, in order. Returns None when the
     cluster's layout moved (a redirection, a lost connection): then the caller runs
     redis-py's own pipeline, which follows redirections and refreshes the layout.
     """
     groups: dict[str, tuple[Any, list[int]]] = {}
-    for i, command in enumerate(commands):
-        node = client.get_node_from_key(command[3])
+    for i, (key, _command) in enumerate(routed):
+        node = client.get_node_from_key(key)
         groups.setdefault(node.name, (node, []))[1].append(i)
-    replies: list[Any] = [None] * len(commands)
+    replies: list[Any] = [None] * len(routed)
     taken: list[tuple[Any, Any, list[int]]] = []
     healthy = False
     try:
@@ -215,7 +221,9 @@ def _per_node(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any] | N
             pool = client.get_redis_connection(node).connection_pool
             connection = pool.get_connection()
             taken.append((pool, connection, indexes))
-            connection.send_packed_command(connection.pack_commands([commands[i] for i in indexes]))
+            connection.send_packed_command(
+                connection.pack_commands([routed[i][1] for i in indexes])
+            )
         for _pool, connection, indexes in taken:
             for i in indexes:
                 try:

@@ -19,6 +19,7 @@ from registry import (
     collect_dead,
     live_nodes,
 )
+from registry.redis_registry import namespace_infos
 from tests.support.backends import Backend, dump_keys, expire_lease, notice_base, registry_state
 from tests.support.waiting import wait_until
 
@@ -326,6 +327,45 @@ def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix:
             kv = len(block_ids)
             assert scores[name].kv_prefix == kv
             assert scores[name].mamba_prefix == reg.match_mamba_farthest(chain[:kv])
+    finally:
+        backend.close()
+
+
+def test_stats_of_many_namespaces_cost_one_round_trip_per_shard(
+    redis_cluster: Any, prefix: str
+) -> None:
+    from tests.support.backends import make_backend
+
+    class Request:
+        def getfixturevalue(self, name: str) -> Any:
+            return redis_cluster
+
+    backend = make_backend("cluster", Request())  # type: ignore[arg-type]
+    try:
+        regs = [owner(backend, f"stats-{i:02d}", prefix) for i in range(12)]
+        for i, reg in enumerate(regs):
+            reg.register_kv(range(i % 10), H[: i % 10])
+        client = backend.client()
+        names = [reg.namespace for reg in regs]
+        namespace_infos(client, names, key_prefix=prefix)  # connections open
+        sends: list[str] = []
+        original = Connection.send_packed_command
+
+        def counting(self: Connection, *args: Any, **kwargs: Any) -> Any:
+            sends.append(f"{self.host}:{self.port}")
+            return original(self, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Connection, "send_packed_command", counting)
+            infos = namespace_infos(client, names, key_prefix=prefix)
+        assert sorted(sends) == sorted(n.name for n in client.get_primaries())
+        for reg, (info, memory) in zip(regs, infos, strict=True):
+            alone = reg.info()
+            assert (info.namespace, info.kv_entries, info.epoch, info.lease_until_ms) == (
+                alone.namespace, alone.kv_entries, alone.epoch, alone.lease_until_ms,
+            )  # fmt: skip
+            assert memory is not None
+            assert memory > 0
     finally:
         backend.close()
 
