@@ -37,6 +37,8 @@ MIN_SIGNED_HASH = -(2**63)
 """The smallest int hash accepted (SGLang's signed 64-bit hashes)."""
 MAX_UNSIGNED_HASH = 2**64 - 1
 """The largest int hash accepted (vLLM's unsigned 64-bit hashes)."""
+MAX_TOKEN = 2**63 - 1
+"""Token ids are int64 (the chain packs them so)."""
 HASH_BYTES_USED = 8
 """A bytes hash is read as its last this-many bytes, big-endian (vLLM's int form)."""
 SEQ_BYTES = 8
@@ -182,14 +184,22 @@ def _fields(
     return found
 
 
+def _tokens(tokens: list[Any], field: str) -> tuple[int, ...]:
+    """Token ids: ints (never bools) that fit in int64; checked at C speed when they are
+    all plain ints, one by one (naming the first bad one) otherwise."""
+    if not set(map(type, tokens)) <= {int}:
+        tokens = [int(_int(token, f"{field}[{i}]")) for i, token in enumerate(tokens)]
+    if tokens and (min(tokens) < MIN_SIGNED_HASH or max(tokens) > MAX_TOKEN):
+        bad = next(t for t in tokens if not MIN_SIGNED_HASH <= t <= MAX_TOKEN)
+        raise BadEvent(f"{field}[{tokens.index(bad)}] = {bad} does not fit in int64")
+    return tuple(tokens)
+
+
 def _block_stored(raw: list[Any] | Mapping[Any, Any], where: str) -> BlockStored:
     """Build a ``BlockStored`` from its fields, checking every type."""
     tag = f"{where} {TAG_STORED}"
     f = _fields(raw, STORED_FIELDS, ("block_hashes", "token_ids"), tag)
-    token_ids = tuple(
-        _int(token, f"{tag} token_ids[{i}]")
-        for i, token in enumerate(_list(f["token_ids"], f"{tag} token_ids"))
-    )
+    token_ids = _tokens(_list(f["token_ids"], f"{tag} token_ids"), f"{tag} token_ids")
     block_size = _optional_int(f.get("block_size"), f"{tag} block_size", minimum=1)
     if block_size is not None and len(token_ids) % block_size:
         raise BadEvent(

@@ -42,6 +42,14 @@ def _int64_bytes(tokens: Any) -> bytes:
         tokens = tokens.tolist()
     if not isinstance(tokens, Iterable):
         raise TypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
+    if isinstance(tokens, (list, tuple)) and set(map(type, tokens)) <= {int}:
+        try:  # plain ints (no bools, no int subclasses): packed at C speed
+            packed = array("q", tokens)
+        except OverflowError:
+            raise ValueError("a token id does not fit in int64") from None
+        if sys.byteorder == "big":
+            packed.byteswap()
+        return packed.tobytes()
     packed = array("q")
     try:
         for token in tokens:

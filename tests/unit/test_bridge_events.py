@@ -577,3 +577,21 @@ def test_fuzz_random_msgpack_structures(value: object) -> None:
 def test_fuzz_random_frames(message: list[bytes]) -> None:
     with contextlib.suppress(BadEvent):
         decode_frames(message)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "says"),
+    [
+        ([1, 2, 3, 2**63], "token_ids[3] = 9223372036854775808 does not fit in int64"),
+        ([2**64 - 1, 2, 3, 4], "token_ids[0] = 18446744073709551615 does not fit in int64"),
+        ([1, True, 3, 4], "token_ids[1] must be an int, not bool"),
+        ([1, 2, 3.0, 4], "token_ids[2] must be an int, not float"),
+    ],
+)
+def test_token_ids_must_be_int64(tokens: list[Any], says: str) -> None:
+    payload = vllm_map_batch(
+        1.0, [event_map("BlockStored", block_hashes=[1], token_ids=tokens, block_size=4)]
+    )
+    with pytest.raises(BadEvent) as raised:
+        decode_batch(payload)
+    assert says in str(raised.value)

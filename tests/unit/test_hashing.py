@@ -309,3 +309,22 @@ def test_import_does_not_pull_in_torch():
         check=False,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_plain_int_lists_and_other_sequences_hash_alike() -> None:
+    """Lists and tuples of plain ints take a C-speed packing path; every other form
+    (generators, ranges, int subclasses) the checked loop; the hashes agree."""
+    import enum
+
+    class Token(enum.IntEnum):
+        A = 7
+
+    tokens = [3, -5, 2**63 - 1, -(2**63), 0, 7, 11, 13]
+    expected = block_hashes(iter(tokens), 4)
+    assert block_hashes(tokens, 4) == expected
+    assert block_hashes(tuple(tokens), 4) == expected
+    assert block_hashes([*tokens[:5], Token.A, 11, 13], 4) == expected
+    with pytest.raises(ValueError, match="int64"):
+        block_hashes([1, 2**63], 1)
+    with pytest.raises(TypeError, match="bool"):
+        block_hashes([1, True], 1)
