@@ -9,11 +9,18 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -c constraints.txt -e '.[test,dev,embedded,gpu]'
+	$(PIP) install -c constraints.txt -e '.[test,dev,embedded,gpu,bridge]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/pcr simulate
+
+# The same fleet fed through `pcr bridge`: each node keeps its own cache and publishes
+# vLLM KV events over ZeroMQ (every 20th batch lost on the way, so the bridge replays
+# gaps); one bridge follows them all into Redis, and the audit must still read 0.
+.PHONY: demo-bridge
+demo-bridge: $(STAMP)
+	$(BIN)/pcr simulate --bridge --bridge-drop-every 20
 
 # Real-server tests need redis-server; install it when we are root, else they skip
 # loudly (and fail when CI is set).

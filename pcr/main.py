@@ -39,6 +39,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 # -- the parser -----------------------------------------------------------------------
 from pcr.bench.command import _command_bench
+from pcr.bridge import add_parser as add_bridge_parser
 from pcr.common import (
     DEFAULT_URL,
     EXIT_INTERRUPTED,
@@ -146,6 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--no-progress", action="store_true", help="no progress bar (shown only on a terminal)"
     )
+    sim.add_argument(
+        "--bridge",
+        action="store_true",
+        help="feed the fleet through pcr bridge: each node keeps its own cache and publishes "
+        "vLLM KV events (ZeroMQ) instead of writing Redis; one bridge follows them all into "
+        "their namespaces (needs the bridge extra)",
+    )
+    sim.add_argument(
+        "--bridge-lockstep",
+        action="store_true",
+        help="with --bridge: route each request only once the bridge has applied every batch "
+        "sent (then the figures match the direct mode's); by default the router reads "
+        "whatever the bridge has applied so far",
+    )
+    sim.add_argument(
+        "--bridge-drop-every",
+        type=_positive,
+        metavar="N",
+        help="with --bridge: send every Nth batch of a node to its replay buffer only, as if "
+        "the subscription lost it (the bridge sees a gap and replays it); N >= 2",
+    )
     sim.set_defaults(handler=_command_simulate, command_parser=sim)
 
     bench = commands.add_parser("bench", help="measure every operation against raw Redis commands")
@@ -236,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="only list them")
     gc.add_argument("--json", action="store_true", help="JSON output")
     gc.set_defaults(handler=_command_gc, command_parser=gc)
+
+    add_bridge_parser(commands, redis_options, env_url or DEFAULT_URL)
     return parser
 
 

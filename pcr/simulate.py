@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
+import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # -- simulate -------------------------------------------------------------------------
@@ -55,8 +57,46 @@ def _simulate_table(results: list[dict[str, Any]]) -> str:
         rows.append(
             [f"consistency: {key.replace('_', ' ')}", *[r["consistency"][key] for r in results]]
         )
+    if all("bridge" in r for r in results):
+        _bridge_rows(results, rows)
     row("run time (s)", lambda r: r["seconds"])
     return format_table(["", *[r["router"] for r in results]], rows)
+
+
+SKIPPED = ("keyed_blocks", "other_medium", "other_groups", "block_size_mismatch")
+"""Blocks the bridge skips besides orphans (``registry.bridge.FollowerCounts``)."""
+
+
+def _bridge_rows(results: list[dict[str, Any]], rows: list[list[object]]) -> None:
+    """What the bridge did, per run (``sim.bridged``)."""
+    lines: list[tuple[str, Callable[[dict[str, Any]], object]]] = [
+        (
+            "bridge: batches published (lost on the way)",
+            lambda b: f"{b['batches_published']} ({b['batches_dropped']})",
+        ),
+        (
+            "bridge: blocks stored / removed",
+            lambda b: f"{b['blocks_stored']} / {b['blocks_removed']}",
+        ),
+        (
+            "bridge: gaps / replays (failed) / probes",
+            lambda b: f"{b['gaps']} / {b['replays']} ({b['replay_failures']}) / {b['probes']}",
+        ),
+        (
+            "bridge: restarts (engine restarts)",
+            lambda b: f"{b['restarts']} ({b['engine_restarts']})",
+        ),
+        ("bridge: bad messages", lambda b: b["bad_messages"]),
+        (
+            "bridge: skipped blocks (orphans, other)",
+            lambda b: f"{b['orphans']} ({sum(b[k] for k in SKIPPED)})",
+        ),
+        ("bridge: removals of unknown blocks", lambda b: b["unknown_removals"]),
+        ("bridge: Redis errors", lambda b: b["redis_errors"]),
+        ("bridge: catch-up after the last request (s)", lambda b: b["catch_up_seconds"]),
+    ]
+    for label, get in lines:
+        rows.append([label, *[get(r["bridge"]) for r in results]])
 
 
 def _check_simulate_sizes(config: Any) -> None:
@@ -90,6 +130,7 @@ def _command_simulate(args: argparse.Namespace) -> int:
         workload=WorkloadConfig(requests=args.requests, seed=args.seed),
     )
     _check_simulate_sizes(config)
+    bridge = _bridge_config(args)
     routers = ["round-robin", "prefix"] if args.router == "both" else [args.router]
     with contextlib.ExitStack() as stack:
         if args.redis_url:
@@ -97,25 +138,95 @@ def _command_simulate(args: argparse.Namespace) -> int:
             where = f"Redis at {_where(args.redis_url)}"
         else:
             client, where = _embedded_redis(args.serve_port, stack)
+        fed = ""
+        if bridge is not None:
+            fed = (
+                ", fed through pcr bridge (each node publishes vLLM KV events over ZeroMQ"
+                + (
+                    f", every {bridge.drop_every}th batch lost on the way"
+                    if bridge.drop_every
+                    else ""
+                )
+                + (", routing in lockstep with the bridge" if bridge.lockstep else "")
+                + ")"
+            )
+            stack.enter_context(_expected_gaps(bridge.drop_every > 0))
         print(
             f"pcr simulate: {config.nodes} nodes x {config.kv_blocks} KV blocks, "
             f"{config.mamba_slots} Mamba slots, {args.requests} requests, seed {args.seed}, "
-            f"on {where}",
+            f"on {where}{fed}",
             flush=True,
         )
         results = []
         for router in routers:
             show = not args.no_progress and sys.stderr.isatty()
             progress = _progress_bar(router) if show else None
-            with _talking(where):
-                results.append(simulate(client, config, router, progress=progress))
+            with _talking(where), _bridge_trouble():
+                results.append(simulate(client, config, router, progress=progress, bridge=bridge))
     print(_simulate_table(results))
     if args.json:
-        _write_json(args.json, {"config": _config_dict(config), "runs": results})
+        document: dict[str, Any] = {"config": _config_dict(config), "runs": results}
+        if bridge is not None:
+            document["bridge"] = _config_dict(bridge)
+        _write_json(args.json, document)
     bad = {k: v for r in results for k, v in r["consistency"].items() if v}
     if bad:  # after the figures and the file: they show what went wrong
         raise CommandError(f"consistency check FAILED: {bad}")
     return 0
+
+
+def _bridge_config(args: argparse.Namespace) -> Any:
+    """``--bridge``'s ``sim.config.BridgeConfig`` (None without it), after checking that
+    the bridge extra is there: a usage error for a bad option, exit 2."""
+    drop_every = args.bridge_drop_every
+    if not args.bridge:
+        if drop_every is not None:
+            raise UsageError("argument --bridge-drop-every: only with --bridge")
+        if args.bridge_lockstep:
+            raise UsageError("argument --bridge-lockstep: only with --bridge")
+        return None
+    if drop_every == 1:
+        raise UsageError("argument --bridge-drop-every: 1 would lose every batch; give 2 or more")
+    missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CommandError(
+            f"pcr simulate --bridge needs the bridge extra (no {', '.join(missing)}): "
+            "pip install 'prefix-cache-registry[bridge]'"
+        )
+    from sim.config import BridgeConfig
+
+    return BridgeConfig(drop_every=drop_every or 0, lockstep=args.bridge_lockstep)
+
+
+@contextlib.contextmanager
+def _bridge_trouble() -> Iterator[None]:
+    """The bridge stopping or never catching up, as a one-line runtime error."""
+    from sim.config import BridgeStalled
+
+    try:
+        yield
+    except BridgeStalled as exc:
+        raise CommandError(f"pcr bridge: {exc}") from exc
+
+
+class _GapFilter(logging.Filter):
+    """Drops the bridge's gap warnings: with --bridge-drop-every they are the point,
+    and the table counts them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("%s: gap:")
+
+
+@contextlib.contextmanager
+def _expected_gaps(expected: bool) -> Iterator[None]:
+    logger = logging.getLogger("registry.bridge")
+    gap_filter = _GapFilter()
+    if expected:
+        logger.addFilter(gap_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(gap_filter)
 
 
 def _embedded_redis(serve_port: int | None, stack: contextlib.ExitStack) -> tuple[Any, str]:

@@ -31,15 +31,20 @@ atomic, in order, never partial. What a bridged namespace holds:
   engine restarted) makes the bridge ``claim()`` a new epoch: the namespace restarts
   empty, then takes whatever the replay still has. Applying a suffix of an engine's
   history to an empty namespace lists a subset of what the engine holds, never a block
-  it dropped. ``AllBlocksCleared`` empties the namespace.
+  it dropped. A message the subscription delivers after the replay gave it already is
+  a duplicate only when its payload is the replayed one too: the same seq with another
+  payload comes from a restarted engine. ``AllBlocksCleared`` empties the namespace.
 - **Liveness.** The bridge holds the namespace's lease while it hears from the engine:
   a message, or an answer to a replay probe (sent when the engine has been quiet for a
-  third of the lease). Once the engine is silent for ``silence_timeout`` seconds the
-  lease is left to run out, so routers stop scoring it.
+  third of the lease or of ``silence_timeout``, whichever is shorter). Once the engine
+  is silent for ``silence_timeout`` seconds the lease is left to run out, so routers
+  stop scoring it.
 - **Faults.** A batch that does not decode is counted (by kind, logged once) and
-  skipped; its sequence number still counts as seen. While Redis is away the bridge
-  keeps the batch and retries it (``bridge_apply`` is idempotent), reading nothing
-  more; the engine's socket buffers meanwhile, and what it drops shows up as a gap.
+  skipped; its sequence number still counts as seen when it is the one expected next.
+  Out of sequence it moves nothing (no gap, no restart): its seq may be as broken as
+  its payload. While Redis is away the bridge keeps the batch and retries it
+  (``bridge_apply`` is idempotent), reading nothing more; the engine's socket buffers
+  meanwhile, and what it drops shows up as a gap.
 
 ZeroMQ (``pyzmq``) and msgpack come with the ``bridge`` extra; this module imports
 ``zmq`` only when a :class:`Bridge` is built.
@@ -48,6 +53,7 @@ ZeroMQ (``pyzmq``) and msgpack come with the ``bridge`` extra; this module impor
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import logging
 import threading
@@ -66,10 +72,10 @@ from registry.bridge_events import (
     decode_batch,
     split_frames,
 )
-from registry.errors import RegistryError, StaleEpochError, translate
+from registry.errors import RegistryError, RegistryUnavailable, StaleEpochError, translate
 from registry.hashing import ZERO_PARENT, chain_digests, digest_hash
 from registry.keys import DEFAULT_KEY_PREFIX, validate_namespace
-from registry.ownership import DEFAULT_LEASE_TTL, lease_seconds
+from registry.ownership import DEFAULT_LEASE_TTL
 from registry.redis_registry import PrefixCacheRegistry, bounded_options
 
 log = logging.getLogger(__name__)
@@ -85,7 +91,12 @@ MAX_BLOCK_SIZE = 1 << 20
 MAX_OPS_PER_WRITE = 4096
 """A write carries whole batches; a new write starts once this many operations wait."""
 CACHE_BLOCKS = 262_144
-"""Engine hashes whose digests the bridge keeps in memory (Redis has them all)."""
+"""Engine hashes whose digests the bridge keeps in memory (Redis has them all); once
+past this, the cache is emptied after a write, when Redis holds every digest in it."""
+WINDOW_LIMIT = 100_000
+"""Replayed seqs remembered to recognise the subscription's copies of them."""
+DEFAULT_MEDIUM = "GPU"
+"""The medium of an event that names none."""
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay socket's end marker."""
 SEQ_LIMIT = 2**64
@@ -100,16 +111,37 @@ Replayer = Callable[[int], "list[tuple[int, bytes]] | None"]
 def _endpoint(value: object, what: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    scheme, _, address = value.partition("://")
+    host, _, port = address.rpartition(":")
     if (
         not value.startswith(ENDPOINT_SCHEMES)
         or len(value) > 500
         or any(c.isspace() for c in value)
+        or not address
+        or (
+            scheme == "tcp"
+            and not (host and port.isdigit() and port.isascii() and 1 <= int(port) <= 65535)
+        )
     ):
         raise ValueError(
             f"{what} {value!r} must be a ZeroMQ endpoint such as tcp://HOST:PORT "
             "(tcp://, ipc:// or inproc://, no spaces)"
         )
     return value
+
+
+def _seconds(value: object, what: str) -> float:
+    """A duration argument, checked: a number of seconds, 1 ms to a year."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not 0.001 <= value <= 86_400 * 365:  # NaN fails this too
+        raise ValueError(f"{what} must lie between 1 ms and a year (in seconds), not {value}")
+    return float(value)
+
+
+def _fingerprint(payload: bytes) -> bytes:
+    """What tells two payloads of one seq apart (a replayed batch from a new one)."""
+    return hashlib.blake2b(payload, digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -131,7 +163,9 @@ class EngineSource:
             _endpoint(self.replay_endpoint, "replay endpoint")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
-        if not isinstance(self.topic, str) or len(self.topic) > 500:
+        if not isinstance(self.topic, str):
+            raise TypeError(f"topic must be a str, not {type(self.topic).__name__}")
+        if len(self.topic) > 500:
             raise ValueError("topic must be a str of at most 500 characters")
         if self.block_size is not None and (
             isinstance(self.block_size, bool)
@@ -197,6 +231,14 @@ class _Blocked(Exception):
     """Redis refused or did not answer: keep everything and try again later."""
 
 
+def _registry_error(blocked: _Blocked) -> RegistryError:
+    """The registry error behind ``blocked``, for callers that expect one."""
+    cause = blocked.__cause__
+    if isinstance(cause, RegistryError):
+        return cause
+    return RegistryUnavailable(f"Redis unavailable: {cause}")
+
+
 class Follower:
     """One engine's state machine: sequence, hashing, writes and lease. Transport-free:
     the bridge hands it messages (``offer``), a replay function and clock ticks."""
@@ -214,13 +256,18 @@ class Follower:
         self.registry = registry
         self.source = source
         self.replay = replay if source.replay_endpoint is not None else None
-        self.lease_ttl = lease_seconds(lease_ttl)
-        self.silence_timeout = lease_seconds(silence_timeout)
+        self.lease_ttl = _seconds(lease_ttl, "lease_ttl")
+        self.silence_timeout = _seconds(silence_timeout, "silence_timeout")
+        # Probes come often enough to hear an idle engine before it counts as silent.
+        self.probe_interval = min(self.lease_ttl, self.silence_timeout) / 3
         self.clock = clock
         self.counts = FollowerCounts()
         self.block_size = source.block_size
         self.last: int | None = None  # last engine seq applied (or skipped as bad)
-        self.window: tuple[int, int] | None = None  # seqs (a, b] already seen via replay
+        # Seqs applied from a replay that the subscription may deliver again, with their
+        # payloads' fingerprints; emptied once the subscription passes the last of them.
+        self.window: dict[int, bytes] = {}
+        self.window_end = -1
         self.backlog: deque[Frames] = deque()
         self.pending: list[Any] = []  # operations not yet written
         self.pending_seq: int | None = None
@@ -233,7 +280,7 @@ class Follower:
         now = clock()
         self.last_heard = now
         self.next_renewal = now
-        self.next_probe = now + self.lease_ttl / 3
+        self.next_probe = now + self.probe_interval
         k = registry.keys
         self._keys = (k.kv, k.mamba, k.meta, k.engine_blocks)
 
@@ -241,7 +288,8 @@ class Follower:
 
     def start(self) -> None:
         """Take over the namespace: resume it when it is still a live bridged namespace
-        of this endpoint, else claim it (empty). Raises registry errors."""
+        of this endpoint, else claim it (empty). Raises registry errors; once it has
+        taken the namespace over, Redis faults only block (``tick`` retries)."""
         lease_ms = max(1, round(self.lease_ttl * 1000))
         reply = self.registry._write(
             "bridge_resume",
@@ -262,18 +310,28 @@ class Follower:
             log.info("%s: resumed after engine seq %s", self._name, seq or "(none)")
         else:
             self._claim()
-            self._write([], None)  # record the engine and endpoint for pcr stats
+            try:
+                self._write([], None)  # record the engine and endpoint for pcr stats
+            except _Blocked as exc:
+                raise _registry_error(exc) from None
         self.started = True
         self.next_renewal = self.clock() + self.lease_ttl / 3
         if self.replay is not None:
-            replayed = self._recover(0 if self.last is None else self.last + 1, initial=True)
+            try:
+                replayed = self._recover(self._next_seq(), initial=True)
+            except _Blocked:  # a restart is due: tick() retries it
+                self.blocked_until = self.clock() + 0.5
+                return
             self.backlog.extendleft(reversed(replayed))
             self._drain()
 
+    def _next_seq(self) -> int:
+        """The seq to ask a replay for: the one after the last applied (0 at first)."""
+        return 0 if self.last is None else min(self.last + 1, SEQ_LIMIT - 1)
+
     def _claim(self) -> None:
         self.registry.claim(self.lease_ttl)
-        self.last = None
-        self.window = None
+        self.last = None  # the window stays: the subscription may still deliver copies
         self.pending = []
         self.pending_seq = None
         self._digests.clear()
@@ -325,10 +383,19 @@ class Follower:
             self._bad("frames", exc)
             return
         last = self.last
+        expected = last is None or seq == last + 1
+        if not expected and self.window.get(seq) == _fingerprint(payload):
+            self.counts.duplicates += 1
+            return
+        try:
+            batch = decode_batch(payload)
+        except BadEvent as exc:
+            self.counts.messages += 1
+            self._bad("payload", exc)
+            if last is not None and seq == last + 1:
+                self._advance(seq)
+            return
         if last is not None and seq != last + 1:
-            if self.window is not None and self.window[0] < seq <= self.window[1]:
-                self.counts.duplicates += 1
-                return
             self._flush()
             if seq > last + 1:
                 log.warning("%s: gap: engine seq %d follows %d", self._name, seq, last)
@@ -343,18 +410,15 @@ class Follower:
                 )
                 self._restart(f"the engine restarted (seq {last} -> {seq})")
                 self.counts.engine_restarts += 1
+                self.window, self.window_end = {}, -1  # the old engine's messages
                 replayed = self._recover(0, initial=True) if seq > 0 else []
             if replayed:  # apply them first, then this message again
                 self.backlog.appendleft(frames)
                 self.backlog.extendleft(reversed(replayed))
                 return
+        if self.window and seq > self.window_end:
+            self.window = {}  # the subscription went past the replay: no copies to come
         self.counts.messages += 1
-        try:
-            batch = decode_batch(payload)
-        except BadEvent as exc:
-            self._bad("payload", exc)
-            self._advance(seq)
-            return
         self.pending.extend(self._operations(batch))
         self._advance(seq)
         self.counts.batches += 1
@@ -385,9 +449,18 @@ class Follower:
             )
         if not run:
             return []
-        self.window = (run[0][0] - 1, run[-1][0])
         if self.last is None:
             self.last = run[0][0] - 1
+        return self._replayed(run)
+
+    def _replayed(self, run: list[tuple[int, bytes]]) -> list[Frames]:
+        """The messages of a replay, remembered so that the subscription's copies of
+        them count as duplicates."""
+        self.window.update((seq, _fingerprint(payload)) for seq, payload in run)
+        self.window_end = max(self.window_end, run[-1][0])
+        if len(self.window) > WINDOW_LIMIT:  # a subscription that never catches up
+            for seq in sorted(self.window)[: len(self.window) - WINDOW_LIMIT]:
+                del self.window[seq]
         topic = self.source.topic.encode()
         return [[topic, seq.to_bytes(8, "big"), payload] for seq, payload in run]
 
@@ -418,7 +491,7 @@ class Follower:
             if isinstance(event, BlockStored):
                 ops.extend(self._stored(event))
             elif isinstance(event, BlockRemoved):
-                medium = media[0] if event.medium is None else event.medium
+                medium = DEFAULT_MEDIUM if event.medium is None else event.medium
                 if medium not in media:
                     self.counts.other_medium += len(event.block_hashes)
                     continue
@@ -442,7 +515,7 @@ class Follower:
 
     def _stored(self, event: BlockStored) -> list[Any]:
         n = len(event.block_hashes)
-        medium = self.source.media[0] if event.medium is None else event.medium
+        medium = DEFAULT_MEDIUM if event.medium is None else event.medium
         if medium not in self.source.media:
             self.counts.other_medium += n
             return []
@@ -483,8 +556,6 @@ class Follower:
                 return []
             parent, depth = known
         digests = chain_digests(parent, event.token_ids, size)
-        if len(self._digests) + n > CACHE_BLOCKS:
-            self._digests.clear()
         ops: list[Any] = []
         for h, digest in zip(event.block_hashes, digests, strict=True):
             depth += 1
@@ -529,6 +600,8 @@ class Follower:
         self._write(self.pending, self.pending_seq)
         self.pending = []
         self.pending_seq = None
+        if len(self._digests) > CACHE_BLOCKS:  # all of them are in Redis now
+            self._digests.clear()
 
     def _write(self, ops: Sequence[Any], seq: int | None) -> None:
         """One ``bridge_apply`` call; Redis faults block, a lost namespace restarts it."""
@@ -595,18 +668,19 @@ class Follower:
             if self.blocked:
                 return
         quiet = now - self.last_heard
-        if self.replay is not None and quiet >= self.lease_ttl / 3 and now >= self.next_probe:
-            self.next_probe = now + self.lease_ttl / 3
+        if self.replay is not None and quiet >= self.probe_interval and now >= self.next_probe:
+            self.next_probe = now + self.probe_interval
             self.counts.probes += 1
-            start = SEQ_LIMIT // 2 - 1 if self.last is None else self.last + 1
+            start = SEQ_LIMIT // 2 - 1 if self.last is None else self._next_seq()
             batches = self.replay(start)
             if batches is not None:
                 self.last_heard = self.clock()
-                if batches:  # it published something the subscription never saw
-                    self.offer(
-                        [self.source.topic.encode(), s.to_bytes(8, "big"), p]
-                        for s, p in _contiguous(batches)
-                    )
+                run = _contiguous(batches)
+                if run and run[0][0] == start:  # published, and the subscription lost it
+                    self.offer(self._replayed(run))
+                elif run:  # a gap the replay does not reach back to: handled as one
+                    topic = self.source.topic.encode()
+                    self.offer([topic, s.to_bytes(8, "big"), p] for s, p in run)
             quiet = self.clock() - self.last_heard
         if quiet >= self.silence_timeout:
             if "silent" not in self._logged:
@@ -687,8 +761,10 @@ class Bridge:
         names = [s.namespace for s in sources]
         if len(set(names)) != len(names):
             raise ValueError("each engine needs a namespace of its own; two sources share one")
-        self.replay_timeout = lease_seconds(replay_timeout)
-        self.poll_interval = lease_seconds(poll_interval)
+        self.replay_timeout = _seconds(replay_timeout, "replay_timeout")
+        self.poll_interval = _seconds(poll_interval, "poll_interval")
+        _seconds(lease_ttl, "lease_ttl")
+        _seconds(silence_timeout, "silence_timeout")
         if isinstance(receive_hwm, bool) or not isinstance(receive_hwm, int) or receive_hwm < 1:
             raise ValueError("receive_hwm must be a positive int")
         self.receive_hwm = receive_hwm

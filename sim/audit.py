@@ -22,3 +22,22 @@ def audit(registry: PrefixCacheRegistry, kv: KVBlockPool, mamba: MambaSlotPool) 
         ),
         "blocks_missing_from_registry": len(allocated - {(b, h) for h, b in kv_entries.items()}),
     }
+
+
+def audit_bridged(
+    registry: PrefixCacheRegistry, kv: set[tuple[int, int]], mamba: set[tuple[int, int]]
+) -> dict[str, int]:
+    """The same four figures for a node fed through ``pcr bridge``: its engine's cached
+    blocks ``kv`` and Mamba checkpoints ``mamba``, both as (block id, own hash) pairs
+    (block id = position in the prefix, as the bridge lists them), against what the
+    bridged namespace lists. A checkpoint the namespace does not list is a leaked slot
+    (no router finds it), a listed one the engine dropped a wrongly freed slot."""
+    kv_entries, mamba_map = registry.entries()
+    listed = {(b, h) for h, b in kv_entries.items()}
+    mamba_entries = {(b, h) for h, b in mamba_map.items()}
+    return {
+        "leaked_mamba_slots": len(mamba - mamba_entries),
+        "wrongly_freed_slots": len(mamba_entries - mamba),
+        "entries_pointing_at_freed_blocks": len(listed - kv),
+        "blocks_missing_from_registry": len(kv - listed),
+    }

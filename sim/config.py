@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from registry.keys import validate_key_prefix
+from registry.ownership import DEFAULT_LEASE_TTL, lease_seconds
 from sim.workload import WorkloadConfig
 
 ROUTERS = ("round-robin", "prefix")
@@ -36,6 +37,30 @@ class FleetConfig:
     ssm_shape: tuple[int, ...] = (4, 8)
     key_prefix: str = "pcr"
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    """``pcr simulate --bridge``: the nodes publish engine KV events and one ``pcr bridge``
+    follows them all into their namespaces (``sim.bridged``)."""
+
+    drop_every: int = 0
+    """Publish every ``drop_every``-th batch of a node to its replay buffer only, as if
+    the bridge's subscription lost it (0: none): the bridge sees gaps and replays."""
+    lockstep: bool = False
+    """Route each request only once the bridge has applied every batch the nodes sent
+    (then routing sees what the direct mode sees); else the router reads whatever the
+    bridge has applied so far, as it would in production."""
+    lease_ttl: float = DEFAULT_LEASE_TTL
+    """The bridged namespaces' lease (a quiet engine is probed after a third of it)."""
+    catch_up_timeout: float = 300.0
+    """How long the audit waits for the bridge to apply every batch published; only a
+    bridge that never catches up (a bug, or Redis away for that long) reaches it."""
+
+
+class BridgeStalled(RuntimeError):
+    """``--bridge``: the bridge stopped, could not start, or never applied every batch
+    published."""
 
 
 class FleetConfigError(ValueError):
@@ -81,6 +106,26 @@ def check_fleet_config(config: FleetConfig) -> None:
             f"layers x {values} values x {STATE_BYTES} bytes = {_bytes(mamba_bytes)} "
             f"(with {_bytes(kv_bytes)} for KV blocks), over the {limit} a simulation may use",
         )
+
+
+def check_bridge_config(bridge: BridgeConfig) -> None:
+    """Refuse a malformed ``BridgeConfig`` (``FleetConfigError`` naming the field)."""
+    if not isinstance(bridge, BridgeConfig):
+        raise TypeError(f"bridge must be a BridgeConfig, not {type(bridge).__name__}")
+    if not isinstance(bridge.lockstep, bool):
+        raise TypeError(f"lockstep must be a bool, not {type(bridge.lockstep).__name__}")
+    drop = bridge.drop_every
+    if isinstance(drop, bool) or not isinstance(drop, int):
+        raise TypeError(f"drop_every must be an int, not {type(drop).__name__}")
+    if drop < 0 or drop == 1:
+        raise FleetConfigError(
+            "drop_every", f"drop_every = {drop} must be 0 (drop nothing) or at least 2"
+        )
+    for name in ("lease_ttl", "catch_up_timeout"):
+        try:
+            lease_seconds(getattr(bridge, name))
+        except ValueError as exc:
+            raise FleetConfigError(name, f"{name}: {exc}") from None
 
 
 def _size(value: object, name: str, high: int | None = None) -> int:

@@ -84,9 +84,16 @@ class EnginePublisher:
     """Publishes event batches with per-process sequence numbers and serves replays."""
 
     def __init__(
-        self, *, replay: bool = True, buffer_steps: int = 10_000, topic: bytes = b""
+        self,
+        *,
+        replay: bool = True,
+        buffer_steps: int = 10_000,
+        topic: bytes = b"",
+        context: Any = None,
     ) -> None:
-        self.context = zmq.Context()
+        # A shared ``context`` (many engines in one process) is the caller's to end.
+        self._own_context = context is None
+        self.context = zmq.Context() if context is None else context
         self.pub = self.context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 0)
@@ -169,7 +176,8 @@ class EnginePublisher:
         if self._thread is not None:
             self._thread.join(5)
         self.pub.close(0)
-        self.context.term()
+        if self._own_context:
+            self.context.term()
 
     def __enter__(self) -> EnginePublisher:
         return self

@@ -14,15 +14,26 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 from registry import PrefixRouter, RegistryUnavailable, block_hashes
-from sim.config import ROUTERS, FleetConfig, check_fleet_config
+from sim.config import ROUTERS, BridgeConfig, FleetConfig, check_bridge_config, check_fleet_config
 from sim.node import Node, Totals
 from sim.timings import Timings
-from sim.workload import Workload
+from sim.workload import Request, Workload
+
+
+class Servable(Protocol):
+    """What the routing loop needs of a node."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    def heal(self, totals: Totals) -> None: ...
+
+    def serve(self, request: Request, totals: Totals) -> None: ...
 
 
 def simulate(
@@ -31,46 +42,90 @@ def simulate(
     router: str,
     *,
     progress: Callable[[int, int], None] | None = None,
+    bridge: BridgeConfig | None = None,
 ) -> dict[str, Any]:
-    """Run the workload through a fleet routed by ``router``; return the figures."""
+    """Run the workload through a fleet routed by ``router``; return the figures.
+
+    With ``bridge`` the nodes write nothing to Redis: each publishes engine KV events and
+    one ``pcr bridge`` follows them into their namespaces (``sim.bridged``; needs the
+    ``bridge`` extra)."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {router!r}")
     check_fleet_config(config)
+    if bridge is not None:
+        check_bridge_config(bridge)
+        from sim.bridged import simulate_bridged  # pyzmq and msgpack: the bridge extra
+
+        return simulate_bridged(client, config, router, bridge, progress=progress)
     timings = Timings()
-    tag = "rr" if router == "round-robin" else router
-    nodes = [Node(client, f"sim-{tag}-node-{i}", config, timings) for i in range(config.nodes)]
-    names = [n.namespace for n in nodes]
-    by_name = dict(zip(names, nodes, strict=True))
-    prefix_router = PrefixRouter(client, config.key_prefix)
-    assigned: dict[str, int] = dict.fromkeys(names, 0)
+    nodes = [
+        Node(client, f"sim-{router_tag(router)}-node-{i}", config, timings)
+        for i in range(config.nodes)
+    ]
     totals = Totals()
-    route_fallbacks = 0
-    started = time.perf_counter()
     try:
-        for request in Workload(config.workload):
-            for node in nodes:
-                node.heal(totals)
-            target = names[request.number % len(names)]
-            if router == "prefix":
-                hashes = block_hashes(request.tokens, config.block_size)
-                try:
-                    with timings.timed("route (score all nodes)"):
-                        target = (
-                            prefix_router.best(hashes, load=assigned, namespaces=names) or target
-                        )
-                except RegistryUnavailable:
-                    route_fallbacks += 1  # round-robin while Redis is away
-            assigned[target] += 1
-            by_name[target].serve(request, totals)
-            if progress is not None:
-                progress(request.number + 1, config.workload.requests)
-        elapsed = time.perf_counter() - started
+        assigned, route_fallbacks, elapsed = drive(
+            client, config, router, nodes, timings, totals, progress
+        )
         consistency = _settle(nodes)
     finally:
         for node in nodes:
             node.close()
     listener_counts = [asdict(n.listener.counts()) for n in nodes]
     pool_counts = [asdict(n.mamba.counts()) for n in nodes]
+    return {
+        **figures(router, config, totals, assigned, route_fallbacks, timings),
+        "consistency": consistency,
+        "mamba": {key: sum(c[key] for c in pool_counts) for key in pool_counts[0]},
+        "listener": {key: sum(c[key] for c in listener_counts) for key in listener_counts[0]},
+        "seconds": round(elapsed, 3),
+    }
+
+
+def drive(
+    client: Any,
+    config: FleetConfig,
+    router: str,
+    nodes: Sequence[Servable],
+    timings: Timings,
+    totals: Totals,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[dict[str, int], int, float]:
+    """Route and serve the whole workload: requests per node, route fallbacks (Redis
+    away: round-robin) and the seconds it took."""
+    names = [n.namespace for n in nodes]
+    by_name = dict(zip(names, nodes, strict=True))
+    prefix_router = PrefixRouter(client, config.key_prefix)
+    assigned: dict[str, int] = dict.fromkeys(names, 0)
+    route_fallbacks = 0
+    started = time.perf_counter()
+    for request in Workload(config.workload):
+        for node in nodes:
+            node.heal(totals)
+        target = names[request.number % len(names)]
+        if router == "prefix":
+            hashes = block_hashes(request.tokens, config.block_size)
+            try:
+                with timings.timed("route (score all nodes)"):
+                    target = prefix_router.best(hashes, load=assigned, namespaces=names) or target
+            except RegistryUnavailable:
+                route_fallbacks += 1  # round-robin while Redis is away
+        assigned[target] += 1
+        by_name[target].serve(request, totals)
+        if progress is not None:
+            progress(request.number + 1, config.workload.requests)
+    return assigned, route_fallbacks, time.perf_counter() - started
+
+
+def figures(
+    router: str,
+    config: FleetConfig,
+    totals: Totals,
+    assigned: dict[str, int],
+    route_fallbacks: int,
+    timings: Timings,
+) -> dict[str, Any]:
+    """The figures every run reports."""
     return {
         "router": router,
         "nodes": config.nodes,
@@ -83,11 +138,12 @@ def simulate(
         "requests_per_node": assigned,
         "route_fallbacks": route_fallbacks,
         "latency_ms": timings.summary(),
-        "consistency": consistency,
-        "mamba": {key: sum(c[key] for c in pool_counts) for key in pool_counts[0]},
-        "listener": {key: sum(c[key] for c in listener_counts) for key in listener_counts[0]},
-        "seconds": round(elapsed, 3),
     }
+
+
+def router_tag(router: str) -> str:
+    """The router's part of its nodes' namespaces."""
+    return "rr" if router == "round-robin" else router
 
 
 def _settle(nodes: list[Node], timeout: float = 10.0) -> dict[str, int]:

@@ -6,7 +6,9 @@ RESETSTAT``), and the ratios to the raw command that does the same storage work 
 HSET, HDEL) and to ``LocalPrefixCacheRegistry``. Operations are measured in interleaved
 rounds and p50 is the median of the per-round medians, so a noisy moment hits every
 operation alike. Then the throughput of 4 client processes, and the latency from an
-eviction to the listener freeing the slot. Each target is printed next to its ratio.
+eviction to the listener freeing the slot, and the bridge's rows (``pcr.bench.bridge``:
+engine KV events into Redis, and publish to visible in routing). Each target is printed
+next to its ratio.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import redis
 
+from pcr.bench import bridge as bridge_bench
 from pcr.tables import format_table
 from registry import LocalPrefixCacheRegistry, PrefixCacheRegistry, PrefixRouter
 from registry.validation import flatten
@@ -420,6 +423,7 @@ def run(url: str, *, quick: bool = False, sizes: tuple[int, ...] = SIZES) -> dic
             rows.append(_row("PING", n, ping, ping, None))
     throughput = _throughput(url, effort)
     listener = _listener_latency(url, effort)
+    bridge = bridge_bench.measure(url, quick=quick)
     client.flushdb()
     client.close()
     report = {
@@ -427,6 +431,7 @@ def run(url: str, *, quick: bool = False, sizes: tuple[int, ...] = SIZES) -> dic
         "rows": rows,
         "throughput_4_processes_n64": throughput,
         "listener_notice_to_free_ms": listener,
+        "bridge": bridge,
         "seconds": round(time.perf_counter() - started, 1),
     }
     report["targets"] = _targets(report)
@@ -478,6 +483,10 @@ RATIO_TARGETS = [
 ]  # fmt: skip
 
 
+BRIDGE_BLOCKS_PER_S = 50_000
+"""The bridge's target: stored blocks per second from an engine into Redis."""
+
+
 def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target of the project with the measured value and whether it is met."""
     sizes = {r["n"] for r in report["rows"]}
@@ -492,6 +501,16 @@ def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     throughput = report["throughput_4_processes_n64"]
     ratio = round(throughput["match_kv_prefix"] / throughput["HMGET"], 3)
     checks.append(("4-process throughput, match_kv_prefix / HMGET, n=64", ratio, "≥", 0.8))
+    bridge = report.get("bridge")
+    if bridge is not None and "skipped" not in bridge:  # a failed run shows as not met
+        checks.append(
+            (
+                "bridge stored blocks/s (16-block events, 8 per batch)",
+                bridge.get("stored_blocks_per_s"),
+                "≥",
+                BRIDGE_BLOCKS_PER_S,
+            )
+        )
     return [
         {
             "target": name,
@@ -549,6 +568,7 @@ def format_report(report: dict[str, Any]) -> str:
     else:
         p50, p99 = listener["p50_ms"], listener["p99_ms"]
         lines.append(f"listener notice-to-free: p50 {p50:.3f} ms, p99 {p99:.3f} ms")
+    lines.extend(bridge_bench.format_rows(report.get("bridge")))
     lines.append("")
     lines.append(
         format_table(

@@ -1,6 +1,6 @@
 """``pcr bench --quick``: runs against a redis-server of its own and reports every
-operation, the throughput, the listener latency, and each target with its ratio.
-Only the shape is checked: figures belong to BENCHMARKS.md, not to assertions."""
+operation, the throughput, the listener latency, the bridge's rows, and each target with
+its ratio. Only the shape is checked: figures belong to BENCHMARKS.md, not to assertions."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pcr.bench import bridge as bridge_bench
+from pcr.bench import run as bench
 from tests.support import REPO_ROOT
 from tests.support.servers import require_redis_server
 
@@ -46,8 +48,11 @@ def test_quick_bench_reports_every_operation_and_target(tmp_path: Path) -> None:
         assert row["client_ratio"] > 0
     assert {"match_kv_prefix", "HMGET"} == set(report["throughput_4_processes_n64"])
     assert report["listener_notice_to_free_ms"]["missing"] == 0
+    bridged = bridge_bench.missing_dependency() is None
+    check_bridge_rows(report["bridge"], bridged)
     targets = {t["target"]: t for t in report["targets"]}
-    assert len(targets) == 6  # the 11 targets less those at n=512 and n=8192
+    # the 12 targets less those at n=512 and n=8192 (and the bridge's without pyzmq)
+    assert len(targets) == (7 if bridged else 6)
     for target in targets.values():
         assert isinstance(target["measured"], float | int)
         assert target["limit"].startswith(("≤", "≥"))
@@ -57,3 +62,73 @@ def test_quick_bench_reports_every_operation_and_target(tmp_path: Path) -> None:
     assert "server x" in text
     for name in targets:
         assert name in text  # each ratio is printed next to its target
+    if bridged:
+        assert "blocks/s" in text
+        assert "bridge publish to visible in score: p50" in text
+    else:
+        assert "bridge: skipped" in text
+
+
+def check_bridge_rows(rows: dict[str, object], bridged: bool) -> None:
+    """The bridge's rows are sane figures (never a speed), or a clear skip."""
+    if not bridged:
+        assert rows == {"skipped": bridge_bench.SKIP_REASON}
+        return
+    assert "error" not in rows, rows.get("error")
+    assert rows["block_size"] == rows["blocks_per_event"] == 16
+    assert rows["events_per_batch"] == 8
+    assert rows["blocks_per_trial"] == (bridge_bench.QUICK.events + 1) * 16
+    for name in ("stored", "removed"):
+        runs = rows[f"{name}_runs"]
+        assert isinstance(runs, list)
+        assert len(runs) == bridge_bench.QUICK.trials
+        assert all(isinstance(r, int) and r > 0 for r in runs)
+        assert min(runs) <= rows[f"{name}_blocks_per_s"] <= max(runs)
+    visible = rows["publish_to_visible"]
+    assert isinstance(visible, dict)
+    assert visible["samples"] == bridge_bench.QUICK.samples
+    assert 0 < visible["p50_ms"] <= visible["p99_ms"] <= visible["max_ms"]
+    assert visible["polls_per_sample"] >= 1
+    assert visible["background_blocks_per_s"] > 0
+    counts = rows["bridge_counts"]
+    assert isinstance(counts, dict)
+    assert counts["batches"] > 0
+    assert counts["writes"] > 0
+    # nothing lost, skipped or restarted on the way
+    for name in ("orphans", "gaps", "restarts", "bad_messages", "redis_errors"):
+        assert counts[name] == 0, name
+
+
+def test_bridge_rows_are_skipped_without_pyzmq(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq now raises ImportError
+    rows = bridge_bench.measure("redis://127.0.0.1:9", quick=True)  # never connects
+    assert rows == {"skipped": bridge_bench.SKIP_REASON}
+    assert "pip install 'prefix-cache-registry[bridge]'" in rows["skipped"]
+    report = _report(rows)
+    assert report["targets"] == [t for t in report["targets"] if "bridge" not in t["target"]]
+    text = bench.format_report(report)
+    assert f"bridge: skipped ({bridge_bench.SKIP_REASON})" in text
+
+
+def test_a_failed_bridge_run_is_reported_and_misses_its_target() -> None:
+    report = _report({"error": "the bridge applied every batch but the hash holds 3 entries"})
+    (target,) = [t for t in report["targets"] if "bridge" in t["target"]]
+    assert target["measured"] is None
+    assert target["limit"] == "≥ 50000"
+    assert target["met"] is False
+    text = bench.format_report(report)
+    assert "bridge: FAILED: the bridge applied every batch" in text
+
+
+def _report(bridge: dict[str, object]) -> dict[str, object]:
+    """A report with no operation rows, around ``bridge``."""
+    report: dict[str, object] = {
+        "quick": True,
+        "rows": [],
+        "throughput_4_processes_n64": {"match_kv_prefix": 1.0, "HMGET": 1.0},
+        "listener_notice_to_free_ms": None,
+        "bridge": bridge,
+        "seconds": 0.0,
+    }
+    report["targets"] = bench._targets(report)
+    return report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -422,3 +423,30 @@ def test_quickstart_example_runs() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "Mamba cascade fired callback [[3, 5]]" in done.stdout
+
+
+def _seq(found: re.Match[str]) -> str:
+    """What the shell makes of ``$(seq A B)``."""
+    return " ".join(map(str, range(int(found[1]), int(found[2]) + 1)))
+
+
+def readme_commands() -> list[list[str]]:
+    """Every ``pcr ...`` command line in the README's code blocks (continuations joined)."""
+    text = (ROOT / "README.md").read_text()
+    commands: list[list[str]] = []
+    for block in text.split("```")[1::2]:
+        joined = block.replace("\\\n", " ")
+        for line in joined.splitlines():
+            line = re.sub(r"\$\(seq (\d+) (\d+)\)", _seq, line.strip().removeprefix("$ "))
+            words = shlex.split(line, comments=True) if line.startswith("pcr ") else []
+            if words and not words[1].endswith(":"):  # not a report's first line
+                commands.append(words)
+    return commands
+
+
+def test_every_pcr_command_in_the_readme_parses() -> None:
+    commands = readme_commands()
+    assert any(words[1] == "bridge" for words in commands)
+    parser = build_parser()
+    for words in commands:
+        parser.parse_args(words[1:])  # exits (SystemExit) on an unknown command or flag

@@ -1,0 +1,439 @@
+"""The bridge's ``Follower`` driven directly: messages handed in by the test, a fake
+replay function, a fake clock, on fakeredis (Lua included). No sockets, no threads:
+every interleaving of subscription, replay and probe is exact here."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import fakeredis
+import pytest
+
+from registry import PrefixCacheRegistry
+from registry.errors import RegistryError
+from registry.hashing import block_hashes
+
+pytest.importorskip("msgpack")
+pytest.importorskip("zmq")  # sim.engine_events
+
+import registry.bridge as bridge_module
+from registry.bridge import EngineSource, Follower
+from sim.engine_events import batch, engine_chain, prompt, removed, stored
+
+BS = 4
+Frames = list[bytes]
+
+
+class FakeEngine:
+    """Sequence numbers and a replay buffer, as an engine's publisher keeps them."""
+
+    def __init__(self, buffer_steps: int = 10_000) -> None:
+        self.seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.requests: list[int] = []
+        self.answer = True
+
+    def publish(self, events: list[Any], layout: str = "map") -> Frames:
+        """One batch; returns the message the subscription would deliver."""
+        payload = batch(events, layout)
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, payload))
+        return [b"", seq.to_bytes(8, "big"), payload]
+
+    def replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        assert 0 <= start < 2**64  # it must fit the 8-byte request frame
+        self.requests.append(start)
+        if not self.answer:
+            return None
+        return [(s, p) for s, p in self.buffer if s >= start]
+
+    def restart(self) -> None:
+        self.seq = 0
+        self.buffer.clear()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture
+def client(server: fakeredis.FakeServer) -> Iterator[fakeredis.FakeRedis]:
+    c = fakeredis.FakeRedis(server=server)
+    yield c
+    c.close()
+
+
+def follower(
+    client: Any,
+    engine: FakeEngine | None,
+    clock: Clock | None = None,
+    *,
+    namespace: str = "ns-f",
+    media: tuple[str, ...] = ("GPU",),
+    **options: Any,
+) -> Follower:
+    source = EngineSource(
+        namespace,
+        "tcp://127.0.0.1:5557",
+        None if engine is None else "tcp://127.0.0.1:5558",
+        block_size=BS,
+        media=media,
+    )
+    return Follower(
+        PrefixCacheRegistry(client, namespace),
+        source,
+        replay=None if engine is None else engine.replay,
+        clock=clock or Clock(),
+        **options,
+    )
+
+
+def kv(client: Any, namespace: str = "ns-f") -> dict[int, int]:
+    return PrefixCacheRegistry(client, namespace).entries()[0]
+
+
+def listed(*chains: tuple[list[int], int]) -> dict[int, int]:
+    expected: dict[int, int] = {}
+    for tokens, blocks in chains:
+        for position, h in enumerate(block_hashes(tokens, BS)[:blocks]):
+            expected[h] = position
+    return expected
+
+
+def chain(seed: int, blocks: int, engine_seed: bytes = b"engine-1") -> tuple[list[int], list[int]]:
+    tokens = prompt(seed, blocks, BS)
+    return tokens, engine_chain(tokens, BS, seed=engine_seed)
+
+
+# -- sequence: replays, duplicates, engine restarts -----------------------------------------
+
+
+def test_an_engine_restart_after_a_replayed_history_is_seen(client: Any) -> None:
+    """The bridge learnt seqs 0-1 from the replay at its start; the engine restarts and
+    sends seq 0 again, with another payload: a restart, not a duplicate."""
+    engine = FakeEngine()
+    old, ho = chain(1, 3)
+    engine.publish([stored(ho[:2], None, old[: 2 * BS], BS)])
+    engine.publish([stored(ho[2:], ho[1], old[2 * BS :], BS)])
+    f = follower(client, engine)
+    f.start()
+    assert kv(client) == listed((old, 3))
+    engine.restart()
+    new, hn = chain(2, 2, b"engine-2")
+    f.offer([engine.publish([stored(hn, None, new, BS)])])
+    assert kv(client) == listed((new, 2))
+    c = f.counts
+    assert (c.engine_restarts, c.restarts, c.duplicates) == (1, 1, 0)
+
+
+def test_subscription_copies_of_replayed_messages_are_duplicates(client: Any) -> None:
+    engine = FakeEngine()
+    tokens, hashes = chain(3, 4)
+    f = follower(client, engine)
+    f.start()
+    first = engine.publish([stored(hashes[:1], None, tokens[:BS], BS)])
+    f.offer([first])
+    lost = []
+    for i in (1, 2):
+        block = tokens[i * BS : (i + 1) * BS]
+        lost.append(engine.publish([stored(hashes[i : i + 1], hashes[i - 1], block, BS)]))
+    last = engine.publish([removed(hashes[:1])])
+    f.offer([last])  # a gap: the replay gives 1-3
+    assert kv(client) == {h: i for i, h in enumerate(block_hashes(tokens, BS)[:3]) if i}
+    # The subscription delivers its late copies: duplicates, nothing changes.
+    f.offer([*lost, last])
+    assert f.counts.duplicates == 1 + 3
+    assert (f.counts.gaps, f.counts.restarts, f.counts.engine_restarts) == (1, 0, 0)
+    # The next message goes past the replay: the remembered copies are dropped.
+    f.offer([engine.publish([stored(hashes[3:], hashes[2], tokens[3 * BS :], BS)])])
+    assert f.window == {}
+    assert kv(client) == {h: i for i, h in enumerate(block_hashes(tokens, BS)) if i}
+
+
+def test_a_probe_and_the_subscription_both_deliver_a_message(client: Any) -> None:
+    """The engine publishes just as a probe asks: the probe applies it, then the
+    subscription's copy arrives. A duplicate, not an engine restart."""
+    engine, clock = FakeEngine(), Clock()
+    tokens, hashes = chain(4, 2)
+    f = follower(client, engine, clock, lease_ttl=3.0, silence_timeout=30.0)
+    f.start()
+    f.offer([engine.publish([stored(hashes[:1], None, tokens[:BS], BS)])])
+    late = engine.publish([stored(hashes[1:], hashes[0], tokens[BS:], BS)])
+    clock.now += 1.5
+    f.tick()  # the probe finds seq 1
+    assert f.counts.probes == 1
+    assert kv(client) == listed((tokens, 2))
+    f.offer([late])
+    assert kv(client) == listed((tokens, 2))
+    c = f.counts
+    assert (c.duplicates, c.engine_restarts, c.restarts, c.gaps) == (1, 0, 0, 0)
+
+
+def test_a_probe_that_does_not_reach_back_is_a_gap(client: Any) -> None:
+    """Seqs the probe's replay no longer has: never taken as duplicates, the namespace
+    restarts and keeps what the replay still has."""
+    engine, clock = FakeEngine(buffer_steps=1), Clock()
+    a, ha = chain(5, 2)
+    b, hb = chain(6, 2)
+    f = follower(client, engine, clock, lease_ttl=3.0, silence_timeout=30.0)
+    f.start()
+    f.offer([engine.publish([stored(ha, None, a, BS)])])
+    engine.publish([removed(ha)])  # lost for good
+    engine.publish([stored(hb, None, b, BS)])  # lost, still replayable
+    clock.now += 1.5
+    f.tick()
+    assert kv(client) == listed((b, 2))
+    c = f.counts
+    assert (c.gaps, c.restarts, c.duplicates) == (1, 1, 1)
+
+
+def test_an_engine_restart_whose_first_message_is_the_next_seq_is_not_seen(
+    client: Any,
+) -> None:
+    """The limit of sequence numbers: a new engine whose first message delivered has
+    exactly the next seq looks like the old one. Documented here, not hidden."""
+    engine = FakeEngine()
+    old, ho = chain(7, 1)
+    f = follower(client, None)
+    f.start()
+    f.offer([engine.publish([stored(ho, None, old, BS)])])
+    engine.restart()
+    engine.publish([])  # seq 0, lost
+    new, hn = chain(8, 1, b"engine-2")
+    f.offer([engine.publish([stored(hn, None, new, BS)])])  # seq 1
+    assert kv(client) == listed((old, 1), (new, 1))
+    assert f.counts.engine_restarts == 0
+
+
+# -- garbage ------------------------------------------------------------------------------
+
+
+def test_an_undecodable_message_moves_the_sequence_only_in_order(client: Any) -> None:
+    engine = FakeEngine()
+    tokens, hashes = chain(9, 3)
+    f = follower(client, None)
+    f.start()
+    f.offer([engine.publish([stored(hashes[:1], None, tokens[:BS], BS)])])
+    # Out of sequence: counted, moves nothing (no gap, no restart).
+    f.offer([[b"", (2**64 - 1).to_bytes(8, "big"), b"\xc1"], [b"", (77).to_bytes(8, "big"), b""]])
+    assert f.last == 0
+    # In sequence: counted, and its seq is seen (no gap after it).
+    bad = engine.publish([])
+    bad[2] = b"\xc1"
+    f.offer([bad, engine.publish([stored(hashes[1:], hashes[0], tokens[BS:], BS)])])
+    assert f.last == 2
+    assert kv(client) == listed((tokens, 3))
+    c = f.counts
+    assert (c.bad_messages, c.gaps, c.restarts, c.engine_restarts) == (3, 0, 0, 0)
+    assert c.bad_kinds == {"payload": 3}
+
+
+def test_the_largest_seq_never_overflows_a_replay_request(client: Any) -> None:
+    """An engine seq of 2**64-1 (well-formed, if absurd): probes and a restarted
+    follower still ask the replay for seqs that fit 8 bytes."""
+    engine, clock = FakeEngine(), Clock()
+    tokens, hashes = chain(10, 1)
+    f = follower(client, engine, clock, lease_ttl=3.0, silence_timeout=30.0)
+    f.start()
+    f.offer([[b"", (2**64 - 1).to_bytes(8, "big"), batch([stored(hashes, None, tokens, BS)])]])
+    assert f.last == 2**64 - 1
+    clock.now += 1.5
+    f.tick()
+    assert f.counts.probes == 1
+    again = follower(client, engine, clock, lease_ttl=3.0, silence_timeout=30.0)
+    again.start()  # resumes after seq 2**64-1
+    assert again.counts.resumed == 1
+    assert max(engine.requests) == 2**64 - 1
+
+
+# -- media, cache ----------------------------------------------------------------------------
+
+
+def test_an_event_without_a_medium_is_gpu(client: Any) -> None:
+    tokens, hashes = chain(11, 2)
+    f = follower(client, None, media=("CPU",))
+    f.start()
+    f.offer([FakeEngine().publish([stored(hashes, None, tokens, BS, medium=None)])])
+    assert kv(client) == {}
+    assert f.counts.other_medium == 2
+    engine = FakeEngine()
+    engine.seq = 1
+    f.offer([engine.publish([stored(hashes, None, tokens, BS, medium="CPU")])])
+    f.offer([engine.publish([removed(hashes[1:], medium=None)])])
+    assert kv(client) == listed((tokens, 2))
+    assert f.counts.other_medium == 3
+
+
+def test_the_digest_cache_is_emptied_only_between_writes(
+    client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain longer than the in-memory cache, within one batch and across batches
+    applied in one write: no block becomes an orphan."""
+    monkeypatch.setattr(bridge_module, "CACHE_BLOCKS", 2)
+    engine = FakeEngine()
+    tokens, hashes = chain(12, 8)
+
+    def part(first: int, last: int) -> Any:
+        parent = None if first == 0 else hashes[first - 1]
+        return stored(hashes[first:last], parent, tokens[first * BS : last * BS], BS)
+
+    q = tokens[: 2 * BS] + prompt(99, 1, BS)  # a branch off block 1
+    hq = engine_chain(q, BS)
+    branch = stored(hq[2:], hashes[1], q[2 * BS :], BS)
+    f = follower(client, None)
+    f.start()
+    f.offer([engine.publish([part(0, 2), part(2, 3), branch, part(3, 4)])])
+    assert kv(client) == listed((tokens, 4), (q, 3))
+    f.offer([engine.publish([part(4, 5)]), engine.publish([part(5, 7)])])  # one write
+    assert kv(client) == listed((tokens, 7), (q, 3))
+    f.offer([engine.publish([part(7, 8)])])  # its parent's digest comes from Redis
+    assert kv(client) == listed((tokens, 8), (q, 3))
+    assert f.counts.orphans == 0
+
+
+# -- Redis faults -----------------------------------------------------------------------------
+
+
+def test_redis_failing_during_the_start_replay_blocks_then_restarts(
+    client: Any, server: fakeredis.FakeServer
+) -> None:
+    """A resumed follower whose replay does not reach back must restart the namespace;
+    Redis fails right then: start() does not raise, tick() retries the restart."""
+    engine, clock = FakeEngine(buffer_steps=1), Clock()
+    a, ha = chain(13, 2)
+    first = follower(client, engine, clock)
+    first.start()
+    first.offer([engine.publish([stored(ha, None, a, BS)])])
+    engine.publish([])  # seqs 1 and 2, never seen by the first follower; 1 not replayable
+    engine.publish([])
+    replay = engine.replay
+
+    def failing_replay(start: int) -> list[tuple[int, bytes]] | None:
+        server.connected = False
+        return replay(start)
+
+    second = follower(client, engine, clock)
+    second.replay = failing_replay
+    second.start()  # resumed after seq 0; the replay starts at 2; Redis is gone
+    assert second.started
+    assert second.blocked
+    assert second.counts.resumed == 1
+    server.connected = True
+    clock.now += 1.0
+    second.tick()
+    assert second.blocked_until == 0.0
+    assert second.counts.restarts == 1
+    assert kv(client) == {}
+
+
+def test_redis_failing_after_the_claim_at_start_raises_a_registry_error(
+    client: Any, server: fakeredis.FakeServer
+) -> None:
+    f = follower(client, None)
+    claim = f.registry.claim
+
+    def claim_then_fail(lease_ttl: float = 10.0) -> int:
+        epoch = claim(lease_ttl)
+        server.connected = False
+        return epoch
+
+    f.registry.claim = claim_then_fail  # type: ignore[method-assign]
+    with pytest.raises(RegistryError):
+        f.start()
+    assert not f.started
+    server.connected = True
+    f.registry.claim = claim  # type: ignore[method-assign]
+    f.start()
+    assert f.started
+
+
+def test_a_lost_namespace_is_claimed_again_and_a_superseded_follower_stops(
+    client: Any,
+) -> None:
+    engine = FakeEngine()
+    a, ha = chain(14, 3)
+    f = follower(client, None)
+    f.start()
+    f.offer([engine.publish([stored(ha[:2], None, a[: 2 * BS], BS)])])
+    client.flushall()  # the server lost everything
+    f.offer([engine.publish([stored(ha[2:], ha[1], a[2 * BS :], BS)])])
+    assert (f.counts.restarts, f.counts.superseded) == (1, 0)
+    assert f.last == 1
+    assert kv(client) == {block_hashes(a, BS)[2]: 2}  # listed; its parents went with Redis
+    PrefixCacheRegistry(client, "ns-f").claim()  # another owner
+    f.offer([engine.publish([removed(ha)])])
+    assert (f.counts.superseded, f.stopped) == (1, True)
+    f.offer([engine.publish([stored(ha, None, a, BS)])])  # ignored from now on
+    assert kv(client) == {}
+
+
+# -- liveness (fake clock) ------------------------------------------------------------------
+
+
+def test_without_replay_the_lease_is_renewed_only_while_the_engine_talks(client: Any) -> None:
+    engine, clock = FakeEngine(), Clock()
+    f = follower(client, None, clock, lease_ttl=3.0, silence_timeout=6.0)
+    f.start()
+    for _ in range(5):
+        clock.now += 1.0
+        f.tick()
+    assert (f.counts.renewals, f.counts.silent) == (5, 0)
+    clock.now += 2.0
+    f.tick()  # 7 s quiet
+    clock.now += 2.0
+    f.tick()
+    assert (f.counts.renewals, f.counts.silent, f.counts.probes) == (5, 1, 0)
+    f.offer([engine.publish([])])
+    f.tick()
+    assert (f.counts.renewals, f.counts.silent) == (6, 1)
+
+
+def test_probes_come_before_the_silence_timeout(client: Any) -> None:
+    """A silence timeout shorter than a third of the lease: probes come that often, so
+    an engine that answers is never silent; one that does not answer falls silent."""
+    engine, clock = FakeEngine(), Clock()
+    f = follower(client, engine, clock, lease_ttl=30.0, silence_timeout=3.0)
+    f.start()
+    for _ in range(30):
+        clock.now += 0.5
+        f.tick()
+    assert f.counts.silent == 0
+    assert f.counts.probes >= 10
+    assert f.counts.renewals >= 1
+    engine.answer = False
+    for _ in range(10):
+        clock.now += 0.5
+        f.tick()
+    assert f.counts.silent == 1
+
+
+def test_copies_of_replayed_messages_after_the_namespace_was_lost(client: Any) -> None:
+    """Redis lost the namespace while a replay was being applied: the follower claims
+    again; the subscription's copies of the replayed messages are still duplicates."""
+    engine = FakeEngine()
+    tokens, hashes = chain(15, 3)
+    f = follower(client, engine)
+    f.start()
+    f.offer([engine.publish([stored(hashes[:1], None, tokens[:BS], BS)])])
+    lost = engine.publish([stored(hashes[1:2], hashes[0], tokens[BS : 2 * BS], BS)])
+    last = engine.publish([stored(hashes[2:], hashes[1], tokens[2 * BS :], BS)])
+    client.flushall()
+    f.offer([last])  # a gap: replayed, then written to a namespace that is gone
+    assert (f.counts.gaps, f.counts.restarts) == (1, 1)
+    assert kv(client) == {h: i for i, h in enumerate(block_hashes(tokens, BS)) if i}
+    f.offer([lost, last])
+    c = f.counts
+    assert (c.duplicates, c.restarts, c.engine_restarts) == (3, 1, 0)
+    assert kv(client) == {h: i for i, h in enumerate(block_hashes(tokens, BS)) if i}
