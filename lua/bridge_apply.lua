@@ -23,14 +23,17 @@
 -- ARGV[5]  "vllm"                               engine kind      (meta bridge_engine)
 -- ARGV[6]  "tcp://10.0.0.7:5557"                engine endpoint  (meta bridge_endpoint)
 -- ARGV[7]  "16"                                 block size, or "" (meta bridge_block_size)
--- ARGV[8..] operations, in order:
---   "S", engine hash, slot, 'k'|'m', own hash, block id, digest hex   a block stored
---   "R", engine hash, slot                                            a block removed
---   "C"                                                               all cleared
+-- ARGV[8..] operations, one per event, in order:
+--   "S", slot, 'k'|'m', first block id, n, engine hashes, own hashes, digests
+--        n blocks stored; the hashes packed at 20 and 19 zero-padded digits each, the
+--        32-byte digests as 64 hex characters each
+--   "R", slot, n, engine hashes                 n blocks removed (20 digits each)
+--   "C"                                         all cleared
 --   (slot: 1..64, the holder character of the event's (group, medium))
 --
--- Returns: { blocks stored, blocks removed, removals of unknown blocks, clears }
--- Calls:   GET, HGET, HSET, HDEL, UNLINK, SET
+-- Returns: { blocks newly listed in KV, blocks unlisted from KV, removals of blocks
+--            that slot did not hold, clears }
+-- Calls:   GET, HGET, HSET, HMGET, HDEL, UNLINK, SET
 local early = begin_write(KEYS[4])
 if early then return early end
 local meta = {'bridge_engine', ARGV[5], 'bridge_endpoint', ARGV[6]}
@@ -53,61 +56,126 @@ local function listed(holders)
   return k, k and string.find(holders, 'm', 1, true) ~= nil
 end
 
-local i, n = 8, #ARGV
-while i <= n do
+-- The j-th number of a packed argument, without its zero padding.
+local function number_at(packed, width, j)
+  local last = j * width
+  local first = string.find(packed, '[1-9]', last - width + 1)
+  if not first or first > last then
+    return '0'
+  end
+  return string.sub(packed, first, last)
+end
+
+local function with_char(holders, slot, char)
+  if #holders < slot then
+    holders = holders .. string.rep('0', slot - #holders)
+  end
+  return string.sub(holders, 1, slot - 1) .. char .. string.sub(holders, slot + 1)
+end
+
+-- HSET / HDEL of collected fields, CHUNK at a time (unpack's limit).
+local function flush(command, key, list)
+  for first = 1, #list, CHUNK do
+    redis.call(command, key, unpack(list, first, math.min(first + CHUNK - 1, #list)))
+  end
+end
+
+-- HMGET of any number of fields, CHUNK at a time; the values in order.
+local function hmget(key, fields)
+  local values = {}
+  for first = 1, #fields, CHUNK do
+    local part = redis.call('HMGET', key, unpack(fields, first, math.min(first + CHUNK - 1, #fields)))
+    for j = 1, #part do
+      values[first + j - 1] = part[j]
+    end
+  end
+  return values
+end
+
+local function engine_hashes(packed, n)
+  local list = {}
+  for j = 1, n do
+    list[j] = number_at(packed, 20, j)
+  end
+  return list
+end
+
+local i, n_args = 8, #ARGV
+while i <= n_args do
   local op = ARGV[i]
   if op == 'S' then
-    local engine, slot, kind = ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3]
-    local own, block_id, digest = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
-    local old = redis.call('HGET', blocks, engine)
-    local holders = ''
-    if old then
-      holders = string.match(old, '^%S+ %S+ %S+ (%S*)$') or ''
-    end
-    local had_k, had_m = listed(holders)
-    if #holders < slot then
-      holders = holders .. string.rep('0', slot - #holders)
-    end
-    holders = string.sub(holders, 1, slot - 1) .. kind .. string.sub(holders, slot + 1)
-    redis.call('HSET', blocks, engine, own .. ' ' .. block_id .. ' ' .. digest .. ' ' .. holders)
-    local has_k, has_m = listed(holders)
-    if has_k then
-      redis.call('HSET', kv, own, block_id)
-    end
-    if has_m then
-      redis.call('HSET', mamba, own, block_id)
-    end
-    if has_k and not had_k then
-      stored = stored + 1
-    end
-    i = i + 7
-  elseif op == 'R' then
-    local engine, slot = ARGV[i + 1], tonumber(ARGV[i + 2])
-    local old = redis.call('HGET', blocks, engine)
-    local own, block_id, digest, holders
-    if old then
-      own, block_id, digest, holders = string.match(old, '^(%S+) (%S+) (%S+) (%S*)$')
-    end
-    if not own or #holders < slot or string.sub(holders, slot, slot) == '0' then
-      unknown = unknown + 1
-    else
-      local had_k, had_m = listed(holders)
-      holders = string.sub(holders, 1, slot - 1) .. '0' .. string.sub(holders, slot + 1)
+    local slot, kind, first_id, n = tonumber(ARGV[i + 1]), ARGV[i + 2], tonumber(ARGV[i + 3]),
+      tonumber(ARGV[i + 4])
+    local engines, owns, digests = engine_hashes(ARGV[i + 5], n), ARGV[i + 6], ARGV[i + 7]
+    local olds = hmget(blocks, engines)
+    local entries, kv_sets, mamba_sets = {}, {}, {}
+    for j = 1, n do
+      local old, holders = olds[j], ''
+      if old then
+        holders = string.match(old, '^%S+ %S+ %S+ (%S*)$') or ''
+      end
+      local had_k = listed(holders)
+      holders = with_char(holders, slot, kind)
+      local own, block_id = number_at(owns, 19, j), tostring(first_id + j - 1)
+      entries[#entries + 1] = engines[j]
+      entries[#entries + 1] = own .. ' ' .. block_id .. ' '
+        .. string.sub(digests, (j - 1) * 64 + 1, j * 64) .. ' ' .. holders
       local has_k, has_m = listed(holders)
-      if string.find(holders, '[km]') then
-        redis.call('HSET', blocks, engine, own .. ' ' .. block_id .. ' ' .. digest .. ' ' .. holders)
-      else
-        redis.call('HDEL', blocks, engine)
+      if has_k then
+        kv_sets[#kv_sets + 1] = own
+        kv_sets[#kv_sets + 1] = block_id
+        if not had_k then
+          stored = stored + 1
+        end
       end
-      if had_k and not has_k then
-        redis.call('HDEL', kv, own)
-        removed = removed + 1
-      end
-      if had_m and not has_m then
-        redis.call('HDEL', mamba, own)
+      if has_m then
+        mamba_sets[#mamba_sets + 1] = own
+        mamba_sets[#mamba_sets + 1] = block_id
       end
     end
-    i = i + 3
+    flush('HSET', blocks, entries)
+    flush('HSET', kv, kv_sets)
+    flush('HSET', mamba, mamba_sets)
+    i = i + 8
+  elseif op == 'R' then
+    local slot, n = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+    local engines = engine_hashes(ARGV[i + 3], n)
+    local olds = hmget(blocks, engines)
+    local kept, dropped, kv_dels, mamba_dels = {}, {}, {}, {}
+    local seen = {}
+    for j = 1, n do
+      local engine, old = engines[j], olds[j]
+      local own, block_id, digest, holders
+      if old and not seen[engine] then
+        own, block_id, digest, holders = string.match(old, '^(%S+) (%S+) (%S+) (%S*)$')
+      end
+      seen[engine] = true
+      if not own or #holders < slot or string.sub(holders, slot, slot) == '0' then
+        unknown = unknown + 1
+      else
+        local had_k, had_m = listed(holders)
+        holders = with_char(holders, slot, '0')
+        local has_k, has_m = listed(holders)
+        if string.find(holders, '[km]') then
+          kept[#kept + 1] = engine
+          kept[#kept + 1] = own .. ' ' .. block_id .. ' ' .. digest .. ' ' .. holders
+        else
+          dropped[#dropped + 1] = engine
+        end
+        if had_k and not has_k then
+          kv_dels[#kv_dels + 1] = own
+          removed = removed + 1
+        end
+        if had_m and not has_m then
+          mamba_dels[#mamba_dels + 1] = own
+        end
+      end
+    end
+    flush('HSET', blocks, kept)
+    flush('HDEL', blocks, dropped)
+    flush('HDEL', kv, kv_dels)
+    flush('HDEL', mamba, mamba_dels)
+    i = i + 4
   elseif op == 'C' then
     redis.call('UNLINK', kv, mamba, blocks)
     cleared = cleared + 1

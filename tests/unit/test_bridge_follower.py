@@ -437,3 +437,47 @@ def test_copies_of_replayed_messages_after_the_namespace_was_lost(client: Any) -
     c = f.counts
     assert (c.duplicates, c.restarts, c.engine_restarts) == (3, 1, 0)
     assert kv(client) == {h: i for i, h in enumerate(block_hashes(tokens, BS)) if i}
+
+
+def test_applied_seq_says_what_redis_holds(client: Any) -> None:
+    engine = FakeEngine()
+    f = follower(client, engine)
+    f.start()
+    assert f.counts.as_dict()["applied_seq"] == -1
+    tokens, hashes = chain(1, 3)
+    f.offer([engine.publish([stored(hashes, None, tokens, BS)])])
+    f.offer([engine.publish([removed(hashes[2:])])])
+    assert f.counts.as_dict()["applied_seq"] == 1
+    assert PrefixCacheRegistry(client, "ns-f").info().bridge_seq == 1
+    assert kv(client) == listed((tokens, 2))
+
+
+def test_events_of_thousands_of_blocks_apply_whole(client: Any) -> None:
+    """One event larger than Lua's unpack limit: the script works in chunks."""
+    engine = FakeEngine()
+    f = follower(client, engine)
+    f.start()
+    tokens, hashes = chain(2, 9000)
+    f.offer([engine.publish([stored(hashes, None, tokens, BS)])])
+    assert len(kv(client)) == 9000
+    f.offer([engine.publish([removed(hashes[4500:] + hashes[4500:4510])])])
+    assert kv(client) == listed((tokens, 4500))
+    assert f.counts.unknown_removals == 10
+    assert f.counts.blocks_removed == 4500
+
+
+def test_wait_ready_returns_once_the_bridge_thread_died() -> None:
+    class Broken:
+        """A client whose every call fails with an error the bridge does not expect."""
+
+        def evalsha(self, *args: Any) -> Any:
+            raise RuntimeError("broken client")
+
+        def script_load(self, *args: Any) -> Any:
+            raise RuntimeError("broken client")
+
+    source = EngineSource("ns-x", "tcp://127.0.0.1:5557")
+    bridge = bridge_module.Bridge(Broken(), [source], poll_interval=0.01)
+    with bridge:
+        assert bridge.wait_ready(timeout=120) is False
+    assert isinstance(bridge.error, RuntimeError)
