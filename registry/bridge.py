@@ -301,6 +301,17 @@ class Follower:
             (lease_ms, self.source.endpoint),
             fence="",
         )
+        if (
+            reply
+            and self.block_size is not None
+            and _text(reply[3]) not in ("", str(self.block_size))
+        ):
+            # Its entries were hashed with another block size: no router would find them.
+            log.warning(
+                "%s: the namespace was bridged with block size %s, not %d: starting it afresh",
+                self._name, _text(reply[3]), self.block_size,
+            )  # fmt: skip
+            reply = []
         if reply:
             epoch, lease_until, seq, block_size = (_text(v) for v in reply)
             self.registry._set_epoch(int(epoch))

@@ -481,3 +481,23 @@ def test_wait_ready_returns_once_the_bridge_thread_died() -> None:
     with bridge:
         assert bridge.wait_ready(timeout=120) is False
     assert isinstance(bridge.error, RuntimeError)
+
+
+def test_a_bridge_with_another_block_size_does_not_resume(client: Any) -> None:
+    engine = FakeEngine()
+    first = follower(client, engine)
+    first.start()
+    tokens, hashes = chain(3, 2)
+    first.offer([engine.publish([stored(hashes, None, tokens, BS)])])
+    assert len(kv(client)) == 2
+    source = EngineSource("ns-f", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", block_size=8)
+    second = Follower(
+        PrefixCacheRegistry(client, "ns-f"), source, replay=engine.replay, clock=Clock()
+    )
+    second.start()
+    assert (second.counts.resumed, second.counts.restarts) == (0, 0)
+    assert PrefixCacheRegistry(client, "ns-f").info().bridge_block_size == 8
+    assert kv(client) == {}  # hashed with block size 4: claimed afresh, emptied
+    again = follower(client, engine)  # block size 4 against a namespace of size 8
+    again.start()
+    assert again.counts.resumed == 0
