@@ -61,6 +61,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from registry.bridge_events import (
@@ -220,6 +221,7 @@ class FollowerCounts:
     probes: int = 0
     silent: int = 0
     superseded: int = 0
+    internal_errors: int = 0
     applied_seq: int = -1  # the last engine seq written to Redis (-1: none yet)
     bad_kinds: dict[str, int] = field(default_factory=dict)
 
@@ -375,6 +377,8 @@ class Follower:
         try:
             if self.restart_due is not None:
                 self._restart(self.restart_due)
+                if self.replay is not None:  # what the replay still has, as a suffix
+                    self.backlog.extendleft(reversed(self._recover(0, initial=True)))
             while self.backlog:
                 if self.pending_blocks >= MAX_BLOCKS_PER_WRITE:
                     self._flush()
@@ -857,9 +861,9 @@ class Bridge:
                 events = dict(poller.poll(round(self.poll_interval * 1000)))
                 for follower, sock in zip(self.followers, sockets, strict=True):
                     if sock in events:
-                        follower.offer(self._receive(sock))
+                        self._guarded(follower, partial(follower.offer, self._receive(sock)))
                 for follower in self.followers:
-                    follower.tick()
+                    self._guarded(follower, follower.tick)
         except BaseException as exc:
             self.error = exc
             log.exception("bridge stopped by an error")
@@ -869,6 +873,21 @@ class Bridge:
                 sock.close(0)
             context.term()
             self._context = None
+
+    @staticmethod
+    def _guarded(follower: Follower, step: Callable[[], None]) -> None:
+        """Run one follower's step; an unexpected error (a bug) is logged, counted, and
+        restarts that follower's namespace instead of stopping every engine's."""
+        try:
+            step()
+        except Exception:
+            follower.counts.internal_errors += 1
+            if "internal" not in follower._logged:
+                follower._logged.add("internal")
+                log.exception("%s: internal error; its namespace restarts", follower._name)
+            follower.backlog.clear()
+            follower.restart_due = "an internal error"
+            follower.blocked_until = follower.clock() + 1.0
 
     def _start_followers(self) -> None:
         for follower in self.followers:

@@ -1361,3 +1361,33 @@ def test_a_bridged_namespace_on_a_real_cluster(redis_cluster: Any) -> None:
     finally:
         rig.close()
         cluster.close()
+
+
+def test_a_bug_in_one_follower_restarts_its_namespace_not_the_bridge(
+    rig: Rig, client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected error inside one engine's follower (a bug, not bad input) is logged
+    and counted; that namespace restarts, the other engines never notice."""
+    e1, e2 = rig.engine(), rig.engine()
+    s1, s2 = rig.source(e1), rig.source(e2)
+    bridge = rig.bridge([s1, s2], [e1, e2])
+    broken = next(f for f in bridge.followers if f.source.namespace == s1.namespace)
+    tokens = prompt(61, 3, BS)
+    hashes = engine_chain(tokens, BS)
+    original = broken._operations
+
+    def failing(batch: Any) -> Any:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(broken, "_operations", failing)
+    e1.publish([stored(hashes, None, tokens, BS)])
+    q2 = e2.publish([stored(hashes, None, tokens, BS)])
+    wait_count(bridge, s1.namespace, "internal_errors", 1)
+    wait_applied(client, s2.namespace, q2, bridge)
+    assert kv(client, s2.namespace) == listed((tokens, 3))
+    monkeypatch.setattr(broken, "_operations", original)
+    wait_count(bridge, s1.namespace, "restarts", 1)
+    q1 = e1.publish([stored(hashes[:2], None, tokens[: 2 * BS], BS)])
+    wait_applied(client, s1.namespace, q1, bridge)
+    assert kv(client, s1.namespace) == listed((tokens, 3))  # the replay brought seq 0 back
+    alive(bridge)

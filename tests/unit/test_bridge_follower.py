@@ -320,8 +320,12 @@ def test_redis_failing_during_the_start_replay_blocks_then_restarts(
     engine.publish([])
     replay = engine.replay
 
+    calls: list[int] = []
+
     def failing_replay(start: int) -> list[tuple[int, bytes]] | None:
-        server.connected = False
+        if not calls:  # Redis goes away during the first replay only
+            server.connected = False
+        calls.append(start)
         return replay(start)
 
     second = follower(client, engine, clock)
@@ -336,6 +340,7 @@ def test_redis_failing_during_the_start_replay_blocks_then_restarts(
     assert second.blocked_until == 0.0
     assert second.counts.restarts == 1
     assert kv(client) == {}
+    assert calls == [1, 0]  # after the restart: what the replay still has, from seq 0
 
 
 def test_redis_failing_after_the_claim_at_start_raises_a_registry_error(
