@@ -104,6 +104,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SEQ_LIMIT = 2**64
 DEFAULT_SILENCE_TIMEOUT = 30.0
 DEFAULT_REPLAY_TIMEOUT = 2.0
+PROBE_TIMEOUT = 0.5
+"""How long a liveness probe waits for the engine's answer (a live engine on a LAN
+answers in about a millisecond); unanswered probes back off."""
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 Frames = list[bytes]
@@ -253,6 +256,7 @@ class Follower:
         source: EngineSource,
         *,
         replay: Replayer | None = None,
+        probe: Replayer | None = None,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
@@ -260,6 +264,9 @@ class Follower:
         self.registry = registry
         self.source = source
         self.replay = replay if source.replay_endpoint is not None else None
+        # Probes may wait less for an answer than gap replays (default: the same call).
+        self.probe = (probe or replay) if source.replay_endpoint is not None else None
+        self.probe_failures = 0  # probes unanswered in a row: they back off
         self.lease_ttl = _seconds(lease_ttl, "lease_ttl")
         self.silence_timeout = _seconds(silence_timeout, "silence_timeout")
         # Probes come often enough to hear an idle engine before it counts as silent.
@@ -704,11 +711,17 @@ class Follower:
             if self.blocked:
                 return
         quiet = now - self.last_heard
-        if self.replay is not None and quiet >= self.probe_interval and now >= self.next_probe:
-            self.next_probe = now + self.probe_interval
+        if self.probe is not None and quiet >= self.probe_interval and now >= self.next_probe:
             self.counts.probes += 1
             start = SEQ_LIMIT // 2 - 1 if self.last is None else self._next_seq()
-            batches = self.replay(start)
+            batches = self.probe(start)
+            # An engine that does not answer is probed less and less often (up to once per
+            # silence_timeout), so dead engines cannot stall the loop that serves the others.
+            self.probe_failures = self.probe_failures + 1 if batches is None else 0
+            backoff = min(
+                2 ** min(self.probe_failures, 16), self.silence_timeout / self.probe_interval
+            )
+            self.next_probe = self.clock() + self.probe_interval * max(1.0, backoff)
             if batches is not None:
                 self.last_heard = self.clock()
                 run = _contiguous(batches)
@@ -820,6 +833,7 @@ class Bridge:
                 PrefixCacheRegistry(redis, s.namespace, key_prefix=key_prefix),
                 s,
                 replay=self._replayer(s),
+                probe=self._replayer(s, timeout=min(self.replay_timeout, PROBE_TIMEOUT)),
                 lease_ttl=lease_ttl,
                 silence_timeout=silence_timeout,
             )
@@ -912,21 +926,23 @@ class Bridge:
                 break
         return messages
 
-    def _replayer(self, source: EngineSource) -> Replayer | None:
+    def _replayer(self, source: EngineSource, timeout: float | None = None) -> Replayer | None:
         if source.replay_endpoint is None:
             return None
         endpoint = source.replay_endpoint
 
         def replay(start: int) -> list[tuple[int, bytes]] | None:
-            return self._replay(endpoint, start)
+            return self._replay(endpoint, start, timeout=timeout)
 
         return replay
 
     def _replay(
-        self, endpoint: str, start: int, limit: int = 1_000_000
+        self, endpoint: str, start: int, limit: int = 1_000_000, timeout: float | None = None
     ) -> list[tuple[int, bytes]] | None:
         """Ask ``endpoint`` for every buffered batch from ``start`` on; None when it does
-        not answer within ``replay_timeout`` (per message) or answers out of protocol."""
+        not answer within ``timeout`` (default ``replay_timeout``; per message) or answers
+        out of protocol."""
+        wait = self.replay_timeout if timeout is None else timeout
         zmq = self._zmq
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -934,12 +950,9 @@ class Bridge:
             sock.connect(endpoint)
             sock.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
             batches: list[tuple[int, bytes]] = []
-            timeout = round(self.replay_timeout * 1000)
             while len(batches) < limit:
-                if not sock.poll(timeout, zmq.POLLIN):
-                    log.warning(
-                        "replay from %s: no answer in %.1f s", endpoint, self.replay_timeout
-                    )
+                if not sock.poll(round(wait * 1000), zmq.POLLIN):
+                    log.info("replay from %s: no answer in %.2f s", endpoint, wait)
                     return None
                 frames = sock.recv_multipart()
                 if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:

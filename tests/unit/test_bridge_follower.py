@@ -4,6 +4,7 @@ every interleaving of subscription, replay and probe is exact here."""
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -506,3 +507,35 @@ def test_a_bridge_with_another_block_size_does_not_resume(client: Any) -> None:
     again = follower(client, engine)  # block size 4 against a namespace of size 8
     again.start()
     assert again.counts.resumed == 0
+
+
+def test_unanswered_probes_back_off_and_answered_ones_reset(client: Any) -> None:
+    """A dead engine's probes (each may block the bridge's loop for the probe timeout)
+    come less and less often, up to once per silence_timeout; an answer resets them."""
+    engine, clock = FakeEngine(), Clock()
+    probes: list[float] = []
+
+    def probe(start: int) -> list[tuple[int, bytes]] | None:
+        probes.append(clock.now)
+        return engine.replay(start)
+
+    f = follower(client, engine, clock, lease_ttl=3.0, silence_timeout=30.0, probe=probe)
+    f.start()
+    engine.answer = False
+    for _ in range(600):  # 60 s
+        clock.now += 0.1
+        f.tick()
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    for gap, expected in zip(gaps, [2.0, 4.0, 8.0, 16.0], strict=False):
+        assert expected <= gap <= expected + 0.15  # the interval (1 s) doubling; 0.1 s ticks
+    assert max(gaps) <= 30.0
+    assert f.counts.silent == 1
+    engine.answer = True
+    clock.now += 30.0
+    f.tick()  # answered: heard again, probes back to every second
+    before = len(probes)
+    for _ in range(50):
+        clock.now += 0.1
+        f.tick()
+    assert len(probes) - before >= 4
+    assert engine.requests[: len(engine.requests) - len(probes)] == [0]  # only the start replay
