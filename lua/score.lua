@@ -1,10 +1,11 @@
 -- score: how much of a prompt one live node has cached, for routing. Uses the parent
 -- chain (if block i is cached, so are blocks before it) to find the KV prefix with a
 -- binary search (O(log n) lookups), then, for hybrid models only, finds the farthest
--- block of that prefix that also has Mamba state: when the namespace holds few Mamba
--- entries, by looking each of them up in the packed prompt (a C-speed substring search);
--- otherwise by HMGETs scanning back from the prefix's end in growing chunks (8, 32,
--- 128, ... hashes), which touches each candidate at most once.
+-- block of that prefix that also has Mamba state: first among the prefix's last 8 hashes
+-- (one HMGET: where a checkpoint usually is); then, when the namespace holds few Mamba
+-- entries, by looking each of them up in the packed prompt (a substring search),
+-- otherwise by HMGETs scanning further back in growing chunks (32, 128, ... hashes),
+-- which touches each candidate at most once.
 --
 -- The hashes come packed in ONE argument, each as 19 zero-padded decimal digits: the
 -- router sends the same prompt to many namespaces, and one string is cheap to send and
@@ -21,7 +22,7 @@
 --          { KV prefix length, Mamba-aware prefix length (<= the KV prefix) }.
 -- Calls:   TIME, HGET, HEXISTS, HLEN, HKEYS, HMGET
 local WIDTH = 19
-local FEW_MAMBA = 32  -- up to this many Mamba entries, look each up in the prompt
+local FEW_MAMBA = 16  -- up to this many Mamba entries, look each up in the prompt
 local packed = ARGV[1]
 
 -- The i-th hash without its zero padding (a hash is at least 1: a non-zero digit is there).
@@ -51,12 +52,39 @@ local entries = redis.call('HLEN', KEYS[2])
 if entries == 0 then
   return {low, 0}
 end
+
+-- HMGET of the hashes first..last; the farthest position with Mamba state, or nil.
+local function farthest_in(first, last)
+  local fields = {}
+  for i = first, last do
+    fields[i - first + 1] = hash_at(i)
+  end
+  local ids = redis.call('HMGET', KEYS[2], unpack(fields))
+  for i = last - first + 1, 1, -1 do
+    if ids[i] then
+      return first + i - 1
+    end
+  end
+  return nil
+end
+
+-- A checkpoint is usually near the end of the prefix: look at the last 8 hashes first.
+local last = math.max(0, low - 8)
+local found = farthest_in(last + 1, low)
+if found then
+  return {low, found}
+end
+if last == 0 then
+  return {low, 0}
+end
 if entries <= FEW_MAMBA then
+  -- Few entries, none near the end: find each of them in the packed prompt instead of
+  -- walking the rest of the prefix.
   local farthest = 0
   for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
     local padded = string.rep('0', WIDTH - #field) .. field
     local at = string.find(packed, padded, 1, true)
-    while at and at <= low * WIDTH do  -- every aligned match inside the KV prefix
+    while at and at <= last * WIDTH do  -- every aligned match before the part looked at
       if (at - 1) % WIDTH == 0 then
         local position = (at - 1) / WIDTH + 1
         if position > farthest then
@@ -68,18 +96,12 @@ if entries <= FEW_MAMBA then
   end
   return {low, farthest}
 end
-local last, size = low, 8
+local size = 32
 while last >= 1 do
   local first = math.max(1, last - size + 1)
-  local fields = {}
-  for i = first, last do
-    fields[i - first + 1] = hash_at(i)
-  end
-  local ids = redis.call('HMGET', KEYS[2], unpack(fields))
-  for i = last - first + 1, 1, -1 do
-    if ids[i] then
-      return {low, first + i - 1}
-    end
+  found = farthest_in(first, last)
+  if found then
+    return {low, found}
   end
   last = first - 1
   size = math.min(size * 4, CHUNK)
