@@ -75,6 +75,7 @@ from pcr.inspection import (
     _command_stats,
     _command_watch,
 )
+from pcr.serve import add_parser as add_serve_parser
 from pcr.simulate import _command_simulate
 from registry.errors import (
     RegistryError,
@@ -168,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --bridge: send every Nth batch of a node to its replay buffer only, as if "
         "the subscription lost it (the bridge sees a gap and replays it); N >= 2",
     )
+    sim.add_argument(
+        "--metrics-port",
+        type=_port,
+        help="serve Prometheus metrics on this TCP port (all interfaces) while it runs "
+        "(needs the metrics extra)",
+    )
     sim.set_defaults(handler=_command_simulate, command_parser=sim)
 
     bench = commands.add_parser("bench", help="measure every operation against raw Redis commands")
@@ -260,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.set_defaults(handler=_command_gc, command_parser=gc)
 
     add_bridge_parser(commands, redis_options, env_url or DEFAULT_URL)
+    add_serve_parser(commands, redis_options, env_url or DEFAULT_URL)
     return parser
 
 

@@ -138,6 +138,8 @@ def _command_simulate(args: argparse.Namespace) -> int:
             where = f"Redis at {_where(args.redis_url)}"
         else:
             client, where = _embedded_redis(args.serve_port, stack)
+        if args.metrics_port is not None:
+            _serve_metrics(args.metrics_port, stack)
         fed = ""
         if bridge is not None:
             fed = (
@@ -227,6 +229,34 @@ def _expected_gaps(expected: bool) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(gap_filter)
+
+
+def _serve_metrics(port: int, stack: contextlib.ExitStack) -> None:
+    """Switch ``registry.metrics`` on and serve them on ``port`` (all interfaces) until
+    ``stack`` closes: every registry call, the router, and each node's lease, slot pool
+    and listener (``sim.node``), or the bridge (``sim.bridged``)."""
+    try:
+        import prometheus_client
+    except ImportError:
+        raise CommandError(
+            "--metrics-port needs prometheus-client: pip install 'prefix-cache-registry[metrics]'"
+        ) from None
+    from registry import metrics
+
+    collectors = prometheus_client.CollectorRegistry()
+    try:
+        server, thread = prometheus_client.start_http_server(port, registry=collectors)
+    except OSError as exc:
+        raise CommandError(f"cannot serve metrics on port {port}: {exc.strerror or exc}") from None
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+        metrics.disable_metrics()
+
+    stack.callback(stop)
+    metrics.enable_metrics(collectors)
 
 
 def _embedded_redis(serve_port: int | None, stack: contextlib.ExitStack) -> tuple[Any, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from registry import metrics as _metrics
 from registry.notices import EvictionNotice
 from registry.validation import (
     eviction_hashes,
@@ -88,21 +89,36 @@ class RegistryBase(ABC):
         The prefix ends at the first hash that is not cached (or is a -1/0 sentinel):
         a hole in the middle never yields block ids beyond it.
         """
-        wanted = prefix_hashes(hashes)
+        try:
+            wanted = prefix_hashes(hashes)
+        except (TypeError, ValueError):
+            _metrics.bad_input("match_kv_prefix")
+            raise
         if not wanted:
             return [], 0
         block_ids = self._match_kv_prefix(wanted)
+        observer = _metrics.active
+        if observer is not None:
+            observer.prefix_query(len(wanted), len(block_ids))
         return block_ids, (wanted[len(block_ids) - 1] if block_ids else 0)
 
     def register_kv(self, block_ids: Sequence[int], hashes: Sequence[int]) -> None:
         """Add ``hash -> block_id`` entries; the last writer wins for an existing hash."""
-        entries = registration(block_ids, hashes, skip_sentinels=False)
+        try:
+            entries = registration(block_ids, hashes, skip_sentinels=False)
+        except (TypeError, ValueError):
+            _metrics.bad_input("register_kv")
+            raise
         if entries:
             self._register_kv(entries)
 
     def evict_kv(self, hashes: Iterable[int]) -> set[int]:
         """Drop KV entries (ignoring -1), cascading to Mamba; return the hashes removed."""
-        wanted = eviction_hashes(hashes)
+        try:
+            wanted = eviction_hashes(hashes)
+        except (TypeError, ValueError):
+            _metrics.bad_input("evict_kv")
+            raise
         if not wanted:
             return set()
         removed, notice = self._evict_kv(wanted)
@@ -113,13 +129,21 @@ class RegistryBase(ABC):
 
     def match_mamba_farthest(self, hashes: Sequence[int]) -> int:
         """One past the farthest index whose hash has Mamba state; 0 if none."""
-        wanted = lookup_hashes(hashes)
+        try:
+            wanted = lookup_hashes(hashes)
+        except (TypeError, ValueError):
+            _metrics.bad_input("match_mamba_farthest")
+            raise
         return self._match_mamba_farthest(wanted) if wanted else 0
 
     def find_mamba_backoff(self, hashes: Sequence[int], search_len: int) -> int:
         """``match_mamba_farthest`` within ``hashes[:search_len]`` (clamped; <= 0 gives 0)."""
-        limit = search_length(search_len)
-        wanted = lookup_hashes(hashes)
+        try:
+            limit = search_length(search_len)
+            wanted = lookup_hashes(hashes)
+        except (TypeError, ValueError):
+            _metrics.bad_input("find_mamba_backoff")
+            raise
         if limit <= 0 or not wanted:
             return 0
         return self._match_mamba_farthest(wanted[:limit])
@@ -139,7 +163,11 @@ class RegistryBase(ABC):
         slot owner uses it to ignore a late notice about an earlier registration of the
         same (block_id, hash). With nothing to register it returns 0 and sends nothing.
         """
-        entries = registration(block_ids, hashes, skip_sentinels=True)
+        try:
+            entries = registration(block_ids, hashes, skip_sentinels=True)
+        except (TypeError, ValueError):
+            _metrics.bad_input("register_mamba")
+            raise
         if not entries:
             return 0
         notice, stamp = self._register_mamba(entries)
@@ -148,7 +176,11 @@ class RegistryBase(ABC):
 
     def evict_mamba(self, hashes: Iterable[int]) -> set[int]:
         """Drop Mamba entries (ignoring -1); return the hashes actually removed."""
-        wanted = eviction_hashes(hashes)
+        try:
+            wanted = eviction_hashes(hashes)
+        except (TypeError, ValueError):
+            _metrics.bad_input("evict_mamba")
+            raise
         if not wanted:
             return set()
         removed, notice = self._evict_mamba(wanted)
@@ -157,7 +189,11 @@ class RegistryBase(ABC):
 
     def mamba_block_ids(self, hashes: Sequence[int]) -> list[int | None]:
         """The block id holding Mamba state for each hash, or None; one atomic read."""
-        wanted = lookup_hashes(hashes)
+        try:
+            wanted = lookup_hashes(hashes)
+        except (TypeError, ValueError):
+            _metrics.bad_input("mamba_block_ids")
+            raise
         return self._mamba_block_ids(wanted) if wanted else []
 
     def notice_sequence(self) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from registry import metrics as _metrics
 from registry.base import RegistryBase
 from registry.client import RedisClient, client_from_url
 from registry.errors import (
@@ -194,7 +195,14 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self._runner.load()
 
     def _read(self, operation: str, command: Any, *args: Any) -> Any:
-        """Run one read command; a Redis fault becomes the registry error for it."""
+        """Run one read command; a Redis fault becomes the registry error for it.
+        Counted and timed when metrics are on (``registry.metrics``)."""
+        observer = _metrics.active
+        if observer is not None:
+            return observer.timed(operation, self._read_now, operation, command, *args)
+        return self._read_now(operation, command, *args)
+
+    def _read_now(self, operation: str, command: Any, *args: Any) -> Any:
         try:
             return command(*args)
         except REDIS_ERRORS as exc:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from registry import metrics as _metrics
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
 from registry.scripts import ScriptRunner
@@ -78,22 +79,20 @@ class PrefixRouter:
         self, hashes: Sequence[int], namespaces: Iterable[str] | None = None
     ) -> dict[str, NodeScore]:
         """Per live namespace (all, or those given), the cached prefix of ``hashes``."""
-        wanted = prefix_hashes(hashes)  # a sentinel never matches: the prefix stops there
-        names = (
-            self.live_nodes() if namespaces is None else [validate_namespace(n) for n in namespaces]
-        )
+        observer = _metrics.active
+        if observer is not None:
+            return observer.timed_score(self._score, hashes, namespaces)
+        return self._score(hashes, namespaces)
+
+    def _score(
+        self, hashes: Sequence[int], namespaces: Iterable[str] | None
+    ) -> dict[str, NodeScore]:
+        packed = pack_hashes(hashes)
+        names = self.live_nodes() if namespaces is None else chosen_namespaces(namespaces)
         if not names:
             return {}
-        packed = b"".join(b"%019d" % h for h in wanted)  # see lua/score.lua
         replies = self._run_pipeline(names, packed)
-        scores = {}
-        for name, reply in zip(names, replies, strict=True):
-            if reply == -1:
-                continue  # no live lease: never scored
-            kv_prefix, mamba_prefix = int(reply[0]), int(reply[1])
-            usable = mamba_prefix if self.hybrid else kv_prefix
-            scores[name] = NodeScore(name, kv_prefix, mamba_prefix, usable)
-        return scores
+        return scores_from_replies(names, replies, hybrid=self.hybrid)
 
     def best(
         self,
@@ -104,25 +103,77 @@ class PrefixRouter:
         """The live node with the longest usable prefix; ties go to the lowest ``load``
         (missing = 0), then to the first namespace in sort order. None if none is live."""
         scores = self.score(hashes, namespaces)
-        if not scores:
-            return None
-        loads = load or {}
-        return min(
-            scores.values(), key=lambda s: (-s.usable, loads.get(s.namespace, 0), s.namespace)
-        ).namespace
-
-    def _keys_of(self, namespace: str) -> NamespaceKeys:
-        keys = self._keys.get(namespace)
-        if keys is None:
-            keys = self._keys[namespace] = NamespaceKeys(namespace, self.key_prefix)
-        return keys
+        choice = best_of(scores, load)
+        observer = _metrics.active
+        if observer is not None:
+            observer.routed(scores, choice, hashes)
+        return choice
 
     def _run_pipeline(self, names: list[str], packed: bytes) -> list[Any]:
-        mode = "1" if self.hybrid else "0"
-        calls = []
-        for name in names:
-            keys = self._keys_of(name)
-            calls.append(((keys.kv, keys.mamba, keys.meta), (packed, mode)))
-        return self._runner.run_many(
-            "score", calls, context=f"routing over {len(names)} namespaces"
-        )
+        calls = score_calls(names, packed, self.key_prefix, self._keys, hybrid=self.hybrid)
+        return self._runner.run_many("score", calls, context=routing_context(names))
+
+
+# -- the rules both routers share (PrefixRouter here, AsyncPrefixRouter in aio_routing) --
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """A prompt's hashes checked (cut before the first sentinel: it can never match) and
+    packed for ``lua/score.lua``: 19 zero-padded digits each, once for all namespaces."""
+    wanted = prefix_hashes(hashes)
+    return b"".join(b"%019d" % h for h in wanted)
+
+
+def chosen_namespaces(namespaces: Iterable[str]) -> list[str]:
+    """The namespaces a caller asked for, each checked against the naming rule."""
+    return [validate_namespace(n) for n in namespaces]
+
+
+def score_calls(
+    names: Sequence[str],
+    packed: bytes,
+    key_prefix: str,
+    keys_cache: dict[str, NamespaceKeys],
+    *,
+    hybrid: bool,
+) -> list[tuple[tuple[str, str, str], tuple[bytes, str]]]:
+    """The (keys, args) of one ``score`` script call per namespace (``keys_cache`` keeps
+    each namespace's key names between calls)."""
+    mode = "1" if hybrid else "0"
+    calls = []
+    for name in names:
+        keys = keys_cache.get(name)
+        if keys is None:
+            keys = keys_cache[name] = NamespaceKeys(name, key_prefix)
+        calls.append(((keys.kv, keys.mamba, keys.meta), (packed, mode)))
+    return calls
+
+
+def routing_context(names: Sequence[str]) -> str:
+    """What a routing call is doing, for error messages."""
+    return f"routing over {len(names)} namespaces"
+
+
+def scores_from_replies(
+    names: Sequence[str], replies: Sequence[Any], *, hybrid: bool
+) -> dict[str, NodeScore]:
+    """The scripts' replies as scores; a namespace without a live lease (-1) is left out."""
+    scores = {}
+    for name, reply in zip(names, replies, strict=True):
+        if reply == -1:
+            continue  # no live lease: never scored
+        kv_prefix, mamba_prefix = int(reply[0]), int(reply[1])
+        usable = mamba_prefix if hybrid else kv_prefix
+        scores[name] = NodeScore(name, kv_prefix, mamba_prefix, usable)
+    return scores
+
+
+def best_of(scores: Mapping[str, NodeScore], load: Mapping[str, float] | None = None) -> str | None:
+    """The longest usable prefix; ties go to the lowest ``load`` (missing = 0), then to
+    the first namespace in sort order. None when ``scores`` is empty."""
+    if not scores:
+        return None
+    loads = load or {}
+    return min(
+        scores.values(), key=lambda s: (-s.usable, loads.get(s.namespace, 0), s.namespace)
+    ).namespace

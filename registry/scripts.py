@@ -32,6 +32,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from registry import metrics as _metrics
 from registry.errors import REDIS_ERRORS, RegistryError, StaleEpochError, translate
 
 OPERATIONS = (
@@ -117,8 +118,25 @@ class ScriptRunner:
 
         ``context`` names what is being done in error messages (``namespace`` gives
         "namespace 'NS'"); ``epoch`` is the caller's owner epoch, named in a
-        ``StaleEpochError``.
+        ``StaleEpochError``. Counted and timed when metrics are on (``registry.metrics``).
         """
+        observer = _metrics.active
+        if observer is not None:
+            return observer.timed(
+                operation, self._run, operation, keys, args, context, write, namespace, epoch
+            )
+        return self._run(operation, keys, args, context, write, namespace, epoch)
+
+    def _run(
+        self,
+        operation: str,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        context: str,
+        write: bool,
+        namespace: str | None,
+        epoch: int | None,
+    ) -> Any:
         try:  # a plain try: this is every write's path
             try:
                 return self.client.evalsha(script_sha(operation), len(keys), *keys, *args)
@@ -142,6 +160,18 @@ class ScriptRunner:
         Redis node); the replies in order. A NOSCRIPT reloads and runs the batch again."""
         if not calls:
             return []
+        observer = _metrics.active
+        if observer is not None:
+            return observer.timed(operation, self._run_many, operation, calls, context, write)
+        return self._run_many(operation, calls, context, write)
+
+    def _run_many(
+        self,
+        operation: str,
+        calls: Sequence[tuple[Sequence[Any], Sequence[Any]]],
+        context: str,
+        write: bool,
+    ) -> list[Any]:
         try:
             replies = self._pipeline(operation, calls)
             if any(isinstance(r, NoScriptError) for r in replies):

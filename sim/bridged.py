@@ -37,7 +37,7 @@ from typing import Any
 
 import zmq
 
-from registry import PrefixCacheRegistry, block_hashes
+from registry import PrefixCacheRegistry, block_hashes, metrics
 from registry.bridge import Bridge, EngineSource
 from sim.audit import audit_bridged
 from sim.config import BridgeConfig, BridgeStalled, FleetConfig
@@ -286,6 +286,7 @@ def simulate_bridged(
             client, sources, key_prefix=config.key_prefix, lease_ttl=bridge_config.lease_ttl
         )
         bridge.start()
+        metrics.register_bridge(bridge)  # a no-op unless metrics are on
         stack.callback(bridge.stop)
         _wait_started(bridge, publishers)
         nodes = [

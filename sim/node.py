@@ -16,6 +16,7 @@ from registry import (
     RegistryUnavailable,
     StaleEpochError,
     block_hashes,
+    metrics,
 )
 from sim.audit import audit
 from sim.config import FleetConfig
@@ -60,6 +61,10 @@ class Node:
             client, namespace, self.mamba, key_prefix=config.key_prefix
         )
         self.listener.start()
+        # Read at scrape time when metrics are on (pcr simulate --metrics-port); else no-ops.
+        metrics.register_owner(self.registry)
+        metrics.register_pool(self.mamba)
+        metrics.register_listener(self.listener)
         self.suspect = False  # a registry call failed: resync before the next request
         self._conv_out = torch.empty((config.layers, *config.conv_shape))
         self._ssm_out = torch.empty((config.layers, *config.ssm_shape))

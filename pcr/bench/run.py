@@ -6,9 +6,10 @@ RESETSTAT``), and the ratios to the raw command that does the same storage work 
 HSET, HDEL) and to ``LocalPrefixCacheRegistry``. Operations are measured in interleaved
 rounds and p50 is the median of the per-round medians, so a noisy moment hits every
 operation alike. Then the throughput of 4 client processes, and the latency from an
-eviction to the listener freeing the slot, and the bridge's rows (``pcr.bench.bridge``:
-engine KV events into Redis, and publish to visible in routing). Each target is printed
-next to its ratio.
+eviction to the listener freeing the slot, the bridge's rows (``pcr.bench.bridge``:
+engine KV events into Redis, and publish to visible in routing) and the serve rows
+(``pcr.bench.serve``: ``POST /v1/score`` of ``pcr serve`` at a fixed offered load, and the
+asyncio router against the sync one). Each target is printed next to its ratio.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import redis
 
 from pcr.bench import bridge as bridge_bench
+from pcr.bench import serve as serve_bench
 from pcr.tables import format_table
 from registry import LocalPrefixCacheRegistry, PrefixCacheRegistry, PrefixRouter
 from registry.validation import flatten
@@ -424,6 +426,7 @@ def run(url: str, *, quick: bool = False, sizes: tuple[int, ...] = SIZES) -> dic
     throughput = _throughput(url, effort)
     listener = _listener_latency(url, effort)
     bridge = bridge_bench.measure(url, quick=quick)
+    serve = serve_bench.measure(url, quick=quick)
     client.flushdb()
     client.close()
     report = {
@@ -432,6 +435,7 @@ def run(url: str, *, quick: bool = False, sizes: tuple[int, ...] = SIZES) -> dic
         "throughput_4_processes_n64": throughput,
         "listener_notice_to_free_ms": listener,
         "bridge": bridge,
+        "serve": serve,
         "seconds": round(time.perf_counter() - started, 1),
     }
     report["targets"] = _targets(report)
@@ -485,6 +489,8 @@ RATIO_TARGETS = [
 
 BRIDGE_BLOCKS_PER_S = 50_000
 """The bridge's target: stored blocks per second from an engine into Redis."""
+ASYNC_ROUTER_RATIO = 1.2
+"""The asyncio router's target: its score at most this times the sync router's."""
 
 
 def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -509,6 +515,16 @@ def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 bridge.get("stored_blocks_per_s"),
                 "≥",
                 BRIDGE_BLOCKS_PER_S,
+            )
+        )
+    serve = report.get("serve")
+    if serve is not None and "skipped" not in serve:
+        checks.append(
+            (
+                "AsyncPrefixRouter / PrefixRouter score p50, n=512, 16 namespaces",
+                serve.get("async_over_sync"),
+                "≤",
+                ASYNC_ROUTER_RATIO,
             )
         )
     return [
@@ -569,6 +585,7 @@ def format_report(report: dict[str, Any]) -> str:
         p50, p99 = listener["p50_ms"], listener["p99_ms"]
         lines.append(f"listener notice-to-free: p50 {p50:.3f} ms, p99 {p99:.3f} ms")
     lines.extend(bridge_bench.format_rows(report.get("bridge")))
+    lines.extend(serve_bench.format_rows(report.get("serve")))
     lines.append("")
     lines.append(
         format_table(

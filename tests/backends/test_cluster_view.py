@@ -99,9 +99,10 @@ def test_mamba_prefix_is_exact_for_few_and_many_checkpoints(
     redis_backend: Backend, prefix: str, entries: int
 ) -> None:
     """The script looks at the prefix's last 8 hashes first; then, up to 16 Mamba
-    entries, it finds each in the packed prompt, above that it scans the prefix back; both give the farthest checkpoint inside the KV prefix, also
-    for checkpoints of other prompts, beyond the prefix, or at hashes whose digits
-    appear across two packed hashes."""
+    entries, it finds each in the packed prompt, above that it scans the prefix back.
+    Every path gives the farthest checkpoint inside the KV prefix, also with checkpoints
+    of other prompts, beyond the prefix, or at hashes whose digits appear across two
+    packed hashes."""
     rng = random.Random(entries)
     reg = owner(redis_backend, "node-m", prefix)
     chain = [rng.randrange(1, 2**63) for _ in range(400)]

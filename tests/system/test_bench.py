@@ -13,6 +13,7 @@ import pytest
 
 from pcr.bench import bridge as bridge_bench
 from pcr.bench import run as bench
+from pcr.bench import serve as serve_bench
 from tests.support import REPO_ROOT
 from tests.support.servers import require_redis_server
 
@@ -50,9 +51,12 @@ def test_quick_bench_reports_every_operation_and_target(tmp_path: Path) -> None:
     assert report["listener_notice_to_free_ms"]["missing"] == 0
     bridged = bridge_bench.missing_dependency() is None
     check_bridge_rows(report["bridge"], bridged)
+    served = serve_bench.missing_dependency() is None
+    check_serve_rows(report["serve"], served)
     targets = {t["target"]: t for t in report["targets"]}
-    # the 12 targets less those at n=512 and n=8192 (and the bridge's without pyzmq)
-    assert len(targets) == (7 if bridged else 6)
+    # the 13 targets less those at n=512 and n=8192 (and the bridge's without pyzmq, the
+    # asyncio router's without the serve extra)
+    assert len(targets) == 6 + bridged + served
     for target in targets.values():
         assert isinstance(target["measured"], float | int)
         assert target["limit"].startswith(("≤", "≥"))
@@ -67,6 +71,41 @@ def test_quick_bench_reports_every_operation_and_target(tmp_path: Path) -> None:
         assert "bridge publish to visible in score: p50" in text
     else:
         assert "bridge: skipped" in text
+    if served:
+        assert "AsyncPrefixRouter p50" in text
+        assert "pcr serve POST /v1/score, 512 hashes, 16 live nodes, offered" in text
+    else:
+        assert "serve: skipped" in text
+
+
+def check_serve_rows(rows: dict[str, object], served: bool) -> None:
+    """The serve rows are sane figures (never a speed), or a clear skip."""
+    if not served:
+        assert rows == {"skipped": serve_bench.SKIP_REASON}
+        return
+    assert "error" not in rows, rows.get("error")
+    assert rows["namespaces"] == 16
+    assert rows["blocks"] == 512
+    for name in ("sync_router_p50_ms", "async_router_p50_ms", "async_over_sync"):
+        assert isinstance(rows[name], float)
+        assert rows[name] > 0
+    http = rows["http"]
+    assert isinstance(http, dict)
+    assert http["offered_per_s"] == serve_bench.QUICK.rate
+    assert http["requests"] == int(serve_bench.QUICK.rate * serve_bench.QUICK.seconds)
+    assert http["failed"] == 0
+    assert http["requests_per_s"] > 0
+    assert 0 < http["p50_ms"] <= http["p99_ms"]
+    assert http["saturated_per_s"] > 0
+
+
+def test_serve_rows_are_skipped_without_fastapi(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi now raises ImportError
+    rows = serve_bench.measure("redis://127.0.0.1:9", quick=True)  # never connects
+    assert rows == {"skipped": serve_bench.SKIP_REASON}
+    report = _report({"skipped": bridge_bench.SKIP_REASON}, serve=rows)
+    assert not [t for t in report["targets"] if "AsyncPrefixRouter" in t["target"]]
+    assert f"serve: skipped ({serve_bench.SKIP_REASON})" in bench.format_report(report)
 
 
 def check_bridge_rows(rows: dict[str, object], bridged: bool) -> None:
@@ -120,14 +159,15 @@ def test_a_failed_bridge_run_is_reported_and_misses_its_target() -> None:
     assert "bridge: FAILED: the bridge applied every batch" in text
 
 
-def _report(bridge: dict[str, object]) -> dict[str, object]:
-    """A report with no operation rows, around ``bridge``."""
+def _report(bridge: dict[str, object], serve: dict[str, object] | None = None) -> dict[str, object]:
+    """A report with no operation rows, around ``bridge`` (and ``serve``)."""
     report: dict[str, object] = {
         "quick": True,
         "rows": [],
         "throughput_4_processes_n64": {"match_kv_prefix": 1.0, "HMGET": 1.0},
         "listener_notice_to_free_ms": None,
         "bridge": bridge,
+        "serve": serve,
         "seconds": 0.0,
     }
     report["targets"] = bench._targets(report)

@@ -1,0 +1,258 @@
+"""``AsyncPrefixRouter``: ``PrefixRouter`` on ``redis.asyncio``, for asyncio services.
+
+The same rules as the thread-safe router (``registry.routing``): the same checks of
+the prompt and the namespaces, the same ``lua/score.lua`` (by the same SHA, reloaded on
+NOSCRIPT), the same live-node listing (``lua/live_nodes.lua``), the same ``NodeScore``
+and the same tie-breaking in ``best``; only the round trips are awaited. One ``score``
+is one pipeline: one round trip on a standalone server; on Redis Cluster
+(``redis.asyncio.cluster.RedisCluster``) redis-py's async cluster pipeline sends each
+primary its share at the same time. Every Redis fault is translated by
+``registry.errors.translate``, as on the sync side.
+
+A router never writes and never claims an epoch. Use it from one event loop (the loop
+its client belongs to).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from registry import metrics as _metrics
+from registry.errors import REDIS_ERRORS, RegistryError, translate
+from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, node_index_key, validate_namespace
+from registry.routing import (
+    NodeScore,
+    best_of,
+    chosen_namespaces,
+    pack_hashes,
+    routing_context,
+    score_calls,
+    scores_from_replies,
+)
+from registry.scripts import script_sha, script_source
+
+log = logging.getLogger(__name__)
+
+ROUTER_SCRIPTS = ("score", "live_nodes")
+"""The scripts a router runs (``load`` sends them ahead of the first call)."""
+
+
+class AsyncPrefixRouter:
+    """Scores live nodes for a prompt's block hashes and picks the best one (asyncio)."""
+
+    def __init__(
+        self,
+        client: Any,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        *,
+        hybrid: bool = True,
+        live_cache_ttl: float = 1.0,
+    ) -> None:
+        self.client = client
+        self.key_prefix = key_prefix
+        self.hybrid = hybrid
+        self.live_cache_ttl = live_cache_ttl
+        self.index_key = node_index_key(key_prefix)
+        self.skipped = 0  # invalid node-index members skipped so far
+        self._live: tuple[float, list[str]] = (float("-inf"), [])
+        self._keys: dict[str, NamespaceKeys] = {}
+        self._warned: set[str] = set()
+
+    async def load(self) -> None:
+        """SCRIPT LOAD the router's scripts now, so the first calls need no reload."""
+        try:
+            for operation in ROUTER_SCRIPTS:
+                await self.client.script_load(script_source(operation))
+        except REDIS_ERRORS as exc:
+            raise _translated(exc, "loading the router's scripts") from exc
+
+    async def scripts_loaded(self) -> bool:
+        """Whether the server holds the router's scripts (SCRIPT EXISTS)."""
+        try:
+            found = await self.client.script_exists(*map(script_sha, ROUTER_SCRIPTS))
+        except REDIS_ERRORS as exc:
+            raise _translated(exc, "checking the router's scripts") from exc
+        return all(bool(f) for f in found)
+
+    async def live_nodes(self) -> list[str]:
+        """Namespaces with a live lease (cached for ``live_cache_ttl`` seconds; a node
+        that died within that time is still never scored: each score checks its lease)."""
+        fetched_at, names = self._live
+        if time.monotonic() - fetched_at < self.live_cache_ttl:
+            return names
+        names = await self._members("live")
+        self._live = (time.monotonic(), names)
+        return names
+
+    async def score(
+        self, hashes: Sequence[int], namespaces: Iterable[str] | None = None
+    ) -> dict[str, NodeScore]:
+        """Per live namespace (all, or those given), the cached prefix of ``hashes``."""
+        observer = _metrics.active
+        if observer is None:
+            return await self._score(hashes, namespaces)
+        started = time.perf_counter()
+        try:
+            return await self._score(hashes, namespaces)
+        finally:
+            observer.score_took(time.perf_counter() - started)
+
+    async def _score(
+        self, hashes: Sequence[int], namespaces: Iterable[str] | None
+    ) -> dict[str, NodeScore]:
+        packed = pack_hashes(hashes)
+        names = await self.live_nodes() if namespaces is None else chosen_namespaces(namespaces)
+        if not names:
+            return {}
+        calls = score_calls(names, packed, self.key_prefix, self._keys, hybrid=self.hybrid)
+        replies = await self._run_many("score", calls, routing_context(names))
+        return scores_from_replies(names, replies, hybrid=self.hybrid)
+
+    async def best(
+        self,
+        hashes: Sequence[int],
+        load: Mapping[str, float] | None = None,
+        namespaces: Iterable[str] | None = None,
+    ) -> str | None:
+        """The live node with the longest usable prefix; ties go to the lowest ``load``
+        (missing = 0), then to the first namespace in sort order. None if none is live."""
+        return (await self.decide(hashes, load, namespaces))[1]
+
+    async def decide(
+        self,
+        hashes: Sequence[int],
+        load: Mapping[str, float] | None = None,
+        namespaces: Iterable[str] | None = None,
+    ) -> tuple[dict[str, NodeScore], str | None]:
+        """``score`` and ``best`` from one round of scripts: the scores and the choice."""
+        scores = await self.score(hashes, namespaces)
+        choice = best_of(scores, load)
+        observer = _metrics.active
+        if observer is not None:
+            observer.routed(scores, choice, hashes)
+        return scores, choice
+
+    # -- running the scripts ----------------------------------------------------------
+
+    async def _members(self, mode: str) -> list[str]:
+        what = f"node index {self.index_key!r}"
+        names, skipped = await self._run("live_nodes", (self.index_key,), (mode,), what)
+        valid = []
+        for raw in names:
+            name = raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else str(raw)
+            try:
+                valid.append(validate_namespace(name))
+            except (TypeError, ValueError):
+                skipped += 1
+                self._warn(repr(name))
+        if skipped:
+            self.skipped += int(skipped)
+            self._warn(f"{int(skipped)} invalid members")
+        return valid
+
+    def _warn(self, what: str) -> None:
+        if what in self._warned:
+            return
+        self._warned.add(what)
+        log.warning(
+            "node index %r holds %s that are not namespaces; skipped "
+            "(`pcr stats` lists them, `pcr gc` removes them)",
+            self.index_key,
+            what,
+        )
+
+    async def _run(
+        self, operation: str, keys: Sequence[Any], args: Sequence[Any], what: str
+    ) -> Any:
+        sha = script_sha(operation)
+        try:
+            try:
+                return await self.client.evalsha(sha, len(keys), *keys, *args)
+            except NoScriptError:
+                await self.client.script_load(script_source(operation))
+                return await self.client.evalsha(sha, len(keys), *keys, *args)
+        except REDIS_ERRORS as exc:
+            raise _translated(exc, f"{what}: {operation}") from exc
+
+    async def _run_many(
+        self, operation: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]], what: str
+    ) -> list[Any]:
+        """One pipeline of ``operation`` calls; a NOSCRIPT reloads and runs it again."""
+        try:
+            replies = await self._pipeline(operation, calls)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                await self.client.script_load(script_source(operation))
+                replies = await self._pipeline(operation, calls)
+        except REDIS_ERRORS as exc:
+            raise _translated(exc, f"{what}: {operation}") from exc
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise _translated(reply, f"{what}: {operation}") from reply
+        return replies
+
+    async def _pipeline(
+        self, operation: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
+    ) -> list[Any]:
+        sha = script_sha(operation)
+        pipe = self.client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
+
+
+def _translated(exc: BaseException, what: str) -> RegistryError:
+    error = translate(exc, what, write=False)
+    if error is None:  # not reachable for REDIS_ERRORS; kept as a guard
+        raise exc
+    return error
+
+
+def async_client_from_url(url: str, **options: Any) -> Any:
+    """A ``redis.asyncio`` client for a ``redis://``, ``rediss://``, ``unix://`` URL, or a
+    ``redis.asyncio.cluster.RedisCluster`` for ``redis+cluster://`` / ``rediss+cluster://``
+    (``options`` go to its ``from_url``). Sentinel URLs are not supported here."""
+    from registry.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
+
+    if not isinstance(url, str):
+        raise TypeError(f"url must be a str, not {type(url).__name__}")
+    scheme = url.partition("://")[0].lower()
+    if scheme in CLUSTER_SCHEMES:
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(CLUSTER_SCHEMES[scheme] + url[len(scheme) :], **options)
+    if scheme not in PLAIN_SCHEMES:
+        known = ", ".join(f"{s}://" for s in (*PLAIN_SCHEMES, *CLUSTER_SCHEMES))
+        raise ValueError(f"unsupported Redis URL scheme {scheme or '(none)'!r}; use one of {known}")
+    import redis.asyncio
+
+    return redis.asyncio.Redis.from_url(url, **options)
+
+
+def bounded_async_options(cluster: bool = False) -> dict[str, Any]:
+    """The bounded waits and the quick retry of ``PrefixCacheRegistry.from_url``, for an
+    asyncio client."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialWithJitterBackoff
+
+    from registry.redis_registry import (
+        CONNECT_TIMEOUT,
+        READ_TIMEOUT,
+        RETRIES,
+        RETRY_BACKOFF_CAP,
+    )
+
+    options: dict[str, Any] = {
+        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "socket_timeout": READ_TIMEOUT,
+    }
+    if not cluster:
+        options["retry"] = Retry(
+            ExponentialWithJitterBackoff(base=0.02, cap=RETRY_BACKOFF_CAP), RETRIES
+        )
+    return options

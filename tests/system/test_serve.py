@@ -1,0 +1,475 @@
+"""``pcr serve`` and ``AsyncPrefixRouter``: the HTTP scoring service on a real
+redis-server, served by uvicorn in a thread on a free port and called with httpx.
+
+Scores must equal ``PrefixRouter``'s for the same data (the two routers share their
+rules); bad bodies are 422 JSON, never a traceback; a Redis outage is 503 until the
+server is back. Every wait polls a condition (``wait_until``), never a fixed sleep."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+import uvicorn  # noqa: E402
+
+from pcr.serve_app import MAX_HASHES, MAX_TOKENS, create_app  # noqa: E402
+from pcr.servers import RedisClusterServers, RedisServer  # noqa: E402
+from registry import PrefixCacheRegistry, PrefixRouter  # noqa: E402
+from registry.aio_routing import AsyncPrefixRouter, async_client_from_url  # noqa: E402
+from registry.hashing import block_hashes  # noqa: E402
+from tests.support import REPO_ROOT  # noqa: E402
+from tests.support.servers import free_port  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
+
+TOKENS = list(range(1000, 1000 + 16 * 12))
+H = block_hashes(TOKENS, 16)  # 12 blocks
+
+
+class Served:
+    """The app of ``create_app`` on uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, url: str, key_prefix: str, *, hybrid: bool = True) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(
+            create_app(url, key_prefix=key_prefix, hybrid=hybrid),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="error",
+            access_log=False,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started or not self.thread.is_alive(), what="uvicorn")
+        assert self.server.started, "uvicorn did not start"
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+
+    def score(self, body: dict[str, Any]) -> httpx.Response:
+        return self.http.post("/v1/score", json=body)
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def fill(client: Any, prefix: str) -> dict[str, PrefixCacheRegistry]:
+    """Four live nodes holding different prefixes of ``H``, with Mamba checkpoints."""
+    nodes = {}
+    for name, kv, mamba in (
+        ("node-a", 12, [3, 7, 11]),
+        ("node-b", 9, [8]),
+        ("node-c", 5, []),
+        ("node-d", 0, []),
+    ):
+        reg = PrefixCacheRegistry(client, name, key_prefix=prefix)
+        reg.claim(lease_ttl=300)
+        if kv:
+            reg.register_kv(range(kv), H[:kv])
+        if mamba:
+            reg.register_mamba(mamba, [H[i] for i in mamba])
+        nodes[name] = reg
+    return nodes
+
+
+def as_dict(scores: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
+    return {n: (s.kv_prefix, s.mamba_prefix, s.usable) for n, s in scores.items()}
+
+
+def from_reply(reply: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
+    return {n: (s["kv_prefix"], s["mamba_prefix"], s["usable"]) for n, s in reply["nodes"].items()}
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"sv{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def service(redis_server: RedisServer, prefix: str) -> Iterator[Served]:
+    served = Served(redis_server.url, prefix)
+    yield served
+    served.close()
+
+
+def test_score_equals_the_sync_router(
+    redis_server: RedisServer, service: Served, prefix: str
+) -> None:
+    client = redis_server.client()
+    fill(client, prefix)
+    router = PrefixRouter(client, prefix)
+    for prompt in (H, H[:6], H[:1], [], [*H[:4], -1, *H[5:]]):
+        reply = service.score({"block_hashes": prompt})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert from_reply(body) == as_dict(router.score(prompt))
+        assert body["best"] == router.best(prompt)
+    assert service.score({"block_hashes": H}).json()["blocks"] == 12
+    # tokens hashed by the service, as block_hashes would
+    by_tokens = service.score({"token_ids": TOKENS, "block_size": 16}).json()
+    assert from_reply(by_tokens) == as_dict(router.score(H))
+    big = [*TOKENS, *range(20_000)]  # hashed in a worker thread
+    by_big = service.score({"token_ids": big, "block_size": 16}).json()
+    assert by_big["blocks"] == len(big) // 16
+    assert from_reply(by_big) == as_dict(router.score(block_hashes(big, 16)))
+    salted = service.score({"token_ids": TOKENS, "block_size": 16, "salt": "s"}).json()
+    assert {s["kv_prefix"] for s in salted["nodes"].values()} == {0}
+    # a chosen set of namespaces, and load breaking ties
+    some = service.score({"block_hashes": H[:5], "namespaces": ["node-b", "node-c"]}).json()
+    assert set(some["nodes"]) == {"node-b", "node-c"}
+    for load in ({"node-b": 2.0, "node-c": 1.0}, {"node-b": 0.5, "node-c": 1.0}):
+        body = {"block_hashes": H[:5], "namespaces": ["node-b", "node-c"], "load": load}
+        expected = router.best(H[:5], load=load, namespaces=["node-b", "node-c"])
+        assert service.score(body).json()["best"] == expected
+    client.close()
+
+
+def test_no_hybrid_service_ranks_by_kv(redis_server: RedisServer, prefix: str) -> None:
+    client = redis_server.client()
+    fill(client, prefix)
+    served = Served(redis_server.url, prefix, hybrid=False)
+    try:
+        body = served.score({"block_hashes": H}).json()
+        assert from_reply(body) == as_dict(PrefixRouter(client, prefix, hybrid=False).score(H))
+        assert body["nodes"]["node-b"]["usable"] == 9
+    finally:
+        served.close()
+        client.close()
+
+
+def test_nodes_health_live_metrics_and_docs(
+    redis_server: RedisServer, service: Served, prefix: str
+) -> None:
+    client = redis_server.client()
+    fill(client, prefix)
+    nodes = service.http.get("/v1/nodes").json()["nodes"]
+    assert [n["namespace"] for n in nodes] == ["node-a", "node-b", "node-c", "node-d"]
+    assert [(n["kv_entries"], n["mamba_entries"]) for n in nodes] == [
+        (12, 3),
+        (9, 1),
+        (5, 0),
+        (0, 0),
+    ]
+    assert all(0 < n["lease_left_s"] <= 300 for n in nodes)
+    assert service.http.get("/live").json() == {"status": "alive"}
+    health = service.http.get("/health")
+    assert health.status_code == 200
+    assert health.json()["scripts"] == "loaded"
+    client.script_flush()  # scripts gone: /health loads them again
+    assert service.http.get("/health").status_code == 200
+    assert service.score({"block_hashes": H}).status_code == 200  # and calls reload them
+    metrics = service.http.get("/metrics")
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        assert metrics.status_code == 404
+        assert metrics.json()["error"] == "not available"
+    else:
+        assert metrics.status_code == 200
+        assert "# TYPE" in metrics.text
+    spec = service.http.get("/openapi.json").json()
+    assert {"/v1/score", "/v1/nodes", "/health", "/live", "/metrics"} <= set(spec["paths"])
+    assert service.http.get("/docs").status_code == 200
+    client.close()
+
+
+BAD_BODIES = [
+    {"block_hashes": "1,2"},  # wrong type
+    {"block_hashes": [1, "2"]},  # a string hash
+    {"block_hashes": [1, 2.5]},
+    {"block_hashes": [True]},
+    {"block_hashes": [1], "extra": 1},  # unknown field
+    {},  # neither
+    {"block_hashes": [1], "token_ids": [1], "block_size": 1},  # both
+    {"token_ids": [1, 2]},  # no block size
+    {"block_hashes": [1], "block_size": 16},
+    {"token_ids": [1], "block_size": 0},
+    {"block_hashes": [2**63]},  # out of range
+    {"block_hashes": [-2]},
+    {"token_ids": [2**63], "block_size": 1},
+    {"block_hashes": [1], "namespaces": ["bad namespace"]},
+    {"block_hashes": [1], "namespaces": "node-a"},
+    {"block_hashes": [1], "load": {"node-a": "high"}},
+    {"block_hashes": [1], "load": {"bad namespace": 1.0}},
+    {"block_hashes": list(range(1, MAX_HASHES + 2))},  # over the limits
+    {"token_ids": [0] * (MAX_TOKENS + 1), "block_size": 16},
+]
+
+
+@pytest.mark.parametrize("body", BAD_BODIES, ids=range(len(BAD_BODIES)))
+def test_bad_bodies_are_422_json(service: Served, body: dict[str, Any]) -> None:
+    reply = service.score(body)
+    assert reply.status_code == 422, reply.text
+    error = reply.json()
+    assert error["error"] == "invalid request"
+    assert len(reply.content) < 4096  # the input is not echoed back
+    assert "Traceback" not in reply.text
+
+
+def test_malformed_json_and_huge_bodies(service: Served) -> None:
+    bad = service.http.post(
+        "/v1/score", content=b"{bad", headers={"content-type": "application/json"}
+    )
+    assert bad.status_code == 422
+    assert bad.json()["error"] == "invalid request"
+    huge = service.http.post(
+        "/v1/score", content=b" " * (33 << 20), headers={"content-type": "application/json"}
+    )
+    assert huge.status_code == 413
+    assert huge.json()["error"] == "request too large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for _ in range(40):
+            yield b" " * (1 << 20)
+
+    chunked = service.http.post(
+        "/v1/score", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert chunked.status_code == 413
+    assert service.http.get("/v1/nope").status_code == 404
+
+
+def test_redis_down_is_503_then_200_when_back(own_server: RedisServer, prefix: str) -> None:
+    client = own_server.client()
+    fill(client, prefix)
+    served = Served(own_server.url, prefix)
+    try:
+        assert served.score({"block_hashes": H}).json()["best"] == "node-a"
+        own_server.kill()
+        for reply in (
+            served.score({"block_hashes": H, "namespaces": ["node-a"]}),
+            served.http.get("/v1/nodes"),
+            served.http.get("/health"),
+        ):
+            assert reply.status_code == 503, reply.text
+            assert reply.json()["error"] in ("unavailable", "unhealthy")
+            assert "Redis unavailable" in reply.json()["detail"]
+        assert served.http.get("/live").status_code == 200
+        own_server.restart()  # empty: scripts and nodes gone
+        wait_until(lambda: served.http.get("/health").status_code == 200, what="healthy again")
+        fill(client, prefix)
+        body = served.score({"block_hashes": H, "namespaces": ["node-a"]}).json()
+        assert body["nodes"]["node-a"]["kv_prefix"] == 12
+    finally:
+        served.close()
+        client.close()
+
+
+async def _both_scores(
+    url: str, prefix: str, prompts: list[list[int]]
+) -> list[dict[str, tuple[int, int, int]]]:
+    client = async_client_from_url(url)
+    try:
+        router = AsyncPrefixRouter(client, prefix)
+        out = []
+        for prompt in prompts:
+            out.append(as_dict(await router.score(prompt)))
+            out.append({"best": await router.best(prompt, load={"node-c": -1})})  # type: ignore[dict-item]
+        return out
+    finally:
+        await client.aclose()
+
+
+PROMPTS = [H, H[:8], H[:4], H[:1], []]
+
+
+def test_async_router_equals_sync_router(redis_server: RedisServer, prefix: str) -> None:
+    client = redis_server.client()
+    fill(client, prefix)
+    router = PrefixRouter(client, prefix)
+    expected = []
+    for prompt in PROMPTS:
+        expected.append(as_dict(router.score(prompt)))
+        expected.append({"best": router.best(prompt, load={"node-c": -1})})
+    assert asyncio.run(_both_scores(redis_server.url, prefix, PROMPTS)) == expected
+    client.close()
+
+
+def test_async_router_equals_sync_router_on_a_cluster(
+    redis_cluster: RedisClusterServers, prefix: str
+) -> None:
+    client = redis_cluster.client()
+    fill(client, prefix)
+    router = PrefixRouter(client, prefix)
+    expected = []
+    for prompt in PROMPTS:
+        expected.append(as_dict(router.score(prompt)))
+        expected.append({"best": router.best(prompt, load={"node-c": -1})})
+    url = redis_cluster.url.replace("redis://", "redis+cluster://")
+    assert asyncio.run(_both_scores(url, prefix, PROMPTS)) == expected
+    client.script_flush()  # NOSCRIPT on every primary: the async router reloads
+    assert asyncio.run(_both_scores(url, prefix, PROMPTS[:1])) == expected[:2]
+    served = Served(url, prefix)
+    try:
+        assert from_reply(served.score({"block_hashes": H}).json()) == as_dict(router.score(H))
+        assert len(served.http.get("/v1/nodes").json()["nodes"]) == 4
+    finally:
+        served.close()
+        client.close()
+
+
+def test_async_router_reports_to_the_metrics(redis_server: RedisServer, prefix: str) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from registry import metrics
+
+    target = prometheus_client.CollectorRegistry()
+    metrics.enable_metrics(target)
+    try:
+        client = redis_server.client()
+        fill(client, prefix)
+        asyncio.run(_both_scores(redis_server.url, prefix, [H]))  # one score, one best
+        client.close()
+        assert target.get_sample_value("pcr_router_score_duration_seconds_count") == 2
+        assert target.get_sample_value("pcr_router_decisions_total", {"outcome": "hit"}) == 1
+    finally:
+        metrics.disable_metrics()
+
+
+def test_async_router_translates_errors(prefix: str) -> None:
+    from registry.errors import RegistryUnavailable
+    from tests.support.servers import refused_port
+
+    async def scored(port: int) -> None:
+        client = async_client_from_url(f"redis://127.0.0.1:{port}/0")
+        try:
+            await AsyncPrefixRouter(client, prefix).score(H)
+        finally:
+            await client.aclose()
+
+    with refused_port() as port, pytest.raises(RegistryUnavailable, match="Redis unavailable"):
+        asyncio.run(scored(port))
+    with pytest.raises(ValueError, match="outside"):
+        asyncio.run(AsyncPrefixRouter(None, prefix).score([2**63]))
+    with pytest.raises(ValueError, match="unsupported Redis URL scheme"):
+        async_client_from_url("redis+sentinel://127.0.0.1:1/mymaster")
+
+
+def test_async_live_nodes_skip_what_is_not_a_namespace(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    client = redis_server.client()
+    fill(client, prefix)
+    client.zadd(f"{prefix}:nodes", {"not a namespace": 2**50, b"\xff": 2**50})
+
+    async def listed() -> tuple[list[str], int]:
+        aclient = async_client_from_url(redis_server.url)
+        try:
+            router = AsyncPrefixRouter(aclient, prefix)
+            return await router.live_nodes(), router.skipped
+        finally:
+            await aclient.aclose()
+
+    names, skipped = asyncio.run(listed())
+    assert names == PrefixRouter(client, prefix).live_nodes()
+    assert sorted(names) == ["node-a", "node-b", "node-c", "node-d"]
+    assert skipped == 2
+    client.close()
+
+
+# -- the command --------------------------------------------------------------------
+
+
+def pcr(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pcr", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--port", "0"],
+        ["--port", "70000"],
+        ["--bogus"],
+        ["--redis-url", "redis+sentinel://127.0.0.1:1/mymaster"],
+        ["--redis-url", "http://x"],
+        ["--key-prefix", "bad prefix"],
+        ["--host", "no such host.invalid."],
+        ["extra"],
+    ],
+)
+def test_serve_usage_errors_are_one_line_exit_2(args: list[str]) -> None:
+    done = pcr("serve", *args)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("pcr serve: error: "), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stdout == ""
+
+
+def test_serve_command_serves_and_stops(redis_server: RedisServer, prefix: str) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pcr", "serve", "--redis-url", redis_server.url,
+         "--key-prefix", prefix, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+    )  # fmt: skip
+    try:
+
+        def answers() -> bool:
+            assert process.poll() is None, process.communicate()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/live", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(answers, timeout=60, what="pcr serve")
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+        assert health.json() == {"status": "ok", "redis": "reachable", "scripts": "loaded"}
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.post(f"{base}/v1/score", json={"block_hashes": H}, timeout=30).json() == {
+            "blocks": 12,
+            "best": None,
+            "nodes": {},
+        }
+        if importlib.util.find_spec("prometheus_client") is not None:  # the process's metrics
+            assert (
+                'pcr_router_decisions_total{outcome="none"} 1.0'
+                in httpx.get(f"{base}/metrics", timeout=30).text
+            )
+        taken = pcr("serve", "--redis-url", redis_server.url, "--port", str(port))
+        assert taken.returncode == 1
+        assert taken.stderr.startswith(f"pcr serve: error: cannot listen on 127.0.0.1:{port}")
+        assert taken.stderr.count("\n") == 1
+    finally:
+        process.terminate()
+        out, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert out.startswith(f"pcr serve: scoring on http://127.0.0.1:{port}")
+    assert "Traceback" not in err
+    json.dumps(out)  # plain text
+
+
+def test_plain_pcr_never_imports_the_service_packages() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, pcr.main; pcr.main.build_parser(); "
+         "print(sorted({'fastapi', 'uvicorn', 'starlette'} & set(sys.modules)))"],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_serve_without_fastapi_is_one_line_exit_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pcr.main import main
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi now raises ImportError
+    assert main(["serve", "--redis-url", "redis://127.0.0.1:9/0"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "pcr serve: error: pcr serve needs fastapi: pip install 'prefix-cache-registry[serve]'\n"
+    )
