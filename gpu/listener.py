@@ -31,6 +31,7 @@ import redis
 from gpu.checks import check_listener_arguments
 from gpu.slot_pool import MambaSlotPool
 from registry import EvictionNotice, PrefixCacheRegistry, parse_notice
+from registry import metrics as _metrics
 from registry.client import client_from_url
 from registry.errors import RegistryUnavailable
 from registry.keys import DEFAULT_KEY_PREFIX
@@ -234,6 +235,7 @@ class EvictionListener:
             return
         if last is not None and notice.seq == last + 1:
             self.pool.apply_notice(notice)
+            _freed(notice)
             with self._lock:
                 self._applied += 1
                 self._last_seq = notice.seq
@@ -266,10 +268,19 @@ class EvictionListener:
             return
         for notice in replay:
             self.pool.apply_notice(notice)
+            _freed(notice)
         with self._lock:
             if replay:
                 self._replays += 1
                 self._last_seq = replay[-1].seq
+
+
+def _freed(notice: EvictionNotice) -> None:
+    """Report publish-to-free time of an applied notice when metrics are on: this host's
+    clock against the server's publish time (so their skew is part of it)."""
+    observer = _metrics.active
+    if observer is not None and notice.published_ms is not None:
+        observer.listener_lag(max(0.0, time.time() - notice.published_ms / 1000))
 
 
 def _text(value: Any) -> str:

@@ -127,18 +127,21 @@ end
 
 -- Number one eviction notice, append it to the capped stream and publish it.
 -- kind: 'evict' | 'cascade' | 'replace' | 'clear'; pairs_text: "bid:hash bid:hash ..." or ''.
--- Channel message: "<seq>@<incarnation> <kind>[ <bid>:<hash> ...]". Returns that message,
--- which is also what the calling script replies with: the caller parses the notice it made.
+-- Channel message: "<seq>@<incarnation> <kind> @<published ms>[ <bid>:<hash> ...]" (the
+-- server's clock when published: listeners measure publish-to-free from it). Returns that
+-- message, which is also what the calling script replies with: the caller parses it.
 local function publish_notice(meta_key, stream_key, channel, stream_maxlen, kind, pairs_text)
   local incarnation = history(meta_key)
   local seq = digits(redis.call('HINCRBY', meta_key, 'notice_seq', 1))
+  local published = digits(now_ms())
   local kept, truncated = pairs_text, '0'
   if #pairs_text > STREAM_PAIRS_MAX_BYTES then
     kept, truncated = '', '1'
   end
   redis.call('XADD', stream_key, 'MAXLEN', '~', stream_maxlen, '*',
-    'seq', seq, 'inc', incarnation, 'kind', kind, 'pairs', kept, 'truncated', truncated)
-  local message = seq .. '@' .. incarnation .. ' ' .. kind
+    'seq', seq, 'inc', incarnation, 'kind', kind, 'pairs', kept, 'truncated', truncated,
+    't', published)
+  local message = seq .. '@' .. incarnation .. ' ' .. kind .. ' @' .. published
   if pairs_text ~= '' then
     message = message .. ' ' .. pairs_text
   end

@@ -11,7 +11,7 @@
 -- ARGV[4]  pcr:{node-0}:mamba-evicted           channel for the notice
 -- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
 --
--- Returns: the text of the 'clear' notice ("<seq>@<incarnation> clear"), or "" when
+-- Returns: the text of the 'clear' notice ("<seq>@<incarnation> clear @<ms>"), or "" when
 --          there was nothing; error STALE_EPOCH when the caller's epoch was superseded.
 -- Calls:   GET, HGET, UNLINK, HSET, HINCRBY, TIME, XADD, PUBLISH, SET
 local early = begin_write(KEYS[3])

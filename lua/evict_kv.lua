@@ -17,7 +17,7 @@
 -- Returns: { removed, notice }: removed is the number of hashes removed from KV when
 --          that is all of them (the usual case: nothing to list), else their list;
 --          notice is "" or the text of the one notice for the cascaded Mamba entries,
---          "<seq>@<incarnation> cascade <block_id>:<hash> ..." as published;
+--          "<seq>@<incarnation> cascade @<ms> <block_id>:<hash> ..." as published;
 --          a retried request returns the first copy's reply;
 --          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
 -- Calls:   GET, HGET, HMGET, HDEL, EXISTS, HSET, HINCRBY, TIME, XADD, PUBLISH, SET

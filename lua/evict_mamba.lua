@@ -11,7 +11,7 @@
 -- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
 -- ARGV[6..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
 --
--- Returns: the text of the notice, "<seq>@<incarnation> evict <block_id>:<hash> ...",
+-- Returns: the text of the notice, "<seq>@<incarnation> evict @<ms> <block_id>:<hash> ...",
 --          which lists what was removed, or "" when nothing was; a retried request
 --          returns the first copy's reply;
 --          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.

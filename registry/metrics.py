@@ -140,6 +140,13 @@ class Metrics:
             buckets=RATIO_BUCKETS,
             registry=registry,
         )
+        self.listener_lag_seconds = Histogram(
+            "pcr_listener_lag_seconds",
+            "Eviction notices: from publish (server clock) to the slot freed by a listener "
+            "(its host's clock: their skew is included)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self._decided = {o: self.decisions.labels(o) for o in ("hit", "fallback", "none")}
         self.objects = ObjectCollector(namespace_labels)
         registry.register(self.objects)
@@ -169,6 +176,10 @@ class Metrics:
         children[0].inc()
         if seconds is not None:
             children[1].observe(seconds)
+
+    def listener_lag(self, seconds: float) -> None:
+        """A listener freed a notice's slots ``seconds`` after the notice was published."""
+        self.listener_lag_seconds.observe(seconds)
 
     def prefix_query(self, queried: int, hit: int) -> None:
         self.queries.inc(queried)
@@ -241,6 +252,7 @@ def disable_metrics() -> None:
         enabled.decisions,
         enabled.predicted,
         enabled.ratio,
+        enabled.listener_lag_seconds,
         enabled.objects,
     ):
         enabled.registry.unregister(collector)

@@ -2,12 +2,16 @@
 
 Each script that removes Mamba entries numbers one notice per call with
 ``HINCRBY meta notice_seq 1``, appends it to the capped stream
-``pcr:{NS}:mamba-evictions`` (fields ``seq``, ``inc``, ``kind``, ``pairs``, ``truncated``)
-and publishes it on the channel ``pcr:{NS}:mamba-evicted`` as one text line::
+``pcr:{NS}:mamba-evictions`` (fields ``seq``, ``inc``, ``kind``, ``pairs``, ``truncated``,
+``t``) and publishes it on the channel ``pcr:{NS}:mamba-evicted`` as one text line::
 
-    1796024288853142@1796024288853101482 evict 17:8815920390121 18:77123
-    1796024288853143@1796024288853101482 clear
-    ^ seq            ^ incarnation         ^ kind ^ block_id:hash pairs
+    1796024288853142@1796024288853101482 evict @1796024288861 17:8815920390121 18:77123
+    1796024288853143@1796024288853101482 clear @1796024288874
+    ^ seq            ^ incarnation         ^ kind ^ published ^ block_id:hash pairs
+
+``@<ms>`` (``t`` in the stream) is the server's clock when the notice was published, so a
+listener can tell how long a notice took to free its slot; notices of older scripts have
+none and still parse.
 
 The incarnation names the namespace's history: it changes whenever ``meta`` is created
 again (first write, ``gc``, a server that restarted empty, an eviction), and each new
@@ -23,7 +27,7 @@ moved a hash to another block id), ``clear`` (clear_mamba, reset; no pairs).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from registry.types import BlockHash, BlockId, BlockPair, NoticeKind
 
@@ -39,6 +43,9 @@ class EvictionNotice:
     pairs: tuple[BlockPair, ...] | tuple[tuple[int, int], ...] = ()
     incarnation: str = ""  # the namespace's history this number counts in
     truncated: bool = False  # read back from the stream without its pairs
+    # The server's clock (ms) when it was published; None from an older server's
+    # scripts. Not part of equality: the same notice read back compares equal.
+    published_ms: int | None = field(default=None, compare=False)
 
     @property
     def cleared(self) -> bool:
@@ -55,8 +62,20 @@ def _text(value: object) -> str:
 
 
 def _parse(
-    head: str, kind: str, pair_words: list[str], *, truncated: bool = False
+    head: str,
+    kind: str,
+    pair_words: list[str],
+    *,
+    truncated: bool = False,
+    published: str | None = None,
 ) -> EvictionNotice:
+    if pair_words and pair_words[0].startswith("@"):
+        published, pair_words = pair_words[0][1:], pair_words[1:]
+    published_ms = None
+    if published is not None:
+        if not (published.isdigit() and published.isascii()):
+            raise ValueError(f"notice publish time {published!r} is not a number")
+        published_ms = int(published)
     seq_text, _, incarnation = head.partition("@")
     if not seq_text.isdigit() or not seq_text.isascii():
         raise ValueError(f"notice sequence {seq_text!r} is not a positive integer")
@@ -72,7 +91,9 @@ def _parse(
         pairs.append(BlockPair(BlockId(int(block_id)), BlockHash(int(h))))
     if kind == "clear" and pairs:
         raise ValueError("a clear notice carries no pairs")
-    return EvictionNotice(int(seq_text), NoticeKind(kind), tuple(pairs), incarnation, truncated)
+    return EvictionNotice(
+        int(seq_text), NoticeKind(kind), tuple(pairs), incarnation, truncated, published_ms
+    )
 
 
 def parse_notice(message: str | bytes) -> EvictionNotice:
@@ -94,4 +115,10 @@ def parse_stream_entry(fields: Mapping[object, object]) -> EvictionNotice:
     except KeyError as exc:
         raise ValueError(f"stream entry lacks field {exc.args[0]!r}") from None
     head = f"{seq}@{by_name['inc']}" if by_name.get("inc") else seq
-    return _parse(head, kind, pairs.split(), truncated=by_name.get("truncated") == "1")
+    return _parse(
+        head,
+        kind,
+        pairs.split(),
+        truncated=by_name.get("truncated") == "1",
+        published=by_name.get("t"),
+    )

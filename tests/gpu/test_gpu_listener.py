@@ -353,3 +353,30 @@ def test_server_restart_empties_the_pool_and_the_listener_carries_on() -> None:
         assert counts.last_seq > first.last_seq  # numbers never went back
         for c in (client, elsewhere.client):
             c.close()
+
+
+def test_publish_to_free_lag_is_measured(redis_backend: Backend) -> None:
+    """With metrics on, every notice a listener applies reports the time from its publish
+    (the server's clock, carried in the notice) to its slots freed."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry
+
+    from registry import metrics
+
+    target = CollectorRegistry()
+    metrics.enable_metrics(target)
+    try:
+        reg, pool = node(redis_backend)
+        pool.store([1, 2], [A, B], *states(2))
+        elsewhere = redis_backend.registry(reg.namespace)
+        with listen(redis_backend, reg, pool):
+            elsewhere.evict_mamba([A])
+            elsewhere.evict_mamba([B])
+            wait_until(lambda: pool.counts().in_use == 0, what="both slots freed")
+        count = target.get_sample_value("pcr_listener_lag_seconds_count")
+        total = target.get_sample_value("pcr_listener_lag_seconds_sum")
+    finally:
+        metrics.disable_metrics()
+    assert count == 2
+    assert total is not None
+    assert total >= 0

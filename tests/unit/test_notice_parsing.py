@@ -57,3 +57,20 @@ def test_stream_entries_carry_incarnation_and_truncation() -> None:
         True,
         (),
     )
+
+
+def test_notices_carry_their_publish_time() -> None:
+    text = "12@1796024288853101482 cascade @1796024288861 5:9223372036854775807 6:7"
+    notice = parse_notice(text)
+    assert notice.published_ms == 1796024288861
+    assert notice.pairs == ((5, 2**63 - 1), (6, 7))
+    # The same notice without a time (older scripts) compares equal.
+    assert notice == parse_notice("12@1796024288853101482 cascade 5:9223372036854775807 6:7")
+    assert parse_notice("13@1796024288853101482 clear @1796024288870").published_ms == (
+        1796024288870
+    )
+    assert parse_notice("13 clear").published_ms is None
+    with pytest.raises(ValueError, match="publish time"):
+        parse_notice("13@1796024288853101482 evict @x 1:2")
+    entry = {b"seq": b"7", b"inc": b"12", b"kind": b"evict", b"pairs": b"1:2", b"t": b"99"}
+    assert parse_stream_entry(entry).published_ms == 99
