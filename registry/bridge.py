@@ -36,15 +36,18 @@ atomic, in order, never partial. What a bridged namespace holds:
   payload comes from a restarted engine. ``AllBlocksCleared`` empties the namespace.
 - **Liveness.** The bridge holds the namespace's lease while it hears from the engine:
   a message, or an answer to a replay probe (sent when the engine has been quiet for a
-  third of the lease or of ``silence_timeout``, whichever is shorter). Once the engine
-  is silent for ``silence_timeout`` seconds the lease is left to run out, so routers
-  stop scoring it.
+  third of the lease or of ``silence_timeout``, whichever is shorter; it waits
+  ``PROBE_TIMEOUT`` for the answer, and an engine that does not answer is probed at
+  doubling intervals, up to once per ``silence_timeout``). Once the engine is silent
+  for ``silence_timeout`` seconds the lease is left to run out, so routers stop
+  scoring it.
 - **Faults.** A batch that does not decode is counted (by kind, logged once) and
   skipped; its sequence number still counts as seen when it is the one expected next.
   Out of sequence it moves nothing (no gap, no restart): its seq may be as broken as
   its payload. While Redis is away the bridge keeps the batch and retries it
   (``bridge_apply`` is idempotent), reading nothing more; the engine's socket buffers
-  meanwhile, and what it drops shows up as a gap.
+  meanwhile, and what it drops shows up as a gap. An unexpected error in one engine's
+  follower (a bug) restarts that namespace only (``internal_errors``).
 
 ZeroMQ (``pyzmq``) and msgpack come with the ``bridge`` extra; this module imports
 ``zmq`` only when a :class:`Bridge` is built.
