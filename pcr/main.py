@@ -193,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the prompt sizes to measure, comma-separated (default: 16,64,512,8192)",
     )
     bench.add_argument(
+        "--fleet",
+        action="store_true",
+        help="instead: the cost of one routing decision over 16, 64 and 256 live namespaces "
+        "(16 and 64 with --quick), on a standalone server and a 3-master cluster of its own "
+        "(or on --redis-url only, which may then be a redis+cluster:// URL)",
+    )
+    bench.add_argument(
         "--json", metavar="FILE", help="also write the figures to FILE (checked before the run)"
     )
     bench.set_defaults(handler=_command_bench, command_parser=bench)

@@ -15,13 +15,16 @@ from pcr.common import (
     _where,
     _write_json,
 )
-from pcr.servers import RedisServer
+from pcr.servers import RedisClusterServers, RedisServer
+from registry.client import CLUSTER_SCHEMES, client_from_url
 
 BENCH_SCHEMES = ("redis", "rediss", "unix")
 
 
 def _command_bench(args: argparse.Namespace) -> int:
     _check_writable(args.json)
+    if args.fleet:
+        return _command_bench_fleet(args)
     from pcr.bench import run as bench
 
     if args.redis_url:
@@ -45,6 +48,68 @@ def _command_bench(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             raise CommandError(str(exc)) from None
     print(bench.format_report(report))
+    if args.json:
+        _write_json(args.json, report)
+    return 0
+
+
+def _command_bench_fleet(args: argparse.Namespace) -> int:
+    """``pcr bench --fleet``: routing at fleet scale, on a standalone server and a 3-master
+    cluster of its own, or on ``--redis-url`` only."""
+    import time
+
+    from pcr.bench import fleet
+
+    started = time.perf_counter()
+    rows = []
+    if args.redis_url:
+        scheme = _scheme(args.redis_url)
+        if scheme not in (*BENCH_SCHEMES, *CLUSTER_SCHEMES):
+            raise UsageError(
+                "argument --redis-url: pcr bench --fleet measures a standalone server or a "
+                "cluster: give a redis://, rediss://, unix://, redis+cluster:// or "
+                "rediss+cluster:// URL"
+            )
+        deployment = "cluster" if scheme in CLUSTER_SCHEMES else "standalone"
+        with common.connect(args):
+            pass
+        client = client_from_url(args.redis_url)
+        try:
+            with _talking(f"Redis at {_where(args.redis_url)}"):
+                rows += fleet.measure(client, deployment, quick=args.quick)
+        except RuntimeError as exc:  # the fleet was not as filled (see fleet.measure)
+            raise CommandError(str(exc)) from None
+        finally:
+            client.close()
+    else:
+        try:
+            with RedisServer() as server:
+                print(
+                    f"pcr bench --fleet: a redis-server of its own on 127.0.0.1:{server.port}",
+                    flush=True,
+                )
+                with server.client() as client, _talking(f"Redis at 127.0.0.1:{server.port}"):
+                    rows += fleet.measure(client, "standalone", quick=args.quick)
+            with RedisClusterServers(masters=3) as cluster:
+                ports = ", ".join(str(node.port) for node in cluster.nodes)
+                print(
+                    f"pcr bench --fleet: a 3-master Redis Cluster of its own on ports {ports}",
+                    flush=True,
+                )
+                with (
+                    cluster.client() as cluster_client,
+                    _talking(f"Redis Cluster at {cluster.url}"),
+                ):
+                    rows += fleet.measure(cluster_client, "cluster", quick=args.quick)
+        except RuntimeError as exc:
+            raise CommandError(str(exc)) from None
+    report = {
+        "quick": args.quick,
+        "fleet": fleet.report(rows, args.quick),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    print("\n".join(fleet.format_rows(report["fleet"])))
+    print(f"\n{'quick' if args.quick else 'full'} fleet run, {report['seconds']} s")
     if args.json:
         _write_json(args.json, report)
     return 0

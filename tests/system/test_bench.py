@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pcr.bench import bridge as bridge_bench
+from pcr.bench import fleet as fleet_bench
 from pcr.bench import run as bench
 from pcr.bench import serve as serve_bench
 from tests.support import REPO_ROOT
@@ -76,6 +77,53 @@ def test_quick_bench_reports_every_operation_and_target(tmp_path: Path) -> None:
         assert "pcr serve POST /v1/score, 512 hashes, 16 live nodes, offered" in text
     else:
         assert "serve: skipped" in text
+
+
+@pytest.mark.redis_server
+@pytest.mark.cluster
+def test_quick_fleet_bench_reports_every_deployment_and_size(tmp_path: Path) -> None:
+    require_redis_server()
+    out = tmp_path / "fleet.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pcr", "bench", "--fleet", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert set(report) == {"quick", "fleet", "seconds"}  # none of plain pcr bench's rows
+    fleet = report["fleet"]
+    assert (fleet["chain_blocks"], fleet["prompt_blocks"], fleet["mamba_every"]) == (4096, 512, 8)
+    assert len(fleet["load_average"]) == 3
+    rows = fleet["rows"]
+    assert [(r["deployment"], r["namespaces"]) for r in rows] == [
+        (deployment, n) for deployment in ("standalone", "cluster") for n in (16, 64)
+    ]
+    for row in rows:
+        assert row["servers"] == (1 if row["deployment"] == "standalone" else 3)
+        assert row["scored"] == row["namespaces"]  # every live namespace, each scored
+        assert row["kv_prefix"] == row["matched"] == fleet_bench.PROMPT
+        assert row["mamba_prefix"] == fleet_bench.PROMPT - fleet_bench.MAMBA_EVERY + 1
+        for name in ("score_hybrid_p50_ms", "score_plain_p50_ms", "match_p50_ms"):
+            assert row[name] > 0
+        for mode in ("hybrid", "plain"):
+            p50 = row[f"score_{mode}_p50_ms"]
+            assert row[f"{mode}_ratio"] == pytest.approx(p50 / row["match_p50_ms"], rel=0.01)
+            assert row[f"server_us_{mode}"] > 0
+        assert row["server_us_match"] > 0
+        assert row["setup_s"] >= 0
+    assert "score hybrid ms" in done.stdout
+    assert "server µs hybrid" in done.stdout
+    assert "quick fleet run" in done.stdout
+
+
+def test_fleet_bench_refuses_a_sentinel_url() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pcr", "bench", "--fleet", "--redis-url",
+         "redis+sentinel://127.0.0.1:9/mymaster"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "redis+cluster://" in done.stderr
 
 
 def check_serve_rows(rows: dict[str, object], served: bool) -> None:
