@@ -347,7 +347,13 @@ def test_simulate_serves_metrics(mode: str) -> None:
         try:
             while process.poll() is None:
                 text = fetch(port)
-                if text is not None and all(w in text for w in wanted):
+                # Every wanted metric, once both nodes own their namespace (the bridge's
+                # followers claim one after the other: an early scrape may see one).
+                if (
+                    text is not None
+                    and all(w in text for w in wanted)
+                    and "\npcr_owned_namespaces 2.0" in text
+                ):
                     seen = text
                     break
                 time.sleep(0.05)
