@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,6 +42,32 @@ def owner(
     assert isinstance(reg, PrefixCacheRegistry)
     reg.claim(lease_ttl=lease)
     return reg
+
+
+def cluster_backend(redis_cluster: Any) -> Backend:
+    """The "cluster" backend on the module's cluster, for tests outside the backend matrix."""
+    from tests.support.backends import make_backend
+
+    class Request:
+        def getfixturevalue(self, name: str) -> Any:
+            return redis_cluster
+
+    return make_backend("cluster", Request())  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def counted_sends() -> Iterator[list[str]]:
+    """Every socket write of redis-py connections in the block, as "host:port"."""
+    sends: list[str] = []
+    original = Connection.send_packed_command
+
+    def counting(self: Connection, *args: Any, **kwargs: Any) -> Any:
+        sends.append(f"{self.host}:{self.port}")
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Connection, "send_packed_command", counting)
+        yield sends
 
 
 def three_nodes(backend: Backend, prefix: str) -> dict[str, PrefixCacheRegistry]:
@@ -282,13 +310,7 @@ def test_router_survives_script_flush(redis_backend: Backend, prefix: str) -> No
 
 
 def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix: str) -> None:
-    from tests.support.backends import make_backend
-
-    class Request:
-        def getfixturevalue(self, name: str) -> Any:
-            return redis_cluster
-
-    backend = make_backend("cluster", Request())  # type: ignore[arg-type]
+    backend = cluster_backend(redis_cluster)
     try:
         chain = list(range(10**12, 10**12 + 512))
         nodes = {}
@@ -305,15 +327,7 @@ def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix:
         primaries = {n.name: redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()}
         for admin in primaries.values():
             admin.config_resetstat()
-        sends: list[str] = []
-        original = Connection.send_packed_command
-
-        def counting(self: Connection, *args: Any, **kwargs: Any) -> Any:
-            sends.append(f"{self.host}:{self.port}")
-            return original(self, *args, **kwargs)
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Connection, "send_packed_command", counting)
+        with counted_sends() as sends:
             scores = router.score(chain)
         # One round trip per shard: one write to each primary, no COMMAND GETKEYS.
         assert sorted(sends) == sorted(primaries)
@@ -335,13 +349,7 @@ def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix:
 def test_stats_of_many_namespaces_cost_one_round_trip_per_shard(
     redis_cluster: Any, prefix: str
 ) -> None:
-    from tests.support.backends import make_backend
-
-    class Request:
-        def getfixturevalue(self, name: str) -> Any:
-            return redis_cluster
-
-    backend = make_backend("cluster", Request())  # type: ignore[arg-type]
+    backend = cluster_backend(redis_cluster)
     try:
         regs = [owner(backend, f"stats-{i:02d}", prefix) for i in range(12)]
         for i, reg in enumerate(regs):
@@ -349,15 +357,7 @@ def test_stats_of_many_namespaces_cost_one_round_trip_per_shard(
         client = backend.client()
         names = [reg.namespace for reg in regs]
         namespace_infos(client, names, key_prefix=prefix)  # connections open
-        sends: list[str] = []
-        original = Connection.send_packed_command
-
-        def counting(self: Connection, *args: Any, **kwargs: Any) -> Any:
-            sends.append(f"{self.host}:{self.port}")
-            return original(self, *args, **kwargs)
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Connection, "send_packed_command", counting)
+        with counted_sends() as sends:
             infos = namespace_infos(client, names, key_prefix=prefix)
         assert sorted(sends) == sorted(n.name for n in client.get_primaries())
         for reg, (info, memory) in zip(regs, infos, strict=True):
@@ -374,13 +374,7 @@ def test_stats_of_many_namespaces_cost_one_round_trip_per_shard(
 def test_scores_stay_exact_when_the_slot_map_is_stale(redis_cluster: Any, prefix: str) -> None:
     """Commands sent to a node that no longer serves their slot are answered MOVED; the
     router then falls back to redis-py's pipeline, which follows the redirection."""
-    from tests.support.backends import make_backend
-
-    class Request:
-        def getfixturevalue(self, name: str) -> Any:
-            return redis_cluster
-
-    backend = make_backend("cluster", Request())  # type: ignore[arg-type]
+    backend = cluster_backend(redis_cluster)
     try:
         regs = [owner(backend, f"moved-{i}", prefix) for i in range(6)]
         for i, reg in enumerate(regs):
