@@ -15,7 +15,6 @@ its client belongs to).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -24,7 +23,8 @@ from redis.exceptions import NoScriptError
 
 from registry import metrics as _metrics
 from registry.errors import REDIS_ERRORS, RegistryError, translate
-from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, node_index_key, validate_namespace
+from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, node_index_key
+from registry.membership import split_members, warn_invalid
 from registry.routing import (
     NodeScore,
     best_of,
@@ -35,8 +35,6 @@ from registry.routing import (
     scores_from_replies,
 )
 from registry.scripts import script_sha, script_source
-
-log = logging.getLogger(__name__)
 
 ROUTER_SCRIPTS = ("score", "live_nodes")
 """The scripts a router runs (``load`` sends them ahead of the first call)."""
@@ -142,29 +140,18 @@ class AsyncPrefixRouter:
     async def _members(self, mode: str) -> list[str]:
         what = f"node index {self.index_key!r}"
         names, skipped = await self._run("live_nodes", (self.index_key,), (mode,), what)
-        valid = []
-        for raw in names:
-            name = raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else str(raw)
-            try:
-                valid.append(validate_namespace(name))
-            except (TypeError, ValueError):
-                skipped += 1
-                self._warn(repr(name))
-        if skipped:
-            self.skipped += int(skipped)
-            self._warn(f"{int(skipped)} invalid members")
+        valid, refused = split_members(names, skipped)
+        for name in refused:
+            self._warn(name)
+        if skipped or refused:
+            self.skipped += int(skipped) + len(refused)
+            self._warn(f"{int(skipped) + len(refused)} invalid members")
         return valid
 
     def _warn(self, what: str) -> None:
-        if what in self._warned:
-            return
-        self._warned.add(what)
-        log.warning(
-            "node index %r holds %s that are not namespaces; skipped "
-            "(`pcr stats` lists them, `pcr gc` removes them)",
-            self.index_key,
-            what,
-        )
+        if what not in self._warned:
+            self._warned.add(what)
+            warn_invalid(self.index_key, what)
 
     async def _run(
         self, operation: str, keys: Sequence[Any], args: Sequence[Any], what: str

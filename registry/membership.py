@@ -81,18 +81,13 @@ class NodeIndex:
 
     def _members(self, mode: str) -> list[str]:
         names, skipped = self._run("live_nodes", (self.key,), (mode,))
-        valid = []
-        for raw in names:
-            name = _text(raw)
-            if _is_namespace(name):
-                valid.append(name)
-            else:
-                skipped += 1
-                self._warn(name)
-        if skipped:
+        valid, refused = split_members(names, skipped)
+        for name in refused:
+            self._warn(name)
+        if skipped or refused:
             with self._lock:
-                self.skipped += int(skipped)
-            self._warn(f"{int(skipped)} invalid members")
+                self.skipped += int(skipped) + len(refused)
+            self._warn(f"{int(skipped) + len(refused)} invalid members")
         return valid
 
     def _warn(self, what: str) -> None:
@@ -100,12 +95,7 @@ class NodeIndex:
             if what in self._warned:
                 return
             self._warned.add(what)
-        log.warning(
-            "node index %r holds %s that are not namespaces; skipped "
-            "(`pcr stats` lists them, `pcr gc` removes them)",
-            self.key,
-            what if what.endswith("members") else repr(what),
-        )
+        warn_invalid(self.key, what)
 
     def collect_dead(self) -> list[str]:
         """Delete the keys and index entries of every dead namespace; return them.
@@ -123,6 +113,28 @@ class NodeIndex:
         return removed
 
     gc = collect_dead  # the first release's name
+
+
+def split_members(names: list[Any], skipped: int) -> tuple[list[str], list[str]]:
+    """The ``live_nodes`` script's members as (namespaces, text members the namespace
+    rules refuse); ``skipped`` (what the script itself skipped) is only passed along by
+    callers. Shared by ``NodeIndex`` and the asyncio router."""
+    valid: list[str] = []
+    refused: list[str] = []
+    for name in map(_text, names):
+        (valid if _is_namespace(name) else refused).append(name)
+    return valid, refused
+
+
+def warn_invalid(key: str, what: str) -> None:
+    """Log, once per caller's choosing, that the index ``key`` holds ``what`` (a member,
+    or "N invalid members") that is not a namespace."""
+    log.warning(
+        "node index %r holds %s that are not namespaces; skipped "
+        "(`pcr stats` lists them, `pcr gc` removes them)",
+        key,
+        what if what.endswith("members") else repr(what),
+    )
 
 
 def _is_namespace(name: str) -> bool:
