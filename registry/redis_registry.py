@@ -35,7 +35,7 @@ from registry.membership import NodeIndex
 from registry.notices import EvictionNotice, parse_notice
 from registry.ownership import DEFAULT_LEASE_TTL, Ownership
 from registry.replay import notices_after
-from registry.scripts import ScriptRunner, is_cluster, run_per_node
+from registry.scripts import ScriptRunner, run_batched
 from registry.validation import flatten
 
 DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
@@ -454,15 +454,8 @@ def namespace_infos(
         routed += [(keys.meta, command) for command in commands]
     if not routed:
         return []
-    replies = None
     try:
-        if is_cluster(client):
-            replies = run_per_node(client, routed)
-        if replies is None:
-            pipe = client.pipeline(transaction=False)
-            for _key, command in routed:
-                pipe.execute_command(*command)
-            replies = pipe.execute(raise_on_error=False)
+        replies = run_batched(client, routed)
     except REDIS_ERRORS as exc:
         raise (translate(exc, f"reading {len(namespaces)} namespaces") or exc) from exc
     per = len(routed) // len(namespaces)

@@ -188,16 +188,10 @@ class ScriptRunner:
         self, operation: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
     ) -> list[Any]:
         sha = script_sha(operation)
-        if is_cluster(self.client):
-            routed = _per_node(self.client, [("EVALSHA", sha, len(k), *k, *a) for k, a in calls])
-            if routed is not None:
-                return routed
-        pipe = self.client.pipeline(transaction=False)
-        for keys, args in calls:
-            # execute_command, not pipe.evalsha: redis-py's cluster pipeline refuses evalsha.
-            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        return replies
+        return run_batched(
+            self.client,
+            [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls],
+        )
 
     @staticmethod
     def _error(
@@ -222,9 +216,21 @@ def is_cluster(client: Any) -> bool:
 REDIRECTED = (MovedError, AskError, TryAgainError, ClusterDownError)
 
 
-def _per_node(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any] | None:
-    """``run_per_node`` for script calls: each EVALSHA goes where its first key lives."""
-    return run_per_node(client, [(command[3], command) for command in commands])
+def run_batched(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> list[Any]:
+    """Run commands in one round trip per Redis node; ``routed`` holds (routing key,
+    command) pairs. A pipeline on a standalone server; on a cluster ``run_per_node``, or
+    redis-py's cluster pipeline when the layout moved. Error replies come back as
+    exception objects, in order; a lost connection raises."""
+    if is_cluster(client):
+        replies = run_per_node(client, routed)
+        if replies is not None:
+            return replies
+    pipe = client.pipeline(transaction=False)
+    for _key, command in routed:
+        # execute_command, not pipe.evalsha: redis-py's cluster pipeline refuses evalsha.
+        pipe.execute_command(*command)
+    result: list[Any] = pipe.execute(raise_on_error=False)
+    return result
 
 
 def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> list[Any] | None:
