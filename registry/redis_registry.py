@@ -130,21 +130,41 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         fence: str | None = None,
     ) -> Any:
         """Run a write script under a fresh request id (see ``lua/_prelude.lua``)."""
+        all_keys, args = self._write_args(operation, keys, notices, data, fence=fence)
+        return self._runner.run(
+            operation, all_keys, args, namespace=self.keys.namespace, epoch=self.epoch
+        )
+
+    def _write_args(
+        self,
+        operation: str,
+        keys: tuple[str, ...],
+        notices: bool,
+        data: Any = (),
+        *,
+        fence: str | None = None,
+    ) -> tuple[tuple[str, ...], list[Any]]:
+        """The (KEYS, ARGV) of one write under a fresh request id: ``_write`` sends them
+        at once; a batching caller (the mirror's flusher) keeps them to send, and re-send
+        unchanged, later: the request id makes a re-sent copy a no-op."""
         number = f"{next(self._requests):x}"
-        head: tuple[Any, ...] = (
+        head: list[Any] = [
             self._fence if fence is None else fence,
             f"{self._request_prefix}-{number}",
             self._reply_ms,
-        )
+        ]
         if notices:
-            head = (*head, self.keys.mamba_evicted_channel, self.notice_stream_maxlen)
-        return self._runner.run(
-            operation,
-            (self._reply_prefix + number, *keys),
-            [*head, *data] if data else head,
-            namespace=self.keys.namespace,
-            epoch=self.epoch,
-        )
+            head += [self.keys.mamba_evicted_channel, self.notice_stream_maxlen]
+        head.extend(data)
+        return (self._reply_prefix + number, *keys), head
+
+    def _index_calls(self, change: str, hashes: list[int]) -> list[tuple[str, tuple[Any, ...]]]:
+        """The fleet-index upkeep of one write, as (routing key, command) pairs to send in
+        the write's own round trip. ``change``: "kv+", "kv-", "mamba+" or "mamba-"."""
+        return []
+
+    def reindex(self) -> None:
+        """Rebuild this namespace's fleet-index entries from its maps."""
 
     @classmethod
     def from_url(
