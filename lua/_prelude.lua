@@ -67,14 +67,39 @@ local function stale_epoch(meta_key, epoch)
     .. ', this owner holds ' .. epoch)
 end
 
+-- Exclusive ownership of a mirrored namespace (registry/mirror.py). A mirrored owner's
+-- claim records its epoch as meta's `mirror_epoch` and its label as `mirror_owner`:
+-- while that epoch is the current one and its lease is live, a write carrying any other
+-- epoch ('' included: an operator) is refused, so the owner's local mirror can never
+-- silently diverge from Redis. Namespaces never claimed by a mirror have no such field
+-- and pay one HGET.
+local function mirrored(meta_key, epoch)
+  local owner_epoch = redis.call('HGET', meta_key, 'mirror_epoch')
+  if not owner_epoch or owner_epoch == epoch then
+    return nil
+  end
+  local fields = redis.call('HMGET', meta_key, 'epoch', 'lease_until', 'mirror_owner')
+  if fields[1] ~= owner_epoch or tonumber(fields[2] or '0') <= now_ms() then
+    return nil  -- superseded by a claim, or the mirrored owner's lease ran out
+  end
+  return redis.error_reply('NAMESPACE_MIRRORED ' .. (fields[3] or '?')
+    .. ' owns this namespace through a write-behind mirror (epoch ' .. owner_epoch
+    .. ', lease live): only it may write here')
+end
+
 -- Start of every write: the recorded reply of this request id (a retried copy), or the
--- STALE_EPOCH error, or nil to go on.
-local function begin_write(meta_key)
+-- STALE_EPOCH error, or the NAMESPACE_MIRRORED error, or nil to go on. A claim passes
+-- `claiming`: taking a namespace over (fencing its mirrored owner) stays allowed.
+local function begin_write(meta_key, claiming)
   local saved = redis.call('GET', KEYS[1])
   if saved then
     return cjson.decode(saved)
   end
-  return stale_epoch(meta_key, ARGV[1])
+  local stale = stale_epoch(meta_key, ARGV[1])
+  if stale or claiming then
+    return stale
+  end
+  return mirrored(meta_key, ARGV[1])
 end
 
 -- End of every write: record the reply under the request id for ARGV[3] ms; return it.

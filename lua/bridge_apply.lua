@@ -32,7 +32,10 @@
 --   (slot: 1..64, the holder character of the event's (group, medium))
 --
 -- Returns: { blocks newly listed in KV, blocks unlisted from KV, removals of blocks
---            that slot did not hold, clears }
+--            that slot did not hold, clears, then for the fleet index (registry/fleet.py)
+--            the own hashes listed in KV, unlisted from KV, listed in Mamba, unlisted
+--            from Mamba by these batches (each hash's final state; after a clear the
+--            caller rebuilds the index bits instead) }
 -- Calls:   GET, HGET, HSET, HMGET, HDEL, UNLINK, SET
 local early = begin_write(KEYS[4])
 if early then return early end
@@ -49,6 +52,7 @@ redis.call('HSET', KEYS[4], unpack(meta))
 
 local kv, mamba, blocks = KEYS[2], KEYS[3], KEYS[5]
 local stored, removed, unknown, cleared = 0, 0, 0, 0
+local in_kv, in_mamba = {}, {}  -- own hash -> listed (true) or unlisted (false) at the end
 
 -- Which maps list a block with these holders: kv, mamba.
 local function listed(holders)
@@ -122,6 +126,7 @@ while i <= n_args do
         .. string.sub(digests, (j - 1) * 64 + 1, j * 64) .. ' ' .. holders
       local has_k, has_m = listed(holders)
       if has_k then
+        in_kv[own] = true
         kv_sets[#kv_sets + 1] = own
         kv_sets[#kv_sets + 1] = block_id
         if not had_k then
@@ -129,6 +134,7 @@ while i <= n_args do
         end
       end
       if has_m then
+        in_mamba[own] = true
         mamba_sets[#mamba_sets + 1] = own
         mamba_sets[#mamba_sets + 1] = block_id
       end
@@ -163,10 +169,12 @@ while i <= n_args do
           dropped[#dropped + 1] = engine
         end
         if had_k and not has_k then
+          in_kv[own] = false
           kv_dels[#kv_dels + 1] = own
           removed = removed + 1
         end
         if had_m and not has_m then
+          in_mamba[own] = false
           mamba_dels[#mamba_dels + 1] = own
         end
       end
@@ -184,4 +192,18 @@ while i <= n_args do
     return redis.error_reply('BAD_OPERATION bridge_apply: unknown operation ' .. tostring(op))
   end
 end
-return finish_write({stored, removed, unknown, cleared})
+-- Each map's final changes as two lists: listed, unlisted.
+local function split(changes)
+  local on, off = {}, {}
+  for own, listed in pairs(changes) do
+    if listed then
+      on[#on + 1] = own
+    else
+      off[#off + 1] = own
+    end
+  end
+  return on, off
+end
+local kv_on, kv_off = split(in_kv)
+local mamba_on, mamba_off = split(in_mamba)
+return finish_write({stored, removed, unknown, cleared, kv_on, kv_off, mamba_on, mamba_off})

@@ -19,10 +19,14 @@
 -- ARGV[4]  pcr:{node-0}:mamba-evicted           channel for the 'clear' notice
 -- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
 -- ARGV[6]  "10000"                              lease length in milliseconds
+-- ARGV[7]  "node-0 (host:pid)" or ""            a mirrored owner's label (registry/mirror.py):
+--                                                while its lease is live, writes with any
+--                                                other epoch are refused (NAMESPACE_MIRRORED);
+--                                                "" or absent: an ordinary owner
 --
 -- Returns: { new epoch, lease end (server clock, ms), clear notice }, numbers as text.
 -- Calls:   GET, TIME, HGET, HSET, UNLINK, HDEL, HINCRBY, XADD, PUBLISH, SET
-local early = begin_write(KEYS[4])
+local early = begin_write(KEYS[4], true)  -- a claim fences even a mirrored owner
 if early then return early end
 local epoch = new_epoch(KEYS[4])
 -- The first write adds data, so a server out of memory (noeviction) refuses the whole
@@ -32,5 +36,10 @@ redis.call('HSET', KEYS[4], 'epoch', epoch, 'lease_until', lease_until)
 redis.call('UNLINK', KEYS[2], KEYS[3], KEYS[6])
 -- A new owner starts a new history: it is not following an engine until it says so.
 redis.call('HDEL', KEYS[4], 'bridge_seq', 'bridge_engine', 'bridge_endpoint', 'bridge_block_size')
+if ARGV[7] and ARGV[7] ~= '' then
+  redis.call('HSET', KEYS[4], 'mirror_epoch', epoch, 'mirror_owner', ARGV[7])
+else
+  redis.call('HDEL', KEYS[4], 'mirror_epoch', 'mirror_owner')
+end
 local notice = publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'clear', '')
 return finish_write({epoch, lease_until, notice})

@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the subscription lost it (the bridge sees a gap and replays it); N >= 2",
     )
     sim.add_argument(
+        "--mirror",
+        action="store_true",
+        help="also run each router with mirrored owners (registry.MirroredRegistry: each "
+        "node answers its own calls locally and writes behind to Redis); the table shows "
+        "the registry cost per request of both runs side by side",
+    )
+    sim.add_argument(
         "--metrics-port",
         type=_port,
         help="serve Prometheus metrics on this TCP port (all interfaces) while it runs "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import sys
@@ -59,8 +60,19 @@ def _simulate_table(results: list[dict[str, Any]]) -> str:
         )
     if all("bridge" in r for r in results):
         _bridge_rows(results, rows)
+    row("registry µs per request (the nodes' own calls)", lambda r: r["registry_us_per_request"])
+    if any("mirror" in r for r in results):
+        row(
+            "mirror: writes flushed / batches / resyncs",
+            lambda r: (
+                f"{r['mirror']['flushed']} / {r['mirror']['batches']} / {r['mirror']['resyncs']}"
+                if "mirror" in r
+                else "-"
+            ),
+        )
     row("run time (s)", lambda r: r["seconds"])
-    return format_table(["", *[r["router"] for r in results]], rows)
+    headers = [f"{r['router']} mirrored" if r.get("mirrored") else r["router"] for r in results]
+    return format_table(["", *headers], rows)
 
 
 SKIPPED = ("keyed_blocks", "other_medium", "other_groups", "block_size_mismatch")
@@ -131,6 +143,8 @@ def _command_simulate(args: argparse.Namespace) -> int:
     )
     _check_simulate_sizes(config)
     bridge = _bridge_config(args)
+    if args.mirror and bridge is not None:
+        raise UsageError("argument --mirror: not with --bridge (a bridged node writes no Redis)")
     routers = ["round-robin", "prefix"] if args.router == "both" else [args.router]
     with contextlib.ExitStack() as stack:
         if args.redis_url:
@@ -165,6 +179,11 @@ def _command_simulate(args: argparse.Namespace) -> int:
             progress = _progress_bar(router) if show else None
             with _talking(where), _bridge_trouble():
                 results.append(simulate(client, config, router, progress=progress, bridge=bridge))
+            if args.mirror:
+                mirrored = dataclasses.replace(config, mirror=True)
+                progress = _progress_bar(f"{router} mirrored") if show else None
+                with _talking(where):
+                    results.append(simulate(client, mirrored, router, progress=progress))
     print(_simulate_table(results))
     if args.json:
         document: dict[str, Any] = {"config": _config_dict(config), "runs": results}
@@ -259,6 +278,11 @@ def _serve_metrics(port: int, stack: contextlib.ExitStack) -> None:
     metrics.enable_metrics(collectors)
 
 
+EMBEDDED_CONNECTIONS = 10_000
+"""The embedded client's connection cap (fakeredis sets 100): every simulated node's
+eviction listener holds a pub/sub connection of its own, so a 256-node fleet needs more."""
+
+
 def _embedded_redis(serve_port: int | None, stack: contextlib.ExitStack) -> tuple[Any, str]:
     """A fakeredis client (served on 127.0.0.1:``serve_port`` when given) and its name."""
     try:
@@ -268,7 +292,7 @@ def _embedded_redis(serve_port: int | None, stack: contextlib.ExitStack) -> tupl
             "the embedded Redis needs fakeredis: pip install 'prefix-cache-registry[embedded]'"
         ) from None
     if serve_port is None:
-        return fakeredis.FakeRedis(), "embedded fakeredis"
+        return fakeredis.FakeRedis(max_connections=EMBEDDED_CONNECTIONS), "embedded fakeredis"
     try:
         tcp_server = fakeredis.TcpFakeServer(("127.0.0.1", serve_port))
     except OSError as exc:
@@ -283,7 +307,9 @@ def _embedded_redis(serve_port: int | None, stack: contextlib.ExitStack) -> tupl
         tcp_server.server_close()
 
     stack.callback(stop)
-    client = fakeredis.FakeRedis(server=tcp_server.fake_server)
+    client = fakeredis.FakeRedis(
+        server=tcp_server.fake_server, max_connections=EMBEDDED_CONNECTIONS
+    )
     return client, f"embedded fakeredis, served on 127.0.0.1:{serve_port}"
 
 

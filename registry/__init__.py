@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from registry.base import EvictionHook, MambaEvictCallback, RegistryBase
 from registry.errors import (
+    NamespaceMirrored,
     RegistryError,
     RegistryFault,
     RegistryMisconfigured,
@@ -22,6 +23,7 @@ from registry.hashing import block_hashes
 from registry.keys import NamespaceKeys
 from registry.local import LocalPrefixCacheRegistry
 from registry.membership import NodeIndex, collect_dead, live_nodes
+from registry.mirror import MirrorCounts, MirroredRegistry
 from registry.notices import EvictionNotice, parse_notice, parse_stream_entry
 from registry.ownership import Heartbeat
 from registry.redis_registry import PrefixCacheRegistry
@@ -33,7 +35,10 @@ __all__ = [
     "Heartbeat",
     "LocalPrefixCacheRegistry",
     "MambaEvictCallback",
+    "MirrorCounts",
+    "MirroredRegistry",
     "NamespaceKeys",
+    "NamespaceMirrored",
     "NodeIndex",
     "NodeScore",
     "PrefixCacheRegistry",

@@ -23,9 +23,12 @@ from redis.exceptions import NoScriptError
 
 from registry import metrics as _metrics
 from registry.errors import REDIS_ERRORS, RegistryError, translate
+from registry.fleet import FleetKeys
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, node_index_key
 from registry.membership import split_members, warn_invalid
 from registry.routing import (
+    BareState,
+    IndexPlan,
     NodeScore,
     best_of,
     chosen_namespaces,
@@ -33,10 +36,14 @@ from registry.routing import (
     routing_context,
     score_calls,
     scores_from_replies,
+    translated_reply,
 )
-from registry.scripts import script_sha, script_source
+from registry.scripts import is_cluster, script_sha, script_source
+from registry.validation import prefix_hashes
 
-ROUTER_SCRIPTS = ("score", "live_nodes")
+INDEX_SCRIPTS = ("fleet_members", "score")
+
+ROUTER_SCRIPTS = ("score", "live_nodes", "fleet_members")
 """The scripts a router runs (``load`` sends them ahead of the first call)."""
 
 
@@ -50,7 +57,13 @@ class AsyncPrefixRouter:
         *,
         hybrid: bool = True,
         live_cache_ttl: float = 1.0,
+        exact: bool = False,
     ) -> None:
+        if not isinstance(exact, bool):
+            raise TypeError("exact must be True or False")
+        self.exact = exact
+        self._fleet = FleetKeys(key_prefix)
+        self._bare: BareState = (0, frozenset(), float("-inf"))
         self.client = client
         self.key_prefix = key_prefix
         self.hybrid = hybrid
@@ -103,13 +116,45 @@ class AsyncPrefixRouter:
     async def _score(
         self, hashes: Sequence[int], namespaces: Iterable[str] | None
     ) -> dict[str, NodeScore]:
+        if not self.exact:
+            return await self._score_indexed(prefix_hashes(hashes), namespaces)
         packed = pack_hashes(hashes)
         names = await self.live_nodes() if namespaces is None else chosen_namespaces(namespaces)
         if not names:
             return {}
+        return await self._score_exactly(names, packed)
+
+    async def _score_exactly(self, names: list[str], packed: bytes) -> dict[str, NodeScore]:
         calls = score_calls(names, packed, self.key_prefix, self._keys, hybrid=self.hybrid)
         replies = await self._run_many("score", calls, routing_context(names))
         return scores_from_replies(names, replies, hybrid=self.hybrid)
+
+    async def _score_indexed(
+        self, wanted: list[int], namespaces: Iterable[str] | None
+    ) -> dict[str, NodeScore]:
+        """From the fleet index, as ``PrefixRouter`` does (``registry.routing.IndexPlan``)."""
+        chosen = None if namespaces is None else set(chosen_namespaces(namespaces))
+        if chosen is not None and not chosen:
+            return {}
+        plan = IndexPlan(
+            self._fleet, wanted, self._bare[1], chosen, self.key_prefix, self._keys,
+            hybrid=self.hybrid, cluster=is_cluster(self.client),
+        )  # fmt: skip
+        context = f"routing from the fleet index {self._fleet.members!r}"
+        replies = await self._batch(plan.routed, context)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise translated_reply(reply, f"{context}: score") from reply
+        scores = plan.scores(replies)
+        state = plan.bare_state(self._bare, self.live_cache_ttl)
+        if state is not None:
+            self._bare = state
+            return scores
+        self._bare = plan.listed(await self._members("live"))
+        missed = plan.missed(self._bare[1], scores)
+        if missed:
+            scores.update(await self._score_exactly(missed, pack_hashes(wanted)))
+        return scores
 
     async def best(
         self,
@@ -180,6 +225,27 @@ class AsyncPrefixRouter:
         for reply in replies:
             if isinstance(reply, Exception):
                 raise _translated(reply, f"{what}: {operation}") from reply
+        return replies
+
+    async def _batch(self, routed: Sequence[tuple[Any, tuple[Any, ...]]], what: str) -> list[Any]:
+        """Mixed commands in one pipeline (error replies in place); a NOSCRIPT loads the
+        index router's scripts and runs it again."""
+
+        async def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for _key, command in routed:
+                pipe.execute_command(*command)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+            return replies
+
+        try:
+            replies = await run()
+            if any(isinstance(r, NoScriptError) for r in replies):
+                for operation in INDEX_SCRIPTS:
+                    await self.client.script_load(script_source(operation))
+                replies = await run()
+        except REDIS_ERRORS as exc:
+            raise _translated(exc, f"{what}: score") from exc
         return replies
 
     async def _pipeline(

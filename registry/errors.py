@@ -5,6 +5,7 @@ into one of these through :func:`translate`, so callers only ever catch this hie
 
     RegistryError
     ├── StaleEpochError          this owner was superseded, collected or lost its namespace
+    ├── NamespaceMirrored        a mirrored owner holds the namespace: only it may write
     ├── RegistryUnavailable      retryable: Redis is not there right now
     └── RegistryFault            not retryable: an operator has to act
         ├── RegistryOutOfMemory      maxmemory reached under noeviction
@@ -52,6 +53,21 @@ class StaleEpochError(RegistryError):
         super().__init__(f"namespace {namespace!r}: {detail}")
         self.namespace = namespace
         self.epoch = epoch
+
+
+class NamespaceMirrored(RegistryError):
+    """A write to a namespace whose owner holds it through a write-behind mirror
+    (``registry.mirror.MirroredRegistry``) with a live lease: only that owner may write,
+    so its mirror never silently diverges from Redis. Nothing was changed. ``owner`` is
+    the owner's label (as given to its ``claim``). Not retryable while the lease lives:
+    ask the owner to evict, or take the namespace over with ``claim`` (README)."""
+
+    def __init__(self, namespace: str, detail: str) -> None:
+        super().__init__(f"namespace {namespace!r}: {detail}")
+        self.namespace = namespace
+        # "NAMESPACE_MIRRORED <owner> owns this namespace through ..."
+        head = detail.removeprefix("NAMESPACE_MIRRORED ")
+        self.owner = head.split(" owns this namespace", 1)[0]
 
 
 class RegistryUnavailable(RegistryError):

@@ -16,6 +16,7 @@ given)::
     metrics.register_pool(pool)            # gpu.MambaSlotPool.counts(), at scrape time
     metrics.register_listener(listener)    # gpu.EvictionListener.counts()
     metrics.register_bridge(bridge)        # registry.bridge.Bridge.counts()
+    metrics.register_mirror(mirrored)      # registry.MirroredRegistry.counts() and lease
     prometheus_client.start_http_server(9100)
 
 Labels take bounded values only: ``operation`` (the script and read names of this
@@ -284,6 +285,13 @@ def register_bridge(bridge: Any) -> bool:
     return _register("bridge", bridge)
 
 
+def register_mirror(mirror: Any) -> bool:
+    """Report ``mirror.counts()`` (a ``registry.MirroredRegistry``: writes flushed,
+    batches, retries, dropped, resyncs, errors, the queue and its lag) at every scrape;
+    its lease is reported too (as ``register_owner`` would)."""
+    return _register("mirror", mirror)
+
+
 def register_owner(registry: Any) -> bool:
     """Report the lease left of ``registry`` (a ``PrefixCacheRegistry``), read from
     Redis at every scrape while it holds an epoch (it claimed)."""
@@ -326,6 +334,7 @@ class ObjectCollector:
             "pool": [],
             "bridge": [],
             "owner": [],
+            "mirror": [],
         }
 
     def add(self, kind: str, obj: Any) -> None:
@@ -347,9 +356,11 @@ class ObjectCollector:
         yield from self._listeners(objects["listener"])
         yield from self._pools(objects["pool"])
         yield from self._bridges(objects["bridge"])
+        yield from self._mirrors(objects["mirror"])
         # A bridge's followers own their namespaces: their leases count too.
         followers = [f for b in objects["bridge"] for f in getattr(b, "followers", ())]
-        yield from self._leases([*objects["owner"], *(f.registry for f in followers)])
+        owners = [*objects["owner"], *objects["mirror"], *(f.registry for f in followers)]
+        yield from self._leases(owners)
 
     def _per_namespace(
         self, rows: list[tuple[str, dict[str, int]]], skip: tuple[str, ...] = ()
@@ -410,6 +421,28 @@ class ObjectCollector:
                 [(ns, {k: v for k, v in c.items() if ":" not in k}) for ns, c in rows], skip
             )
             yield from self._families("pcr_bridge", "pcr bridge followers", table, ())
+
+    def _mirrors(self, mirrors: list[Any]) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        rows = [(_namespace_of(x), x.counts()) for x in mirrors]
+        if not rows:
+            return
+        table = self._per_namespace([(ns, _as_dict(c)) for ns, c in rows])
+        yield from self._families("pcr_mirror", "Mirrored owners' write-behind", table, ("queued",))
+        labels = ["namespace"] if self.namespace_labels else []
+        lag = GaugeMetricFamily(
+            "pcr_mirror_lag_seconds",
+            "Age of the oldest unflushed write (the largest)",
+            labels=labels,
+        )
+        worst: dict[str, float] = {}
+        for namespace, counts in rows:
+            label = namespace if self.namespace_labels else ""
+            worst[label] = max(worst.get(label, 0.0), counts.lag_s)
+        for label, value in sorted(worst.items()):
+            lag.add_metric([label] if self.namespace_labels else [], value)
+        yield lag
 
     def _leases(self, owners: list[Any]) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily

@@ -53,12 +53,20 @@ class Ownership:
     def _set_epoch(self, epoch: int | None) -> None:
         """Carry ``epoch`` in every later write."""
 
+    @abstractmethod
+    def _joined(self, lease_until_ms: int) -> None:
+        """Record a fresh claim's lease (and join the fleet index)."""
+
+    @abstractmethod
+    def _renewed(self, lease_until_ms: int) -> None:
+        """Record a renewed lease (and keep the fleet-index membership)."""
+
     if TYPE_CHECKING:
 
         def _notify(self, notice: EvictionNotice | None) -> None:
             """Pass a notice to the callback and hooks (``RegistryBase`` has it)."""
 
-    def claim(self, lease_ttl: float = DEFAULT_LEASE_TTL) -> int:
+    def claim(self, lease_ttl: float = DEFAULT_LEASE_TTL, *, mirror: str | None = None) -> int:
         """Become the namespace's owner: take a new epoch (unique for all time), drop the
         previous incarnation's entries, start a lease and announce it. The drop is a
         'clear' notice, delivered to this object's hooks (so its slot pool frees at once)
@@ -68,20 +76,25 @@ class Ownership:
         the namespace, ``gc`` collects it or its ``meta`` is lost, they raise
         ``StaleEpochError`` and change nothing. Returns the epoch. A server out of memory
         refuses the claim before changing anything (``RegistryOutOfMemory``).
+
+        ``mirror``: the label of a mirrored owner (``registry.mirror``): while this
+        epoch's lease is live, writes carrying any other epoch are refused with
+        ``NamespaceMirrored`` naming it. A later claim (mirrored or not) takes over.
         """
         lease_ttl = lease_seconds(lease_ttl)
+        extra: tuple[str, ...] = () if mirror is None else (owner_label(mirror),)
         k = self.keys
         epoch, lease_until, notice = self._write(
             "claim",
             (k.kv, k.mamba, k.meta, k.mamba_evictions, k.engine_blocks),
             True,
-            (max(1, round(lease_ttl * 1000)),),
+            (max(1, round(lease_ttl * 1000)), *extra),
             fence="",  # claims are never fenced
         )
         self.lease_ttl = lease_ttl
         self._set_epoch(int(epoch))
         self._notify(parse_notice(notice) if notice else None)
-        self._node_index().announce(k.namespace, int(lease_until))
+        self._joined(int(lease_until))
         return int(epoch)
 
     def renew(self) -> float:
@@ -94,7 +107,7 @@ class Ownership:
             raise RuntimeError("renew() needs an owner: call claim() first")
         lease_ms = max(1, round(self.lease_ttl * 1000))
         lease_until = int(self._write("renew", (self.keys.meta,), False, (lease_ms,)))
-        self._node_index().announce(self.keys.namespace, lease_until)
+        self._renewed(lease_until)
         return lease_until / 1000
 
     def start_heartbeat(self, interval: float | None = None) -> Heartbeat:
@@ -119,6 +132,15 @@ def lease_seconds(value: object) -> float:
     if not 0.001 <= value <= 86_400 * 365:
         raise ValueError(f"a lease length must lie between 1 ms and a year, not {value}")
     return float(value)
+
+
+def owner_label(value: object) -> str:
+    """A mirrored owner's label, checked: 1 to 200 printable characters."""
+    if not isinstance(value, str):
+        raise TypeError(f"an owner label must be a str, not {type(value).__name__}")
+    if not 1 <= len(value) <= 200 or not value.isprintable():
+        raise ValueError(f"an owner label must be 1 to 200 printable characters: {value!r}")
+    return value
 
 
 class Renewable(Protocol):

@@ -16,27 +16,36 @@ by many threads.
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from registry import metrics as _metrics
 from registry.base import RegistryBase
 from registry.client import RedisClient, client_from_url
 from registry.errors import (
     REDIS_ERRORS,
+    RegistryError,
     RegistryMisconfigured,
     RegistryPermissionError,
     translate,
 )
+from registry.fleet import REBUILD_CHUNK, FleetKeys, FleetMembers, update_calls
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
 from registry.notices import EvictionNotice, parse_notice
 from registry.ownership import DEFAULT_LEASE_TTL, Ownership
 from registry.replay import notices_after
-from registry.scripts import ScriptRunner, run_batched
+from registry.scripts import ScriptRunner, is_cluster, run_batched, script_sha
 from registry.validation import flatten
+
+if TYPE_CHECKING:
+    from registry.mirror import MirroredRegistry
+
+log = logging.getLogger(__name__)
 
 DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
 """Notices kept in a namespace's stream for replay (each at most ~1.1 KiB there)."""
@@ -44,6 +53,9 @@ DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
 DEFAULT_REPLY_TTL = 30.0
 """Seconds a write's reply stays recorded under its request id: longer than any one
 call can keep retrying (``CALL_BOUND``), so a re-sent copy never runs twice."""
+
+OPERATOR_LOOKUP_TTL = 1.0
+"""Seconds a writer that owns nothing keeps the namespace's fleet-index id."""
 
 CONNECT_TIMEOUT = 1.0
 READ_TIMEOUT = 2.0
@@ -81,6 +93,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         key_prefix: str = DEFAULT_KEY_PREFIX,
         notice_stream_maxlen: int = DEFAULT_NOTICE_STREAM_MAXLEN,
         reply_ttl: float = DEFAULT_REPLY_TTL,
+        fleet_index: bool = True,
     ) -> None:
         super().__init__()
         self.keys = NamespaceKeys(namespace, key_prefix)
@@ -115,6 +128,18 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self._all_keys = (k.kv, k.mamba, k.meta, k.mamba_evictions)
         self._mamba_write_keys = (k.mamba, k.meta, k.mamba_evictions)
         self._set_epoch(None)
+        # The fleet index (registry.fleet): whether this object keeps it up, the ids its
+        # bits go under (its member id; two while a rebuild fills a new one) and whether
+        # they may be wrong (then the heartbeat rebuilds them).
+        if not isinstance(fleet_index, bool):
+            raise TypeError("fleet_index must be True or False")
+        self.fleet_index = fleet_index
+        self._fleet = FleetKeys(k.key_prefix)
+        self._fleet_members: FleetMembers | None = None
+        self._index_ids: tuple[int, ...] = ()
+        self._index_dirty = False
+        self._operator_lookup: tuple[float, tuple[int, ...]] = (float("-inf"), ())
+        self._cluster = is_cluster(client)
 
     def _set_epoch(self, epoch: int | None) -> None:
         self.epoch = epoch
@@ -158,13 +183,156 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         head.extend(data)
         return (self._reply_prefix + number, *keys), head
 
-    def _index_calls(self, change: str, hashes: list[int]) -> list[tuple[str, tuple[Any, ...]]]:
-        """The fleet-index upkeep of one write, as (routing key, command) pairs to send in
-        the write's own round trip. ``change``: "kv+", "kv-", "mamba+" or "mamba-"."""
-        return []
+    # -- the fleet index (registry.fleet) -------------------------------------------------
 
-    def reindex(self) -> None:
-        """Rebuild this namespace's fleet-index entries from its maps."""
+    def _members(self) -> FleetMembers:
+        if self._fleet_members is None:
+            self._fleet_members = FleetMembers(self.client, self.keys.key_prefix)
+        return self._fleet_members
+
+    def _index_calls(self, change: str, hashes: list[int]) -> list[tuple[Any, tuple[Any, ...]]]:
+        """The fleet-index upkeep of one write, as (routing key, command) pairs to send in
+        the write's own round trip. ``change``: "kv+", "kv-", "mamba+" or "mamba-".
+        A writer that owns nothing (an operator) looks the namespace's id up first."""
+        if not self.fleet_index:
+            return []
+        ids = self._index_ids
+        if not ids and self.epoch is None:
+            ids = self._operator_ids()
+        return update_calls(self._fleet, ids, change, hashes, cluster=self._cluster)
+
+    def _operator_ids(self) -> tuple[int, ...]:
+        """The namespace's member id for a writer that owns nothing, looked up at most
+        once a second (one extra read then; an id retired meanwhile only makes the
+        update land where no router looks)."""
+        looked_at, ids = self._operator_lookup
+        now = time.monotonic()
+        if now - looked_at >= OPERATOR_LOOKUP_TTL:
+            try:
+                current = self._members().current(self.namespace)
+            except RegistryError:
+                return ()  # the write itself will tell (Redis away), or an ACL without it
+            ids = () if current is None else (current,)
+            self._operator_lookup = (now, ids)
+        return ids
+
+    def _write_indexed(
+        self,
+        operation: str,
+        keys: tuple[str, ...],
+        notices: bool,
+        data: Any,
+        change: str,
+        hashes: list[int],
+    ) -> Any:
+        """A write and its index upkeep in one round trip; the write's reply. An index
+        command that failed leaves the bits dirty, rebuilt at the next renewal."""
+        calls = self._index_calls(change, hashes)
+        if not calls:
+            return self._write(operation, keys, notices, data)
+        all_keys, args = self._write_args(operation, keys, notices, data)
+        command = ("EVALSHA", script_sha(operation), len(all_keys), *all_keys, *args)
+        replies = self._runner.batch(
+            operation,
+            [(all_keys[0], command), *calls],
+            scripts=(operation, "index_update"),
+            context=f"namespace {self.namespace!r}",
+            owner=(self.namespace, self.epoch),
+        )
+        reply = replies[0]
+        if any(isinstance(r, Exception) for r in replies[1:]):
+            self._index_dirty = True
+            log.warning(
+                "namespace %r: a fleet-index update failed; rebuilt at the next renewal",
+                self.namespace,
+            )
+        return reply
+
+    def reindex(self) -> int | None:
+        """Rebuild this namespace's fleet-index bits from its maps: a reserved member id
+        gets a bit for every entry, then becomes the namespace's id in one step (routers
+        never see it half filled). Writes meanwhile go under both ids. Returns the new id
+        (None with ``fleet_index`` off). O(entries): for healing, not the hot path."""
+        if not self.fleet_index:
+            return None
+        members = self._members()
+        for _attempt in range(3):
+            self._index_dirty = False
+            fresh = members.reserve(self.namespace)
+            self._index_ids = (*self._index_ids[:1], fresh)
+            try:
+                kv, mamba = self.entries()
+                calls = []
+                for change, hashes in (("kv+", list(kv)), ("mamba+", list(mamba))):
+                    for first in range(0, len(hashes), REBUILD_CHUNK):
+                        part = hashes[first : first + REBUILD_CHUNK]
+                        calls += update_calls(
+                            self._fleet, (fresh,), change, part, cluster=self._cluster
+                        )
+                if calls:
+                    replies = self._runner.batch(
+                        "reindex",
+                        calls,
+                        scripts=("index_update",),
+                        context=f"namespace {self.namespace!r}",
+                    )
+                    for reply in replies:
+                        if isinstance(reply, Exception):
+                            raise self._runner.error(reply, "reindex", self.namespace, None)
+                switched = members.switch(self.namespace, fresh)
+            except BaseException:
+                self._index_ids = self._index_ids[:1]
+                self._index_dirty = True
+                raise
+            if switched:
+                self._index_ids = (fresh,)
+                return fresh
+            self._index_ids = self._index_ids[:1]
+        self._index_dirty = True
+        return None
+
+    def _joined(self, lease_until_ms: int) -> None:
+        """After a claim: join the fleet index with a new member id (retiring the old
+        one) and record the lease, in one call; or only announce the lease."""
+        if not self.fleet_index:
+            self._node_index().announce(self.namespace, lease_until_ms)
+            return
+        self._index_ids = (self._members().join(self.namespace, lease_until_ms),)
+        self._index_dirty = False
+
+    def _renewed(self, lease_until_ms: int) -> None:
+        """After a renewal: record the lease and check the member id in one call;
+        rebuild the index bits when they may be wrong (dirty, or the id was lost)."""
+        if not self.fleet_index or not self._index_ids:
+            self._node_index().announce(self.namespace, lease_until_ms)
+            if not self.fleet_index:
+                return
+        else:
+            member = self._index_ids[0]
+            current = self._members().check(self.namespace, member, lease_until_ms)
+            if current and not self._index_dirty:
+                return
+        try:
+            self.reindex()
+        except RegistryError:
+            self._index_dirty = True
+            log.warning(
+                "namespace %r: fleet-index rebuild failed; retried at the next renewal",
+                self.namespace,
+                exc_info=True,
+            )
+
+    @overload
+    @classmethod
+    def from_url(
+        cls, url: str, namespace: str, *, mirror: Literal[True], **options: Any
+    ) -> MirroredRegistry: ...
+
+    @overload
+    @classmethod
+    def from_url(
+        cls, url: str, namespace: str, *, mirror: Literal[False] = False, **options: Any
+    ) -> PrefixCacheRegistry: ...
 
     @classmethod
     def from_url(
@@ -172,12 +340,14 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         url: str,
         namespace: str,
         *,
+        mirror: bool = False,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         notice_stream_maxlen: int = DEFAULT_NOTICE_STREAM_MAXLEN,
         reply_ttl: float = DEFAULT_REPLY_TTL,
         cluster: bool | None = None,
+        fleet_index: bool = True,
         **client_options: Any,
-    ) -> PrefixCacheRegistry:
+    ) -> PrefixCacheRegistry | MirroredRegistry:
         """Connect with a URL: ``redis://``, ``rediss://``, ``unix://``, Redis Cluster
         through ``redis+cluster://host:port`` / ``rediss+cluster://`` or ``cluster=True``,
         or a Sentinel-managed master through ``redis+sentinel://h:p[,h:p]/service``.
@@ -185,19 +355,36 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         ``client_options`` go to redis-py (``decode_responses``, ``password``...), over
         ``DEFAULT_CLIENT_OPTIONS`` and ``default_retry()``: with them no call blocks
         longer than ``CALL_BOUND`` seconds.
+
+        ``mirror=True`` returns a ``registry.mirror.MirroredRegistry`` (an owner's
+        registry answered locally and written behind); its options (``max_delay``,
+        ``max_batch``, ``max_queue``, ``owner``) may be given here too.
         """
         validate_namespace(namespace)
+        mirror_options: dict[str, Any] = {}
+        if mirror:
+            from registry.mirror import MIRROR_OPTIONS
+
+            mirror_options = {
+                k: client_options.pop(k) for k in MIRROR_OPTIONS if k in client_options
+            }
         try:  # a cluster client connects here already
             client = client_from_url(url, cluster=cluster, **bounded_options(client_options))
         except REDIS_ERRORS as exc:
             raise (translate(exc, f"connecting to {redacted(url)}") or exc) from exc
-        return cls(
+        registry = cls(
             client,
             namespace,
             key_prefix=key_prefix,
             notice_stream_maxlen=notice_stream_maxlen,
             reply_ttl=reply_ttl,
+            fleet_index=fleet_index,
         )
+        if mirror:
+            from registry.mirror import MirroredRegistry
+
+            return MirroredRegistry.wrap(registry, **mirror_options)
+        return registry
 
     @property
     def namespace(self) -> str:
@@ -242,10 +429,14 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         return list(map(int, values))
 
     def _register_kv(self, entries: dict[int, int]) -> None:
-        self._write("register_kv", self._kv_write_keys, False, flatten(entries, ()))
+        self._write_indexed(
+            "register_kv", self._kv_write_keys, False, flatten(entries, ()), "kv+", list(entries)
+        )
 
     def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
-        removed, notice = self._write("evict_kv", self._all_keys, True, hashes)
+        removed, notice = self._write_indexed(
+            "evict_kv", self._all_keys, True, hashes, "kv-", hashes
+        )
         # The script lists the removed hashes only when some were missing.
         gone = set(hashes) if isinstance(removed, int) else set(map(int, removed))
         return gone, _notice(notice)
@@ -260,13 +451,22 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         return farthest
 
     def _register_mamba(self, entries: dict[int, int]) -> tuple[EvictionNotice | None, int]:
-        notice, stamp = self._write(
-            "register_mamba", self._mamba_write_keys, True, flatten(entries, ())
+        notice, stamp = self._write_indexed(
+            "register_mamba",
+            self._mamba_write_keys,
+            True,
+            flatten(entries, ()),
+            "mamba+",
+            list(entries),
         )
         return _notice(notice), int(stamp)
 
     def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
-        notice = _notice(self._write("evict_mamba", self._mamba_write_keys, True, hashes))
+        notice = _notice(
+            self._write_indexed(
+                "evict_mamba", self._mamba_write_keys, True, hashes, "mamba-", hashes
+            )
+        )
         return ({h for _, h in notice.pairs} if notice else set()), notice
 
     def _mamba_block_ids(self, hashes: list[int]) -> list[int | None]:
@@ -366,11 +566,31 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
 
     def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
         if kv and mamba:
-            return _notice(self._write("reset", self._all_keys, True))
-        if kv:
+            notice = _notice(self._write("reset", self._all_keys, True))
+        elif kv:
             self._write("clear_kv", self._kv_write_keys, False)
-            return None
-        return _notice(self._write("clear_mamba", self._mamba_write_keys, True))
+            notice = None
+        else:
+            notice = _notice(self._write("clear_mamba", self._mamba_write_keys, True))
+        if self.fleet_index and (self._index_ids or self.epoch is None):
+            self._rebuild_after_clear()
+        return notice
+
+    def _rebuild_after_clear(self) -> None:
+        """A clear drops bits of every entry: rebuild them (what is left), or mark them
+        dirty for the heartbeat when Redis refuses now (the clear itself happened)."""
+        try:
+            if self.epoch is None and self._members().current(self.namespace) is None:
+                return  # an operator clearing a namespace that is in no index
+            self.reindex()
+        except RegistryError:
+            self._index_dirty = True
+            log.warning(
+                "namespace %r: fleet-index rebuild after a clear failed; retried "
+                "at the next renewal",
+                self.namespace,
+                exc_info=True,
+            )
 
     def notices_after(
         self, seq: int, *, incarnation: str | None = None, page: int = 500

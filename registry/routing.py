@@ -25,9 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from registry import metrics as _metrics
+from registry.errors import translate
+from registry.fleet import (
+    FleetKeys,
+    live_call,
+    lookup_calls,
+    members_from_reply,
+    scores_by_namespace,
+)
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
-from registry.scripts import ScriptRunner
+from registry.scripts import ScriptRunner, is_cluster, script_sha
 from registry.validation import prefix_hashes
 
 
@@ -52,13 +60,22 @@ class PrefixRouter:
         *,
         hybrid: bool = True,
         live_cache_ttl: float = 1.0,
+        exact: bool = False,
     ) -> None:
+        if not isinstance(exact, bool):
+            raise TypeError("exact must be True or False")
         self.client = client
         self.key_prefix = key_prefix
         self.hybrid = hybrid
         self.live_cache_ttl = live_cache_ttl
+        self.exact = exact
         self._index = NodeIndex(client, key_prefix)
+        self._fleet = FleetKeys(key_prefix)
         self._runner = ScriptRunner(client)
+        self._cluster = is_cluster(client)
+        # How many namespaces were live when this router last listed those without an
+        # index id, and those namespaces (scored exactly, beside the index).
+        self._bare: BareState = (0, frozenset(), float("-inf"))
         self._lock = threading.Lock()
         self._live: tuple[float, list[str]] = (float("-inf"), [])
         self._keys: dict[str, NamespaceKeys] = {}
@@ -87,12 +104,54 @@ class PrefixRouter:
     def _score(
         self, hashes: Sequence[int], namespaces: Iterable[str] | None
     ) -> dict[str, NodeScore]:
+        if not self.exact:
+            return self._score_indexed(prefix_hashes(hashes), namespaces)
         packed = pack_hashes(hashes)
         names = self.live_nodes() if namespaces is None else chosen_namespaces(namespaces)
         if not names:
             return {}
         replies = self._run_pipeline(names, packed)
         return scores_from_replies(names, replies, hybrid=self.hybrid)
+
+    def _score_indexed(
+        self, wanted: list[int], namespaces: Iterable[str] | None
+    ) -> dict[str, NodeScore]:
+        """From the fleet index: the live members and the prompt's index fields in one
+        round trip per Redis node. Live namespaces without an index id (more live
+        namespaces than members) are scored exactly, in the same round trip once this
+        router knows them; it lists them again when that number changes."""
+        chosen = None if namespaces is None else set(chosen_namespaces(namespaces))
+        if chosen is not None and not chosen:
+            return {}
+        plan = IndexPlan(
+            self._fleet,
+            wanted,
+            self._bare[1],
+            chosen,
+            self.key_prefix,
+            self._keys,
+            hybrid=self.hybrid,
+            cluster=self._cluster,
+        )
+        context = f"routing from the fleet index {self._fleet.members!r}"
+        replies = self._runner.batch(
+            "score", plan.routed, scripts=("fleet_members", "score"), context=context
+        )
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise translated_reply(reply, f"{context}: score") from reply
+        scores = plan.scores(replies)
+        state = plan.bare_state(self._bare, self.live_cache_ttl)
+        if state is not None:
+            self._bare = state
+            return scores
+        # Some live namespace has no index id: list them, score those asked for exactly.
+        self._bare = plan.listed(self._index.live())
+        missed = plan.missed(self._bare[1], scores)
+        if missed:
+            extra = self._run_pipeline(missed, pack_hashes(wanted))
+            scores.update(scores_from_replies(missed, extra, hybrid=self.hybrid))
+        return scores
 
     def best(
         self,
@@ -115,6 +174,109 @@ class PrefixRouter:
 
 
 # -- the rules both routers share (PrefixRouter here, AsyncPrefixRouter in aio_routing) --
+
+
+class IndexPlan:
+    """One index-scored routing decision: the commands to send (live members, one HMGET
+    per index shard the prompt touches, an exact ``score`` per namespace known to be
+    live without an index id) and how to read their replies. Shared by both routers."""
+
+    def __init__(
+        self,
+        fleet: FleetKeys,
+        wanted: list[int],
+        bare: frozenset[str],
+        chosen: set[str] | None,
+        key_prefix: str,
+        keys_cache: dict[str, NamespaceKeys],
+        *,
+        hybrid: bool,
+        cluster: bool,
+    ) -> None:
+        self.wanted = wanted
+        self.hybrid = hybrid
+        self.members: dict[str, int] = {}
+        self.live_count = 0
+        self.chosen = chosen
+        self.bare = bare
+        lookups, self._where = lookup_calls(fleet, wanted, cluster)
+        self._exact = sorted(bare if chosen is None else bare & chosen)
+        exact: list[tuple[Any, tuple[Any, ...]]] = []
+        if self._exact:
+            sha = script_sha("score")
+            calls = score_calls(
+                self._exact, pack_hashes(wanted), key_prefix, keys_cache, hybrid=hybrid
+            )
+            exact = [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls]
+        self.routed = [live_call(fleet), *lookups, *exact]
+
+    def scores(self, replies: Sequence[Any]) -> dict[str, NodeScore]:
+        """The scores of the live members (and of the known non-members sent exactly);
+        sets ``members`` and ``live_count`` from the reply."""
+        hybrid = self.hybrid
+        members, self.live_count = members_from_reply(replies[0])
+        self.members = members
+        wanted = {n: i for n, i in members.items() if _usable(n, self.chosen)}
+        values: list[Any] = [None] * len(self.wanted)
+        for places, reply in zip(self._where, replies[1 : 1 + len(self._where)], strict=True):
+            for place, value in zip(places, reply, strict=True):
+                values[place] = value
+        found = scores_by_namespace(wanted, values, hybrid=hybrid)
+        result = {
+            name: NodeScore(name, kv, mamba, mamba if hybrid else kv)
+            for name, (kv, mamba) in found.items()
+        }
+        exact_replies = replies[1 + len(self._where) :]
+        result.update(scores_from_replies(self._exact, exact_replies, hybrid=hybrid))
+        return result
+
+    def bare_state(self, state: BareState, ttl: float) -> BareState | None:
+        """After ``scores``: the live non-members to keep, or None to list them again
+        (some live namespace has no index id: written with ``fleet_index=False``, or
+        garbage in the node index; the list is kept until the number of live
+        namespaces changes, or for ``ttl`` seconds)."""
+        return _bare_state(self, state, ttl)
+
+    def listed(self, live: Iterable[str]) -> BareState:
+        """The non-members among the node index's ``live`` namespaces."""
+        return (self.live_count, frozenset(live) - set(self.members), time.monotonic())
+
+    def missed(self, bare: frozenset[str], scores: Mapping[str, NodeScore]) -> list[str]:
+        """Non-members asked for that this round did not score (scored exactly next)."""
+        chosen = self.chosen
+        return sorted(n for n in bare if (chosen is None or n in chosen) and n not in scores)
+
+
+BareState = tuple[int, frozenset[str], float]
+"""(live namespaces counted when listed, those of them without an index id, when)."""
+
+
+def _bare_state(plan: IndexPlan, state: BareState, ttl: float) -> BareState | None:
+    """The non-members to keep after a scored round, or None when they must be listed
+    again (more live namespaces than members, and their number changed or the list is
+    older than ``ttl``)."""
+    now = time.monotonic()
+    if plan.live_count <= len(plan.members):
+        return (plan.live_count, frozenset(), now)
+    if plan.live_count == state[0] and now - state[2] < ttl:
+        return state
+    return None
+
+
+def translated_reply(reply: BaseException, what: str) -> BaseException:
+    """A read's error reply as the registry error for it."""
+    return translate(reply, what, write=False) or reply
+
+
+def _usable(name: str, chosen: set[str] | None) -> bool:
+    """A name from the member table that is a namespace (and one asked for)."""
+    if chosen is not None:
+        return name in chosen
+    try:
+        validate_namespace(name)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def pack_hashes(hashes: Sequence[int]) -> bytes:

@@ -33,7 +33,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from registry import metrics as _metrics
-from registry.errors import REDIS_ERRORS, RegistryError, StaleEpochError, translate
+from registry.errors import (
+    REDIS_ERRORS,
+    NamespaceMirrored,
+    RegistryError,
+    StaleEpochError,
+    translate,
+)
 
 OPERATIONS = (
     "register_kv",
@@ -52,10 +58,15 @@ OPERATIONS = (
     "score",
     "bridge_apply",
     "bridge_resume",
+    "mirror_resync",
+    "index_update",
+    "index_scrub",
+    "fleet_members",
 )
 
 PRELUDE = "_prelude"
 STALE_EPOCH = "STALE_EPOCH"
+NAMESPACE_MIRRORED = "NAMESPACE_MIRRORED"
 
 
 @cache
@@ -193,6 +204,57 @@ class ScriptRunner:
             [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls],
         )
 
+    def batch(
+        self,
+        operation: str,
+        routed: Sequence[tuple[Any, tuple[Any, ...]]],
+        *,
+        scripts: Sequence[str],
+        context: str = "",
+        owner: tuple[str, int | None] | None = None,
+    ) -> list[Any]:
+        """Mixed commands ((routing key, command) pairs, scripts among them as EVALSHA)
+        in one round trip per Redis node; the replies in order, error replies as
+        exception objects for the caller to judge, except the first command's when
+        ``owner`` (namespace, epoch) is given: then it is a write whose error raises.
+        A NOSCRIPT loads ``scripts`` and runs the batch again (every script sent this
+        way must tolerate a re-sent copy). Counted and timed as ``operation`` when
+        metrics are on."""
+        observer = _metrics.active
+        if observer is not None:
+            return observer.timed(
+                operation, self._batch, operation, routed, scripts, context, owner
+            )
+        return self._batch(operation, routed, scripts, context, owner)
+
+    def _batch(
+        self,
+        operation: str,
+        routed: Sequence[tuple[Any, tuple[Any, ...]]],
+        scripts: Sequence[str],
+        context: str,
+        owner: tuple[str, int | None] | None,
+    ) -> list[Any]:
+        try:
+            replies = run_batched(self.client, routed)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                for name in scripts:
+                    self.client.script_load(script_source(name))
+                replies = run_batched(self.client, routed)
+        except REDIS_ERRORS as exc:
+            namespace = None if owner is None else owner[0]
+            raise self._error(exc, operation, context, True, namespace, None) from exc
+        if owner is not None and isinstance(replies[0], Exception):
+            raise self.error(replies[0], operation, *owner) from replies[0]
+        return replies
+
+    def error(
+        self, exc: BaseException, operation: str, namespace: str, epoch: int | None
+    ) -> RegistryError:
+        """The registry error for a write's error reply (``StaleEpochError`` naming the
+        caller's epoch, or the translated fault)."""
+        return self._error(exc, operation, f"namespace {namespace!r}", True, namespace, epoch)
+
     @staticmethod
     def _error(
         exc: BaseException,
@@ -205,6 +267,8 @@ class ScriptRunner:
         what = f"{context}: {operation}" if context else operation
         if isinstance(exc, ResponseError) and str(exc).startswith(STALE_EPOCH):
             return StaleEpochError(namespace or context, epoch, str(exc))
+        if isinstance(exc, ResponseError) and str(exc).startswith(NAMESPACE_MIRRORED):
+            return NamespaceMirrored(namespace or context, str(exc))
         return _translated(exc, what, write=write)
 
 
@@ -223,14 +287,52 @@ def run_batched(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> l
     exception objects, in order; a lost connection raises."""
     if is_cluster(client):
         replies = run_per_node(client, routed)
-        if replies is not None:
-            return replies
+    else:
+        replies = run_on_one_connection(client, routed)
+    if replies is not None:
+        return replies
     pipe = client.pipeline(transaction=False)
     for _key, command in routed:
         # execute_command, not pipe.evalsha: redis-py's cluster pipeline refuses evalsha.
         pipe.execute_command(*command)
     result: list[Any] = pipe.execute(raise_on_error=False)
     return result
+
+
+def run_on_one_connection(
+    client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]
+) -> list[Any] | None:
+    """Run commands on a standalone server (or Sentinel's master) in one write and one
+    read of one pooled connection: a pipeline without redis-py's per-command
+    bookkeeping, which costs a small batch as much as the server's work. Error replies
+    come back as exception objects, in order. Returns None on a lost connection or a
+    timeout, or for a client without a plain connection pool: the caller then runs
+    redis-py's pipeline, which retries (every batched command tolerates a re-sent copy).
+    """
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or not callable(getattr(pool, "get_connection", None)):
+        return None
+    try:
+        connection = pool.get_connection()
+    except (RedisConnectionError, RedisTimeoutError):
+        return None
+    healthy = False
+    try:
+        connection.send_packed_command(connection.pack_commands([c for _k, c in routed]))
+        replies: list[Any] = []
+        for _ in routed:
+            try:
+                replies.append(connection.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        healthy = True
+    except (RedisConnectionError, RedisTimeoutError):
+        return None
+    finally:
+        if not healthy:
+            connection.disconnect()  # a half-read connection must not be reused
+        pool.release(connection)
+    return replies
 
 
 def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> list[Any] | None:

@@ -369,9 +369,9 @@ def _catch_up(
     bridge: Bridge, wanted: list[tuple[PrefixCacheRegistry, int]], timeout: float
 ) -> None:
     """Until each namespace records (``bridge_seq``, written with the batch) that the
-    bridge applied its engine's batch ``seq`` (-1: none published). Lost batches come
-    back through the replay socket: at the engine's next batch, or when the bridge
-    probes the quiet engine (after a third of the lease)."""
+    bridge applied its engine's batch ``seq`` (-1: none published), fleet index included.
+    Lost batches come back through the replay socket: at the engine's next batch, or when
+    the bridge probes the quiet engine (after a third of the lease)."""
     deadline = time.monotonic() + timeout
     pause = 0.0005
     while True:
@@ -380,7 +380,8 @@ def _catch_up(
         taken = sorted(ns for ns, c in bridge.counts().items() if c["superseded"])
         if taken:
             raise BridgeStalled(f"another process took over {', '.join(taken)}")
-        wanted = [(r, seq) for r, seq in wanted if seq >= 0 and not _applied(r, seq)]
+        counts = bridge.counts()
+        wanted = [(r, seq) for r, seq in wanted if seq >= 0 and not _applied(r, seq, counts)]
         if not wanted:
             return
         if time.monotonic() > deadline:
@@ -393,9 +394,14 @@ def _catch_up(
         pause = min(2 * pause, 0.01)
 
 
-def _applied(registry: PrefixCacheRegistry, seq: int) -> bool:
+def _applied(registry: PrefixCacheRegistry, seq: int, counts: dict[str, Any]) -> bool:
+    """Whether Redis records batch ``seq`` as applied and the bridge has also brought
+    the fleet index in line with it (its second step, counted in ``applied_seq``)."""
     applied = registry.info().bridge_seq
-    return applied is not None and applied >= seq
+    if applied is None or applied < seq:
+        return False
+    follower = counts.get(registry.namespace)
+    return follower is None or int(follower["applied_seq"]) >= seq
 
 
 def _troubles(bridge: Bridge) -> dict[str, dict[str, int]]:

@@ -37,6 +37,9 @@ class FleetConfig:
     ssm_shape: tuple[int, ...] = (4, 8)
     key_prefix: str = "pcr"
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    mirror: bool = False
+    """Each node owns its namespace through a ``registry.MirroredRegistry``: its own
+    calls are answered locally and written behind to Redis (``pcr simulate --mirror``)."""
 
 
 @dataclass(frozen=True)

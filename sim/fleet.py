@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, Protocol
 
-from registry import PrefixRouter, RegistryUnavailable, block_hashes
+from registry import MirroredRegistry, PrefixRouter, RegistryUnavailable, block_hashes
 from sim.config import ROUTERS, BridgeConfig, FleetConfig, check_bridge_config, check_fleet_config
 from sim.node import Node, Totals
 from sim.timings import Timings
@@ -58,10 +58,8 @@ def simulate(
 
         return simulate_bridged(client, config, router, bridge, progress=progress)
     timings = Timings()
-    nodes = [
-        Node(client, f"sim-{router_tag(router)}-node-{i}", config, timings)
-        for i in range(config.nodes)
-    ]
+    tag = router_tag(router) + ("-mirror" if config.mirror else "")
+    nodes = [Node(client, f"sim-{tag}-node-{i}", config, timings) for i in range(config.nodes)]
     totals = Totals()
     try:
         assigned, route_fallbacks, elapsed = drive(
@@ -71,15 +69,26 @@ def simulate(
     finally:
         for node in nodes:
             node.close()
-    listener_counts = [asdict(n.listener.counts()) for n in nodes]
+    listener_counts = [asdict(n.listener.counts()) for n in nodes if n.listener is not None]
     pool_counts = [asdict(n.mamba.counts()) for n in nodes]
-    return {
+    result = {
         **figures(router, config, totals, assigned, route_fallbacks, timings),
         "consistency": consistency,
         "mamba": {key: sum(c[key] for c in pool_counts) for key in pool_counts[0]},
-        "listener": {key: sum(c[key] for c in listener_counts) for key in listener_counts[0]},
+        "listener": {
+            key: sum(c[key] for c in listener_counts)
+            for key in (listener_counts[0] if listener_counts else ())
+        },
         "seconds": round(elapsed, 3),
     }
+    if config.mirror:
+        mirror_counts = [
+            asdict(n.registry.counts()) for n in nodes if isinstance(n.registry, MirroredRegistry)
+        ]
+        keys = ("flushed", "batches", "retries", "dropped", "resyncs", "errors")
+        result["mirrored"] = True
+        result["mirror"] = {key: sum(c[key] for c in mirror_counts) for key in keys}
+    return result
 
 
 def drive(
@@ -138,7 +147,14 @@ def figures(
         "requests_per_node": assigned,
         "route_fallbacks": route_fallbacks,
         "latency_ms": timings.summary(),
+        "registry_us_per_request": _registry_us(timings, totals.requests),
     }
+
+
+def _registry_us(timings: Timings, requests: int) -> float:
+    """The time a node spent in its own registry calls (routing excluded), per request."""
+    spent_ms = sum(sum(s) for op, s in timings.samples.items() if not op.startswith("route"))
+    return round(spent_ms * 1000 / requests, 1) if requests else 0.0
 
 
 def router_tag(router: str) -> str:
@@ -150,7 +166,10 @@ def _settle(nodes: list[Node], timeout: float = 10.0) -> dict[str, int]:
     """Let every listener catch up, then sum the disagreements (they must be 0)."""
     deadline = time.monotonic() + timeout
     while True:
-        caught_up = all(n.listener.counts().last_seq >= n.registry.notice_sequence() for n in nodes)
+        caught_up = all(
+            n.listener is None or n.listener.counts().last_seq >= n.registry.notice_sequence()
+            for n in nodes
+        )
         if caught_up or time.monotonic() > deadline:
             break
         time.sleep(0.01)

@@ -12,6 +12,7 @@ import torch
 from gpu.listener import EvictionListener
 from gpu.slot_pool import MambaSlotPool
 from registry import (
+    MirroredRegistry,
     PrefixCacheRegistry,
     RegistryUnavailable,
     StaleEpochError,
@@ -51,20 +52,29 @@ class Node:
     def __init__(self, client: Any, namespace: str, config: FleetConfig, timings: Timings) -> None:
         self.config = config
         self.timings = timings
-        self.registry = PrefixCacheRegistry(client, namespace, key_prefix=config.key_prefix)
+        self.registry: PrefixCacheRegistry | MirroredRegistry
+        if config.mirror:  # answered locally, written behind; no one else may write
+            self.registry = MirroredRegistry(client, namespace, key_prefix=config.key_prefix)
+        else:
+            self.registry = PrefixCacheRegistry(client, namespace, key_prefix=config.key_prefix)
         self.registry.claim(lease_ttl=60.0)
         self.kv = KVBlockPool(config.kv_blocks)
         self.mamba = MambaSlotPool(
             self.registry, config.mamba_slots, config.layers, config.conv_shape, config.ssm_shape
         )
-        self.listener = EvictionListener(
-            client, namespace, self.mamba, key_prefix=config.key_prefix
-        )
-        self.listener.start()
+        # A mirrored namespace needs no listener: every removal in it is this node's own
+        # and reaches the pool through the registry's hook, in the call.
+        self.listener: EvictionListener | None = None
+        if not config.mirror:
+            self.listener = EvictionListener(
+                client, namespace, self.mamba, key_prefix=config.key_prefix
+            )
+            self.listener.start()
         # Read at scrape time when metrics are on (pcr simulate --metrics-port); else no-ops.
         metrics.register_owner(self.registry)
         metrics.register_pool(self.mamba)
-        metrics.register_listener(self.listener)
+        if self.listener is not None:
+            metrics.register_listener(self.listener)
         self.suspect = False  # a registry call failed: resync before the next request
         self._conv_out = torch.empty((config.layers, *config.conv_shape))
         self._ssm_out = torch.empty((config.layers, *config.ssm_shape))
@@ -208,9 +218,16 @@ class Node:
         return True
 
     def consistency(self) -> dict[str, int]:
-        """Disagreements between this node's pools and the registry (all must be 0)."""
+        """Disagreements between this node's pools and the registry (all must be 0); a
+        mirrored node's is audited against Redis once its writes are flushed."""
+        if isinstance(self.registry, MirroredRegistry):
+            self.registry.flush()
+            return audit(self.registry.inner, self.kv, self.mamba)
         return audit(self.registry, self.kv, self.mamba)
 
     def close(self) -> None:
-        self.listener.stop()
+        if self.listener is not None:
+            self.listener.stop()
         self.mamba.close()
+        if isinstance(self.registry, MirroredRegistry):
+            self.registry.close()

@@ -9,7 +9,9 @@ operation alike. Then the throughput of 4 client processes, and the latency from
 eviction to the listener freeing the slot, the bridge's rows (``pcr.bench.bridge``:
 engine KV events into Redis, and publish to visible in routing) and the serve rows
 (``pcr.bench.serve``: ``POST /v1/score`` of ``pcr serve`` at a fixed offered load, and the
-asyncio router against the sync one). Each target is printed next to its ratio.
+asyncio router against the sync one) and the mirror's (``pcr.bench.mirror``: the engine
+cycle per admitted request in process, mirrored and on Redis; publish to visible; flush
+throughput). Each target is printed next to its ratio.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import redis
 
 from pcr.bench import bridge as bridge_bench
+from pcr.bench import mirror as mirror_bench
 from pcr.bench import serve as serve_bench
 from pcr.tables import format_table
 from registry import LocalPrefixCacheRegistry, PrefixCacheRegistry, PrefixRouter
@@ -427,6 +430,7 @@ def run(url: str, *, quick: bool = False, sizes: tuple[int, ...] = SIZES) -> dic
     listener = _listener_latency(url, effort)
     bridge = bridge_bench.measure(url, quick=quick)
     serve = serve_bench.measure(url, quick=quick)
+    mirror = mirror_bench.measure(url, quick=quick)
     client.flushdb()
     client.close()
     report = {
@@ -436,6 +440,7 @@ def run(url: str, *, quick: bool = False, sizes: tuple[int, ...] = SIZES) -> dic
         "listener_notice_to_free_ms": listener,
         "bridge": bridge,
         "serve": serve,
+        "mirror": mirror,
         "seconds": round(time.perf_counter() - started, 1),
     }
     report["targets"] = _targets(report)
@@ -527,6 +532,7 @@ def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 ASYNC_ROUTER_RATIO,
             )
         )
+    checks.extend(mirror_bench.targets(report.get("mirror")))
     return [
         {
             "target": name,
@@ -586,6 +592,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"listener notice-to-free: p50 {p50:.3f} ms, p99 {p99:.3f} ms")
     lines.extend(bridge_bench.format_rows(report.get("bridge")))
     lines.extend(serve_bench.format_rows(report.get("serve")))
+    lines.extend(mirror_bench.format_rows(report.get("mirror")))
     lines.append("")
     lines.append(
         format_table(

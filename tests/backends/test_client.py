@@ -10,8 +10,9 @@ import pytest
 import redis
 import redis.cluster
 
-from registry import PrefixCacheRegistry
+from registry import PrefixCacheRegistry, PrefixRouter
 from tests.support.backends import Backend, new_namespace
+from tests.support.counting import counted_sends
 from tests.support.servers import RedisClusterServers, RedisServer, require_redis_server
 
 H = [1111, 2222, 3333]
@@ -78,7 +79,9 @@ class CountingRedis(redis.Redis):
 def test_one_round_trip_per_call_and_none_for_empty_input(redis_server: RedisServer) -> None:
     client = CountingRedis(port=redis_server.port)
     client.sent = []
-    reg = PrefixCacheRegistry(client, new_namespace())
+    # (The fleet index off: an owner's index upkeep rides in the write's round trip,
+    # test_an_owners_write_and_its_index_upkeep_are_one_round_trip below.)
+    reg = PrefixCacheRegistry(client, new_namespace(), fleet_index=False)
     reg.load_scripts()
     # (method, arguments, the commands sent): writes are one script, reads one HMGET.
     calls: list[tuple[str, tuple[Any, ...], list[str]]] = [
@@ -111,6 +114,29 @@ def test_one_round_trip_per_call_and_none_for_empty_input(redis_server: RedisSer
     reg.register_kv(list(range(20_000)), big)
     assert reg.match_kv_prefix(big) == (list(range(20_000)), 20_000)
     assert client.sent == ["EVALSHA", "HMGET"]  # chunking happens inside the script
+    client.close()
+
+
+def test_an_owners_write_and_its_index_upkeep_are_one_round_trip(
+    redis_server: RedisServer,
+) -> None:
+    client = redis.Redis(port=redis_server.port)
+    reg = PrefixCacheRegistry(client, new_namespace())
+    reg.load_scripts()
+    reg.claim(lease_ttl=60)
+    writes: list[tuple[str, tuple[Any, ...]]] = [
+        ("register_kv", ([1, 2, 3], H[:3])),
+        ("register_mamba", ([2], H[1:2])),
+        ("evict_mamba", (H[1:2],)),
+        ("evict_kv", (H[2:3],)),
+    ]
+    for method, args in writes:
+        with counted_sends() as sends:
+            getattr(reg, method)(*args)
+        assert len(sends) == 1, method
+    router, exact = PrefixRouter(client), PrefixRouter(client, exact=True)
+    assert router.score(H, [reg.namespace]) == exact.score(H, [reg.namespace])
+    assert router.score(H, [reg.namespace])[reg.namespace].kv_prefix == 2
     client.close()
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
-from redis.connection import Connection
 
 from registry import (
     NodeIndex,
@@ -21,8 +18,10 @@ from registry import (
     collect_dead,
     live_nodes,
 )
+from registry.fleet import FleetKeys
 from registry.redis_registry import namespace_infos
 from tests.support.backends import Backend, dump_keys, expire_lease, notice_base, registry_state
+from tests.support.counting import counted_sends
 from tests.support.waiting import wait_until
 
 TOKENS = list(range(1000, 1160))  # 10 blocks of 16 tokens
@@ -53,21 +52,6 @@ def cluster_backend(redis_cluster: Any) -> Backend:
             return redis_cluster
 
     return make_backend("cluster", Request())  # type: ignore[arg-type]
-
-
-@contextlib.contextmanager
-def counted_sends() -> Iterator[list[str]]:
-    """Every socket write of redis-py connections in the block, as "host:port"."""
-    sends: list[str] = []
-    original = Connection.send_packed_command
-
-    def counting(self: Connection, *args: Any, **kwargs: Any) -> Any:
-        sends.append(f"{self.host}:{self.port}")
-        return original(self, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Connection, "send_packed_command", counting)
-        yield sends
 
 
 def three_nodes(backend: Backend, prefix: str) -> dict[str, PrefixCacheRegistry]:
@@ -322,7 +306,7 @@ def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix:
         client = backend.client()
         shards = {client.get_node_from_key(r.keys.kv).name for r in nodes.values()}
         assert len(shards) == 3
-        router = PrefixRouter(client, prefix)
+        router = PrefixRouter(client, prefix, exact=True)
         router.score(chain)  # scripts loaded, connections open
         primaries = {n.name: redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()}
         for admin in primaries.values():
@@ -342,6 +326,46 @@ def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix:
             kv = len(block_ids)
             assert scores[name].kv_prefix == kv
             assert scores[name].mamba_prefix == reg.match_mamba_farthest(chain[:kv])
+    finally:
+        backend.close()
+
+
+def test_index_scoring_costs_one_round_trip_per_shard_and_one_read_per_index_shard(
+    redis_cluster: Any, prefix: str
+) -> None:
+    """From the fleet index: each primary gets one write; it runs one HMGET per index
+    shard it serves and the member list once, whatever the number of namespaces."""
+    backend = cluster_backend(redis_cluster)
+    try:
+        chain = list(range(10**12, 10**12 + 512))
+        nodes = {}
+        for i in range(16):
+            reg = owner(backend, f"node-{i:02d}", prefix)
+            reg.register_kv(range(i * 32), chain[: i * 32])
+            reg.register_mamba([0, i], [chain[0], chain[i]])
+            nodes[reg.namespace] = reg
+        client = backend.client()
+        router = PrefixRouter(client, prefix)
+        router.score(chain)  # scripts loaded, connections open
+        primaries = {n.name: redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()}
+        for admin in primaries.values():
+            admin.config_resetstat()
+        with counted_sends() as sends:
+            scores = router.score(chain)
+        assert sorted(sends) == sorted(primaries)
+        fleet = FleetKeys(prefix)
+        for name, admin in primaries.items():
+            stats = admin.info("commandstats")
+            admin.close()
+            shards_here = sum(client.get_node_from_key(k).name == name for k in fleet.shards)
+            members_here = client.get_node_from_key(fleet.members).name == name
+            assert stats.get("cmdstat_hmget", {}).get("calls", 0) == shards_here
+            assert stats.get("cmdstat_evalsha", {}).get("calls", 0) == int(members_here)
+            assert "cmdstat_command|getkeys" not in stats
+        assert scores == PrefixRouter(client, prefix, exact=True).score(chain)
+        for name, reg in nodes.items():
+            block_ids, _ = reg.match_kv_prefix(chain)
+            assert scores[name].kv_prefix == len(block_ids)
     finally:
         backend.close()
 

@@ -36,6 +36,7 @@ from registry import (
     collect_dead,
     live_nodes,
 )
+from registry.fleet import FleetKeys
 from registry.keys import node_index_key
 from registry.scripts import script_source
 from tests.support.servers import HOST, RedisServer, require_redis_server
@@ -74,6 +75,9 @@ NODE_COMMANDS = (
     "zrangebyscore",
     "get",
     "set",
+    "sadd",
+    "spop",
+    "hgetall",
 )
 
 # Handshake commands redis-py 8 sends on every new connection and ignores the failure of.
@@ -93,6 +97,8 @@ def acl_rules(user: str) -> list[str]:
         f">{PASSWORDS[user]}",
         f"~{PREFIX}:{{{user}}}:*",  # the namespace's keys: kv, mamba, meta, mamba-evictions
         f"~{NODE_INDEX}",  # the shared node index (claim and renew announce the lease)
+        f"~{{{NODE_INDEX}}}:*",  # the fleet index's member table (claim joins it)
+        f"~{PREFIX}:{{index-*}}:blocks",  # the fleet index's shards (writes keep them up)
         "resetchannels",
         f"&{PREFIX}:{{{user}}}:*",  # the namespace's channel, mamba-evicted
         "-@all",
@@ -229,7 +235,9 @@ def test_the_users_hold_exactly_the_recipe(admin: redis.Redis) -> None:
         reply = command(admin, "ACL", "GETUSER", user)
         info = {text(k): v for k, v in reply.items()}
         assert [text(f) for f in info["flags"]] == ["on", "sanitize-payload"]
-        assert text(info["keys"]) == f"~{PREFIX}:{{{user}}}:* ~{NODE_INDEX}"
+        assert text(info["keys"]) == (
+            f"~{PREFIX}:{{{user}}}:* ~{NODE_INDEX} ~{{{NODE_INDEX}}}:* ~{PREFIX}:{{index-*}}:blocks"
+        )
         assert text(info["channels"]) == f"&{PREFIX}:{{{user}}}:*"
         granted = text(info["commands"]).split()
         assert granted[0] == "-@all"
@@ -506,7 +514,7 @@ def test_node_a_cannot_reach_node_b(admin: redis.Redis, connect: Connect) -> Non
         (r, c) == ("key", "toplevel") and o.startswith(node_b.keys.reply_prefix) for r, c, o in seen
     )
     assert ("key", "toplevel", node_b.keys.meta) in seen
-    assert ("command", "toplevel", "hgetall") in seen
+    assert ("key", "toplevel", node_b.keys.kv) in seen  # HGETALL of node-b's map
     assert ("channel", "toplevel", channel) in seen  # PUBLISH and SUBSCRIBE
     assert ("channel", "lua", channel) in seen  # the PUBLISH inside the script
     assert ("key", "lua", node_b.keys.meta) in seen  # the undeclared key inside the script
@@ -530,10 +538,16 @@ def test_the_shared_node_index_is_not_isolated(admin: redis.Redis, connect: Conn
 
     assert raw(node_a).zadd(NODE_INDEX, {"node-b": 1}) == 0  # lease end moved to 1970
     assert "node-b" not in live_nodes(node_a.client)
+    assert "node-b" not in PrefixRouter(admin, exact=True).score([B1, B2])
+    # The fleet index's copy of the lease is as open: node-a moves it too.
+    live = FleetKeys(PREFIX).live
+    (member,) = [m for m in admin.zrange(live, 0, -1) if m.endswith(b" node-b")]
+    assert raw(node_a).zadd(live, {member: 1}) == 0
     assert "node-b" not in router.score([B1, B2])
     assert "node-b" not in collect_dead(admin)
     assert snapshot(admin, node_b) == {**before, NODE_INDEX: 1.0}
     assert raw(node_a).zrem(NODE_INDEX, "node-b") == 1  # ZREM is granted (announce uses it)
+    assert "node-b" not in PrefixRouter(admin, exact=True).score([B1, B2])
     assert "node-b" not in router.score([B1, B2])
     assert snapshot(admin, node_b) == {**before, NODE_INDEX: None}
 

@@ -26,7 +26,7 @@ SMALL = ["--nodes", "3", "--requests", "120", "--kv-blocks", "256", "--mamba-slo
 RESULT_FIELDS = {
     "router", "nodes", "requests", "seed", "hit_rate_blocks", "usable_hit_rate_blocks",
     "hit_rate_tokens", "totals", "requests_per_node", "latency_ms", "consistency", "mamba",
-    "listener", "seconds", "route_fallbacks",
+    "listener", "seconds", "route_fallbacks", "registry_us_per_request",
 }  # fmt: skip
 
 
@@ -234,6 +234,7 @@ def test_stats_lists_invalid_index_members_and_gc_removes_them(
     assert (code, err) == (0, "")
     assert out.splitlines() == [
         "removed 1: node-dead",
+        "scrubbed 1 retired member ids from the fleet index",  # node-dead's
         f"removed {len(invalid)} invalid node-index members: "
         + " ".join(f"'{m}'" for m in invalid).replace("\t", "\\t"),
     ]

@@ -104,7 +104,7 @@ def test_operations_by_outcome(collectors: CollectorRegistry, client: Any) -> No
         owner.match_mamba_farthest(H)
 
     assert ops(collectors, "claim") == 2
-    assert ops(collectors, "announce") == 2
+    assert ops(collectors, "fleet_members") == 2  # each claim joins the fleet index
     assert ops(collectors, "register_kv") == 1
     assert ops(collectors, "register_kv", "bad_input") == 1
     assert ops(collectors, "register_kv", "stale_epoch") == 1
@@ -158,6 +158,11 @@ def test_router_decisions(collectors: CollectorRegistry, client: Any) -> None:
     assert value(collectors, "pcr_router_hit_ratio_bucket", le="0.7") == 1
     assert value(collectors, "pcr_router_hit_ratio_bucket", le="0.8") == 2
     assert ops(collectors, "score") == 4  # one pipeline per score with namespaces
+    # The fleet index lists the live members in each score's own round trip.
+    assert ops(collectors, "live_nodes") == 0
+    exact = PrefixRouter(client, hybrid=False, exact=True)
+    assert exact.score(H) == router.score(H)
+    exact.score(H)
     assert ops(collectors, "live_nodes") == 1  # cached for live_cache_ttl after
 
 

@@ -269,11 +269,11 @@ def test_redis_down_is_503_then_200_when_back(own_server: RedisServer, prefix: s
 
 
 async def _both_scores(
-    url: str, prefix: str, prompts: list[list[int]]
+    url: str, prefix: str, prompts: list[list[int]], *, exact: bool = False
 ) -> list[dict[str, tuple[int, int, int]]]:
     client = async_client_from_url(url)
     try:
-        router = AsyncPrefixRouter(client, prefix)
+        router = AsyncPrefixRouter(client, prefix, exact=exact)
         out = []
         for prompt in prompts:
             out.append(as_dict(await router.score(prompt)))
@@ -295,6 +295,8 @@ def test_async_router_equals_sync_router(redis_server: RedisServer, prefix: str)
         expected.append(as_dict(router.score(prompt)))
         expected.append({"best": router.best(prompt, load={"node-c": -1})})
     assert asyncio.run(_both_scores(redis_server.url, prefix, PROMPTS)) == expected
+    # The fleet index and the exact per-namespace scripts agree, both ways.
+    assert asyncio.run(_both_scores(redis_server.url, prefix, PROMPTS, exact=True)) == expected
     client.close()
 
 
@@ -310,6 +312,7 @@ def test_async_router_equals_sync_router_on_a_cluster(
         expected.append({"best": router.best(prompt, load={"node-c": -1})})
     url = redis_cluster.url.replace("redis://", "redis+cluster://")
     assert asyncio.run(_both_scores(url, prefix, PROMPTS)) == expected
+    assert asyncio.run(_both_scores(url, prefix, PROMPTS, exact=True)) == expected
     client.script_flush()  # NOSCRIPT on every primary: the async router reloads
     assert asyncio.run(_both_scores(url, prefix, PROMPTS[:1])) == expected[:2]
     served = Served(url, prefix)

@@ -285,6 +285,7 @@ def test_a_write_resent_after_a_timeout_runs_once_and_tells_the_truth(
     heard: list[EvictionNotice] = []
     reg.set_mamba_evict_callback(callbacks.append)
     reg.add_eviction_hook(heard.append)
+    reg.evict_kv([H[-1]])  # absent: changes nothing, looks up the namespace's index id
     admin = own_server.client()
     admin.config_resetstat()
     stopped()  # the request reaches a frozen server; the client gives up and re-sends
@@ -306,6 +307,42 @@ def test_a_write_resent_after_a_timeout_runs_once_and_tells_the_truth(
     setup.client.close()
 
 
+@pytest.mark.parametrize(
+    ("call", "told", "fired", "notices"),
+    [case[1:] for case in RETRIED_WRITES],
+    ids=[case[0] for case in RETRIED_WRITES],
+)
+def test_an_owners_write_and_its_index_update_resent_after_a_timeout_run_once(
+    own_server: RedisServer,
+    stopped: Callable[[], None],
+    call: Callable[[PrefixCacheRegistry], object],
+    told: object,
+    fired: list[int],
+    notices: int,
+) -> None:
+    """An owner's write travels with its fleet-index update in one round trip; re-sent
+    after a timeout, the write still runs once and the index still agrees with it."""
+    namespace = new_namespace()
+    reg, backoff = retrying_registry(own_server, namespace)
+    reg.claim(lease_ttl=60)
+    reg.register_kv([1, 2, 3, 4], H[:4])
+    reg.register_mamba([1, 2], H[:2])
+    callbacks: list[list[int]] = []
+    reg.set_mamba_evict_callback(callbacks.append)
+    admin = own_server.client()
+    before = admin.xlen(reg.keys.mamba_evictions)
+    stopped()
+    result = call(reg)
+    assert backoff.resumed == 1
+    assert result == told
+    assert callbacks == ([fired] if fired else [])
+    assert admin.xlen(reg.keys.mamba_evictions) == before + notices
+    by_index = PrefixRouter(admin).score(H, [namespace])
+    assert by_index == PrefixRouter(admin, exact=True).score(H, [namespace])
+    admin.close()
+    reg.client.close()
+
+
 def test_a_resent_eviction_is_applied_once_even_when_others_write_between(
     own_server: RedisServer, stopped: Callable[[], None]
 ) -> None:
@@ -324,6 +361,7 @@ def test_a_resent_eviction_is_applied_once_even_when_others_write_between(
         return delay
 
     backoff.compute = resume_then_reregister  # type: ignore[method-assign]
+    reg.evict_kv([H[-1]])  # absent: looks up the namespace's index id before the freeze
     stopped()
     assert reg.evict_mamba(H[:1]) == {H[0]}
     assert other.mamba_block_ids(H[:1]) == [5]  # the new entry survived the re-send

@@ -1,0 +1,190 @@
+-- fleet_members: the fleet index's member table, kept in the node index's slot so that
+-- joining, renewing and the live list are each one atomic call. A member id is handed to
+-- a namespace when its owner claims it (or rebuilds its index entries) and retired when
+-- the owner is superseded or the namespace collected; routers count only the bits of a
+-- namespace's current id, and only while its lease is live (registry/fleet.py).
+--
+-- KEYS[1]  pcr:nodes                ZSET namespace -> lease end (server clock, ms)
+-- KEYS[2]  {pcr:nodes}:members      HASH "ns:<namespace>" -> id, "id:<id>" -> namespace,
+--                                        "next" -> the next never-used id
+-- KEYS[3]  {pcr:nodes}:live         ZSET "<id> <namespace>" of current members -> lease end
+-- KEYS[4]  {pcr:nodes}:retired      SET ids whose bits may still be in the index
+-- KEYS[5]  {pcr:nodes}:free         SET ids scrubbed from the index, to hand out again
+-- ARGV[1]  "join" ns lease_end      retire ns's id, hand it a new one, record the lease
+--                                   -> the new id
+--          "reserve" ns             a new id for ns, not yet its current one -> the id
+--          "switch" ns id           make a reserved id current, retiring the old one
+--                                   -> 1, or 0 when the id is no longer ns's
+--          "check" ns id lease_end  record the lease -> 1 if id is still ns's current id
+--          "live"                   -> { {"id ns", ...} of live members (malformed entries
+--                                        left out), the number of live namespaces in the
+--                                        node index }
+--          "forget" ns              drop a namespace whose lease is over from the node
+--                                   index and retire its id -> 1, or 0 (renewed)
+--          "retired"                -> the retired ids, orphaned reservations included
+--          "free" id...             retired ids scrubbed from the index -> number freed
+--
+-- Calls:   TIME, ZSCORE, ZREM, ZADD, ZRANGEBYSCORE, ZCOUNT, HGET, HSET, HDEL, HINCRBY,
+--          HGETALL, SADD, SREM, SPOP, SMEMBERS
+-- Whether a member's name is 1 to 800 bytes of well-formed UTF-8 without '{', '}',
+-- ASCII whitespace or controls (the same check as lua/live_nodes.lua; the client
+-- applies the full namespace rules).
+local function well_formed(name)
+  local n = #name
+  if n == 0 or n > 800 or string.find(name, '[{}%s%c]') then
+    return false
+  end
+  local i = 1
+  while i <= n do
+    local c = string.byte(name, i)
+    local extra, low, high = 0, 0x80, 0xBF
+    if c < 0x80 then
+      extra = 0
+    elseif c >= 0xC2 and c <= 0xDF then
+      extra = 1
+    elseif c >= 0xE0 and c <= 0xEF then
+      extra = 2
+      if c == 0xE0 then low = 0xA0 elseif c == 0xED then high = 0x9F end
+    elseif c >= 0xF0 and c <= 0xF4 then
+      extra = 3
+      if c == 0xF0 then low = 0x90 elseif c == 0xF4 then high = 0x8F end
+    else
+      return false
+    end
+    for j = i + 1, i + extra do
+      local d = string.byte(name, j)
+      if not d or d < low or d > high then
+        return false
+      end
+      low, high = 0x80, 0xBF
+    end
+    i = i + extra + 1
+  end
+  return true
+end
+
+local nodes, members, live, retired, free = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local mode = ARGV[1]
+
+-- Record a lease end in a ZSET, never moving it back. ZREM first: it frees memory, so
+-- renewals keep working while Redis is at maxmemory.
+local function record(key, member, lease_end)
+  local current = redis.call('ZSCORE', key, member)
+  if current and tonumber(current) >= tonumber(lease_end) then
+    return
+  end
+  redis.call('ZREM', key, member)
+  redis.call('ZADD', key, lease_end, member)
+end
+
+local function announce(ns, lease_end)
+  record(nodes, ns, lease_end)
+end
+
+-- ns's current id, if any, stops being current: its bits await a scrub.
+local function retire(ns)
+  local old = redis.call('HGET', members, 'ns:' .. ns)
+  if old then
+    redis.call('HDEL', members, 'ns:' .. ns, 'id:' .. old)
+    redis.call('ZREM', live, old .. ' ' .. ns)
+    redis.call('SADD', retired, old)
+  end
+end
+
+-- Make `id` ns's current id, listed live until the namespace's lease end.
+local function make_current(ns, id)
+  redis.call('HSET', members, 'ns:' .. ns, id, 'id:' .. id, ns)
+  local lease_end = redis.call('ZSCORE', nodes, ns)
+  if lease_end then
+    redis.call('ZADD', live, lease_end, id .. ' ' .. ns)
+  end
+end
+
+local function new_id(ns)
+  local id = redis.call('SPOP', free)
+  if not id then
+    id = tostring(redis.call('HINCRBY', members, 'next', 1) - 1)
+  end
+  redis.call('HSET', members, 'id:' .. id, ns)
+  return id
+end
+
+if mode == 'join' then
+  retire(ARGV[2])
+  local id = new_id(ARGV[2])
+  announce(ARGV[2], ARGV[3])
+  make_current(ARGV[2], id)
+  return id
+elseif mode == 'reserve' then
+  return new_id(ARGV[2])
+elseif mode == 'switch' then
+  local ns, id = ARGV[2], ARGV[3]
+  if redis.call('HGET', members, 'id:' .. id) ~= ns then
+    return 0
+  end
+  if redis.call('HGET', members, 'ns:' .. ns) ~= id then
+    retire(ns)
+    make_current(ns, id)
+  end
+  return 1
+elseif mode == 'check' then
+  announce(ARGV[2], ARGV[4])
+  if redis.call('HGET', members, 'ns:' .. ARGV[2]) ~= ARGV[3] then
+    return 0
+  end
+  record(live, ARGV[3] .. ' ' .. ARGV[2], ARGV[4])
+  return 1
+elseif mode == 'live' then
+  -- One range read: routers parse "id namespace"; the count tells them whether some
+  -- live namespace has no id (then they list those the slow way, once). Entries that
+  -- are not "<digits> <well-formed UTF-8>" (anyone who may write this key could write
+  -- garbage) are left out here, so a client decoding replies as text never chokes.
+  local now = '(' .. now_ms()
+  local listed = {}
+  for _, entry in ipairs(redis.call('ZRANGEBYSCORE', live, now, '+inf')) do
+    local name = string.match(entry, '^%d+ (.+)$')
+    if name and well_formed(name) then
+      listed[#listed + 1] = entry
+    end
+  end
+  return {listed, redis.call('ZCOUNT', nodes, now, '+inf')}
+elseif mode == 'forget' then
+  local ns = ARGV[2]
+  local lease_end = redis.call('ZSCORE', nodes, ns)
+  if lease_end and tonumber(lease_end) > now_ms() then
+    return 0
+  end
+  redis.call('ZREM', nodes, ns)
+  retire(ns)
+  return 1
+elseif mode == 'retired' then
+  -- Reservations whose namespace moved on (an owner that died while rebuilding) are
+  -- retired here too, so their ids are scrubbed and handed out again.
+  local all = redis.call('HGETALL', members)
+  local current = {}
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 3) == 'ns:' then
+      current[all[i + 1]] = true
+    end
+  end
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 3) == 'id:' then
+      local id = string.sub(all[i], 4)
+      if not current[id] then
+        redis.call('HDEL', members, all[i])
+        redis.call('SADD', retired, id)
+      end
+    end
+  end
+  return redis.call('SMEMBERS', retired)
+elseif mode == 'free' then
+  local freed = 0
+  for i = 2, #ARGV do
+    if redis.call('SREM', retired, ARGV[i]) == 1 then
+      redis.call('SADD', free, ARGV[i])
+      freed = freed + 1
+    end
+  end
+  return freed
+end
+return redis.error_reply('BAD_MODE fleet_members: unknown mode ' .. tostring(mode))

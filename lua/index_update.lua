@@ -1,0 +1,125 @@
+-- index_update: add or drop one member's bits in the fleet index, the derived view
+-- routers score from: per block hash, which live namespaces hold it (registry/fleet.py).
+-- A field's value is a bitmap in hex, most significant digit first, without leading
+-- zeros: bit 2*id says member `id` holds the block's KV, bit 2*id+1 its Mamba state. A
+-- field whose bits are all clear is deleted. Setting a set bit or clearing a clear one
+-- changes nothing, so a re-sent copy is harmless.
+--
+-- KEYS[1..k]  pcr:{index-03.2}:blocks   index shards (HASH block hash -> hex bitmap);
+--                                      on a cluster all k keys share one slot (k = 1)
+-- ARGV[1]  "17"                        the member id (registry/fleet.py hands them out)
+-- ARGV[2]  "kv+" | "kv-" | "mamba+" | "mamba-"
+--          set the KV bit | clear the KV bit, and the Mamba bit where the KV bit was set
+--          (evict_kv cascades only to the Mamba entries of KV entries it removed) |
+--          set | clear the Mamba bit
+-- ARGV[3..] per key in order: the number of hashes, then those hashes ("3", "881", ...)
+--
+-- Returns: integer, the number of fields changed.
+-- Calls:   HMGET, HSET, HDEL
+local id = tonumber(ARGV[1])
+local digit = math.floor(id / 2)  -- which hex digit, counted from the right from 0
+local low = (id % 2 == 0) and 1 or 4  -- the member's KV bit inside that digit
+local change = ARGV[2]
+local set_mask, clear_mask = 0, 0
+if change == 'kv+' then
+  set_mask = low
+elseif change == 'kv-' then
+  clear_mask = low * 3
+elseif change == 'mamba+' then
+  set_mask = low * 2
+elseif change == 'mamba-' then
+  clear_mask = low * 2
+else
+  return redis.error_reply('BAD_CHANGE index_update: unknown change ' .. tostring(change))
+end
+
+-- What one hex digit becomes under this change, for each of the 16 it can be: worked
+-- out once per call with plain arithmetic (the `bit` library is not in every Lua runtime
+-- that runs these scripts), so each field costs a table lookup and two string cuts.
+local HEX = '0123456789abcdef'
+local becomes, value_of = {}, {}
+for d = 0, 15 do
+  local result = 0
+  local clear = clear_mask
+  if change == 'kv-' and math.floor(d / low) % 2 == 0 then
+    -- No KV bit: evict_kv removed no KV entry here, so it cascaded to no Mamba entry
+    -- either (a Mamba state registered without its KV block stays in the maps).
+    clear = 0
+  end
+  for _, b in ipairs({1, 2, 4, 8}) do
+    local on = math.floor(d / b) % 2 == 1
+    if math.floor(set_mask / b) % 2 == 1 then
+      on = true
+    elseif math.floor(clear / b) % 2 == 1 then
+      on = false
+    end
+    if on then
+      result = result + b
+    end
+  end
+  local char = string.sub(HEX, d + 1, d + 1)
+  value_of[char] = d
+  value_of[string.upper(char)] = d
+  becomes[char] = string.sub(HEX, result + 1, result + 1)
+  becomes[string.upper(char)] = becomes[char]
+end
+-- A field that did not exist, after a change that sets a bit.
+local fresh = becomes['0'] .. string.rep('0', digit)
+
+-- The bitmap `value` (or nil: no field) after the change; false when unchanged, '' when
+-- no bit is left.
+local function changed(value)
+  if not value then
+    return set_mask ~= 0 and fresh
+  end
+  local n = #value
+  if n <= digit then
+    if set_mask == 0 then
+      return false
+    end
+    return becomes['0'] .. string.rep('0', digit - n) .. value
+  end
+  local at = n - digit
+  local old = string.sub(value, at, at)
+  local new = becomes[old]
+  if not new or new == old then
+    return false  -- unchanged (or not a hex digit: left alone)
+  end
+  value = string.sub(value, 1, at - 1) .. new .. string.sub(value, at + 1)
+  if at == 1 and new == '0' then
+    local first = string.find(value, '[^0]')
+    return first and string.sub(value, first) or ''
+  end
+  return value
+end
+
+local count = 0
+local at = 3
+for k = 1, #KEYS do
+  local n = tonumber(ARGV[at])
+  for first = at + 1, at + n, CHUNK do
+    local last = math.min(first + CHUNK - 1, at + n)
+    local values = redis.call('HMGET', KEYS[k], unpack(ARGV, first, last))
+    local sets, dels = {}, {}
+    for j = 1, last - first + 1 do
+      local value = changed(values[j])
+      if value then
+        if value == '' then
+          dels[#dels + 1] = ARGV[first + j - 1]
+        else
+          sets[#sets + 1] = ARGV[first + j - 1]
+          sets[#sets + 1] = value
+        end
+      end
+    end
+    if #sets > 0 then
+      redis.call('HSET', KEYS[k], unpack(sets))
+    end
+    if #dels > 0 then
+      redis.call('HDEL', KEYS[k], unpack(dels))
+    end
+    count = count + #sets / 2 + #dels
+  end
+  at = at + n + 1
+end
+return count
