@@ -142,9 +142,14 @@ elseif mode == 'live' then
   local now = '(' .. now_ms()
   local listed = {}
   for _, entry in ipairs(redis.call('ZRANGEBYSCORE', live, now, '+inf')) do
-    local name = string.match(entry, '^%d+ (.+)$')
-    if name and well_formed(name) then
+    -- An ASCII name passes one pattern test; only others need the UTF-8 walk.
+    if string.find(entry, '^%d+ [!-z|~]+$') then
       listed[#listed + 1] = entry
+    else
+      local name = string.match(entry, '^%d+ (.+)$')
+      if name and well_formed(name) then
+        listed[#listed + 1] = entry
+      end
     end
   end
   return {listed, redis.call('ZCOUNT', nodes, now, '+inf')}

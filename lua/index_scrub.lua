@@ -65,10 +65,10 @@ for j = 1, #entries, 2 do
     end
   end
 end
-if #sets > 0 then
-  redis.call('HSET', KEYS[1], unpack(sets))
+for from = 1, #sets, CHUNK do
+  redis.call('HSET', KEYS[1], unpack(sets, from, math.min(from + CHUNK - 1, #sets)))
 end
-if #dels > 0 then
-  redis.call('HDEL', KEYS[1], unpack(dels))
+for from = 1, #dels, CHUNK do
+  redis.call('HDEL', KEYS[1], unpack(dels, from, math.min(from + CHUNK - 1, #dels)))
 end
 return page[1]

@@ -112,8 +112,8 @@ for k = 1, #KEYS do
         end
       end
     end
-    if #sets > 0 then
-      redis.call('HSET', KEYS[k], unpack(sets))
+    for from = 1, #sets, CHUNK do  -- 2 values per field: unpack stays chunked
+      redis.call('HSET', KEYS[k], unpack(sets, from, math.min(from + CHUNK - 1, #sets)))
     end
     if #dels > 0 then
       redis.call('HDEL', KEYS[k], unpack(dels))

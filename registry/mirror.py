@@ -165,18 +165,57 @@ class _Write:
         self.routed: list[Routed] | None = None  # the script call, then index upkeep
         self.first_sent: float | None = None
 
-    def build(self, inner: PrefixCacheRegistry) -> list[Routed]:
+    def build(self, inner: PrefixCacheRegistry) -> Routed:
+        """The write's script call, built once under its request id (a re-sent batch
+        sends the same one); its index upkeep is merged per chunk (``index_calls``)."""
         if self.routed is None:
             data = flatten(self.data, ()) if isinstance(self.data, dict) else self.data
             all_keys, args = inner._write_args(self.operation, self.keys, self.notices, data)
             sha = script_sha(self.operation)
-            routed: list[Routed] = [
-                (all_keys[0], ("EVALSHA", sha, len(all_keys), *all_keys, *args))
-            ]
-            for change, hashes in self.index:
-                routed += inner._index_calls(change, hashes)
-            self.routed = routed
-        return self.routed
+            self.routed = [(all_keys[0], ("EVALSHA", sha, len(all_keys), *all_keys, *args))]
+        return self.routed[0]
+
+
+def index_calls(inner: PrefixCacheRegistry, writes: list[_Write]) -> list[Routed]:
+    """The fleet-index upkeep of several writes, merged into a few updates instead of
+    one call per write (which would double the flusher's work on the server).
+
+    Setting or clearing KV bits and Mamba bits commute, and for each kind only a hash's
+    last change counts; only "kv-" (which clears a Mamba bit too, where the KV bit was
+    set, as ``evict_kv`` cascades) depends on order. So the writes are cut into runs in
+    which a hash under "kv-" has no other change; each run is sent as at most four
+    updates, "kv-" first: the same bits as one call per write, in order."""
+    calls: list[Routed] = []
+    kv: dict[int, bool] = {}
+    mamba: dict[int, bool] = {}
+
+    def send() -> None:
+        for change, hashes in (
+            ("kv-", [h for h, held in kv.items() if not held]),
+            ("mamba-", [h for h, held in mamba.items() if not held]),
+            ("kv+", [h for h, held in kv.items() if held]),
+            ("mamba+", [h for h, held in mamba.items() if held]),
+        ):
+            if hashes:
+                calls.extend(inner._index_calls(change, hashes))
+        kv.clear()
+        mamba.clear()
+
+    for write in writes:
+        for change, hashes in write.index:
+            if change == "kv-":
+                if any(h in kv or h in mamba for h in hashes):
+                    send()
+                kv.update(dict.fromkeys(hashes, False))
+                continue
+            if any(kv.get(h) is False for h in hashes):
+                send()
+            if change == "kv+":
+                kv.update(dict.fromkeys(hashes, True))
+            else:
+                mamba.update(dict.fromkeys(hashes, change == "mamba+"))
+    send()
+    return calls
 
 
 def default_owner_label(namespace: str) -> str:
@@ -683,15 +722,12 @@ class MirroredRegistry(RegistryBase):
                 return
         inner = self.inner
 
-        def chunks() -> Iterator[list[Routed]]:
-            for start in range(0, len(batch), STREAM_CHUNK):
-                part: list[Routed] = []
-                for write in batch[start : start + STREAM_CHUNK]:
-                    part += write.build(inner)
-                yield part
-
+        parts: list[list[Routed]] = []
+        for start in range(0, len(batch), STREAM_CHUNK):
+            chunk = batch[start : start + STREAM_CHUNK]
+            parts.append([write.build(inner) for write in chunk] + index_calls(inner, chunk))
         try:
-            replies = self._run(chunks)
+            replies = self._run(lambda: iter(parts))
         except RegistryUnavailable:
             self._requeue(batch, retried=True)
             raise
@@ -699,10 +735,15 @@ class MirroredRegistry(RegistryBase):
             self._requeue(batch, retried=True)
             raise
         refused: RegistryError | None = None
+        script_replies: list[Any] = []
         first = 0
-        for write in batch:
-            reply = replies[first]
-            first += len(write.build(inner))
+        for part in parts:  # each part: its writes' script calls, then the index upkeep
+            writes = min(STREAM_CHUNK, len(batch) - len(script_replies))
+            script_replies += replies[first : first + writes]
+            if any(isinstance(r, Exception) for r in replies[first + writes : first + len(part)]):
+                inner._index_dirty = True  # rebuilt at the next renewal
+            first += len(part)
+        for write, reply in zip(batch, script_replies, strict=True):
             if isinstance(reply, Exception):
                 error = self._runner._error(
                     reply, write.operation, "", True, self.namespace, self.inner.epoch

@@ -31,6 +31,7 @@ from registry.errors import (
     RegistryError,
     RegistryMisconfigured,
     RegistryPermissionError,
+    StaleEpochError,
     translate,
 )
 from registry.fleet import REBUILD_CHUNK, FleetKeys, FleetMembers, update_calls
@@ -156,9 +157,13 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
     ) -> Any:
         """Run a write script under a fresh request id (see ``lua/_prelude.lua``)."""
         all_keys, args = self._write_args(operation, keys, notices, data, fence=fence)
-        return self._runner.run(
-            operation, all_keys, args, namespace=self.keys.namespace, epoch=self.epoch
-        )
+        try:
+            return self._runner.run(
+                operation, all_keys, args, namespace=self.keys.namespace, epoch=self.epoch
+            )
+        except StaleEpochError:
+            self._index_ids = ()  # superseded: send no more index bits under its id
+            raise
 
     def _write_args(
         self,
@@ -232,13 +237,17 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             return self._write(operation, keys, notices, data)
         all_keys, args = self._write_args(operation, keys, notices, data)
         command = ("EVALSHA", script_sha(operation), len(all_keys), *all_keys, *args)
-        replies = self._runner.batch(
-            operation,
-            [(all_keys[0], command), *calls],
-            scripts=(operation, "index_update"),
-            context=f"namespace {self.namespace!r}",
-            owner=(self.namespace, self.epoch),
-        )
+        try:
+            replies = self._runner.batch(
+                operation,
+                [(all_keys[0], command), *calls],
+                scripts=(operation, "index_update"),
+                context=f"namespace {self.namespace!r}",
+                owner=(self.namespace, self.epoch),
+            )
+        except StaleEpochError:
+            self._index_ids = ()  # superseded: send no more index bits under its id
+            raise
         reply = replies[0]
         if any(isinstance(r, Exception) for r in replies[1:]):
             self._index_dirty = True
@@ -565,15 +574,45 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         return result
 
     def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
-        if kv and mamba:
-            notice = _notice(self._write("reset", self._all_keys, True))
-        elif kv:
-            self._write("clear_kv", self._kv_write_keys, False)
-            notice = None
-        else:
-            notice = _notice(self._write("clear_mamba", self._mamba_write_keys, True))
-        if self.fleet_index and (self._index_ids or self.epoch is None):
+        if self.fleet_index and self.epoch is None:
+            return self._operator_clear(kv=kv, mamba=mamba)
+        notice = self._clear_maps(kv=kv, mamba=mamba)
+        if self.fleet_index and self._index_ids:
             self._rebuild_after_clear()
+        return notice
+
+    def _clear_maps(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
+        if kv and mamba:
+            return _notice(self._write("reset", self._all_keys, True))
+        if kv:
+            self._write("clear_kv", self._kv_write_keys, False)
+            return None
+        return _notice(self._write("clear_mamba", self._mamba_write_keys, True))
+
+    def _operator_clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
+        """A clear by a writer that owns nothing: the owner keeps its member id (a
+        rebuild would take a new one, and the owner's writes would go under the old one
+        until it noticed), so the cleared entries' bits are cleared instead, read just
+        before the clear (an entry added meanwhile may keep its bits: an over-count, a
+        suboptimal route at worst, until it is evicted)."""
+        ids = self._operator_ids()
+        held_kv, held_mamba = self.entries() if ids else ({}, {})
+        notice = self._clear_maps(kv=kv, mamba=mamba)
+        calls = []
+        if kv and held_kv:
+            calls += update_calls(self._fleet, ids, "kv-", list(held_kv), cluster=self._cluster)
+        if mamba and held_mamba:
+            calls += update_calls(
+                self._fleet, ids, "mamba-", list(held_mamba), cluster=self._cluster
+            )
+        if calls:
+            replies = self._runner.batch(
+                "clear", calls, scripts=("index_update",), context=f"namespace {self.namespace!r}"
+            )
+            if any(isinstance(r, Exception) for r in replies):
+                log.warning(
+                    "namespace %r: a fleet-index update failed after a clear", self.namespace
+                )
         return notice
 
     def _rebuild_after_clear(self) -> None:

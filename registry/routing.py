@@ -18,6 +18,7 @@ A router never writes and never claims an epoch. It is thread-safe.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -272,6 +273,13 @@ def _usable(name: str, chosen: set[str] | None) -> bool:
     """A name from the member table that is a namespace (and one asked for)."""
     if chosen is not None:
         return name in chosen
+    return _is_namespace(name)
+
+
+@functools.lru_cache(maxsize=65_536)
+def _is_namespace(name: str) -> bool:
+    """Whether ``name`` follows the namespace rules (remembered: a router sees the same
+    few hundred names on every decision)."""
     try:
         validate_namespace(name)
     except (TypeError, ValueError):

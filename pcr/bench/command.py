@@ -61,7 +61,7 @@ def _command_bench_fleet(args: argparse.Namespace) -> int:
     from pcr.bench import fleet
 
     started = time.perf_counter()
-    rows = []
+    results = []
     if args.redis_url:
         scheme = _scheme(args.redis_url)
         if scheme not in (*BENCH_SCHEMES, *CLUSTER_SCHEMES):
@@ -76,7 +76,7 @@ def _command_bench_fleet(args: argparse.Namespace) -> int:
         client = client_from_url(args.redis_url)
         try:
             with _talking(f"Redis at {_where(args.redis_url)}"):
-                rows += fleet.measure(client, deployment, quick=args.quick)
+                results.append(fleet.measure(client, deployment, quick=args.quick))
         except RuntimeError as exc:  # the fleet was not as filled (see fleet.measure)
             raise CommandError(str(exc)) from None
         finally:
@@ -89,7 +89,7 @@ def _command_bench_fleet(args: argparse.Namespace) -> int:
                     flush=True,
                 )
                 with server.client() as client, _talking(f"Redis at 127.0.0.1:{server.port}"):
-                    rows += fleet.measure(client, "standalone", quick=args.quick)
+                    results.append(fleet.measure(client, "standalone", quick=args.quick))
             with RedisClusterServers(masters=3) as cluster:
                 ports = ", ".join(str(node.port) for node in cluster.nodes)
                 print(
@@ -100,12 +100,12 @@ def _command_bench_fleet(args: argparse.Namespace) -> int:
                     cluster.client() as cluster_client,
                     _talking(f"Redis Cluster at {cluster.url}"),
                 ):
-                    rows += fleet.measure(cluster_client, "cluster", quick=args.quick)
+                    results.append(fleet.measure(cluster_client, "cluster", quick=args.quick))
         except RuntimeError as exc:
             raise CommandError(str(exc)) from None
     report = {
         "quick": args.quick,
-        "fleet": fleet.report(rows, args.quick),
+        "fleet": fleet.report(results, args.quick),
         "seconds": round(time.perf_counter() - started, 1),
     }
     print("\n".join(fleet.format_rows(report["fleet"])))

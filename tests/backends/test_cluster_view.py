@@ -425,3 +425,23 @@ def test_router_leaves_the_prompt_alone(redis_backend: Backend, prefix: str) -> 
     prompt = [*H[:3], -1, *H[3:]]
     PrefixRouter(redis_backend.client(), prefix).score(prompt)
     assert prompt == [*H[:3], -1, *H[3:]]
+
+
+def test_the_index_takes_writes_and_rebuilds_larger_than_one_lua_chunk(
+    redis_backend: Backend, prefix: str
+) -> None:
+    """10,000 new hashes in one write (Lua's unpack is chunked at 4,000 values): the
+    index update and a rebuild both go through, and the index agrees with the maps."""
+    reg = owner(redis_backend, "node-big", prefix)
+    chain = list(range(10**13, 10**13 + 10_000))
+    reg.register_kv(range(10_000), chain)
+    reg.register_mamba(range(0, 10_000, 2), chain[::2])
+    router, exact = PrefixRouter(reg.client, prefix), PrefixRouter(reg.client, prefix, exact=True)
+    assert not reg._index_dirty
+    assert router.score(chain)["node-big"] == exact.score(chain)["node-big"]
+    assert router.score(chain)["node-big"].kv_prefix == 10_000
+    reg.evict_kv(chain[5_000:])
+    assert router.score(chain)["node-big"].kv_prefix == 5_000
+    old = reg._index_ids
+    assert reg.reindex() not in (None, *old)
+    assert router.score(chain) == exact.score(chain)

@@ -21,6 +21,7 @@ from registry import (
     PrefixCacheRegistry,
     StaleEpochError,
 )
+from registry.fleet import FleetKeys, bitmap
 from registry.mirror import DEFAULT_MAX_DELAY, MirrorCounts
 from tests.support.backends import (
     REDIS_BACKEND_PARAMS,
@@ -43,6 +44,20 @@ def mirrored(backend: Backend, namespace: str | None = None, **options: Any) -> 
     mirror = MirroredRegistry(backend.client(), namespace or new_namespace(), **options)
     mirror.claim()
     return mirror
+
+
+def index_view(mirror: MirroredRegistry) -> tuple[set[int], set[int]]:
+    """The hashes the fleet index lists under the mirror's member id: (KV, Mamba)."""
+    (member,) = mirror.inner._index_ids
+    kv, mamba = set(), set()
+    for shard in FleetKeys(mirror.inner.keys.key_prefix).shards:
+        for field, value in mirror.inner.client.hgetall(shard).items():
+            bits = bitmap(value)
+            if bits >> (2 * member) & 1:
+                kv.add(int(field))
+            if bits >> (2 * member + 1) & 1:
+                mamba.add(int(field))
+    return kv, mamba
 
 
 def redis_view(mirror: MirroredRegistry) -> tuple[dict[int, int], dict[int, int]]:
@@ -159,6 +174,8 @@ def machine_for(backend: Backend) -> type[RuleBasedStateMachine]:
             stream exactly the notices the hooks got, numbered alike."""
             self.real.flush()
             assert redis_view(self.real) == registry_state(self.model)
+            # The fleet index, kept up by the flusher's merged updates, says the same.
+            assert index_view(self.real) == tuple(set(m) for m in registry_state(self.model))
             assert self.real.inner.notice_position() == self.real.notice_position()
             published = self.real.inner.notices_after(self.base)
             assert published is not None

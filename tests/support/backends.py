@@ -126,6 +126,6 @@ def expire_lease(registry: PrefixCacheRegistry) -> None:
     # The fleet index's live members carry the same lease end (lua/fleet_members.lua).
     live = FleetKeys(registry.keys.key_prefix).live
     for member in registry.client.zrange(live, 0, -1):
-        text = member.decode() if isinstance(member, bytes) else member
+        text = member.decode("utf-8", "replace") if isinstance(member, bytes) else member
         if text.partition(" ")[2] == registry.namespace:
             registry.client.zadd(live, {member: past})

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,8 +57,9 @@ def test_quick_bench_reports_every_operation_and_target(tmp_path: Path) -> None:
     check_serve_rows(report["serve"], served)
     targets = {t["target"]: t for t in report["targets"]}
     # the 13 targets less those at n=512 and n=8192 (and the bridge's without pyzmq, the
-    # asyncio router's without the serve extra)
-    assert len(targets) == 6 + bridged + served
+    # asyncio router's without the serve extra), plus the mirror's three
+    assert len(targets) == 6 + bridged + served + 3
+    check_mirror_rows(report["mirror"])
     for target in targets.values():
         assert isinstance(target["measured"], float | int)
         assert target["limit"].startswith(("≤", "≥"))
@@ -67,6 +69,8 @@ def test_quick_bench_reports_every_operation_and_target(tmp_path: Path) -> None:
     assert "server x" in text
     for name in targets:
         assert name in text  # each ratio is printed next to its target
+    assert "mirror publish to visible in score: p50" in text
+    assert "registry writes/s" in text
     if bridged:
         assert "blocks/s" in text
         assert "bridge publish to visible in score: p50" in text
@@ -101,18 +105,46 @@ def test_quick_fleet_bench_reports_every_deployment_and_size(tmp_path: Path) -> 
     for row in rows:
         assert row["servers"] == (1 if row["deployment"] == "standalone" else 3)
         assert row["scored"] == row["namespaces"]  # every live namespace, each scored
+        assert row["agree"] is True  # the index's scores equal the exact ones
         assert row["kv_prefix"] == row["matched"] == fleet_bench.PROMPT
         assert row["mamba_prefix"] == fleet_bench.PROMPT - fleet_bench.MAMBA_EVERY + 1
-        for name in ("score_hybrid_p50_ms", "score_plain_p50_ms", "match_p50_ms"):
-            assert row[name] > 0
-        for mode in ("hybrid", "plain"):
-            p50 = row[f"score_{mode}_p50_ms"]
-            assert row[f"{mode}_ratio"] == pytest.approx(p50 / row["match_p50_ms"], rel=0.01)
-            assert row[f"server_us_{mode}"] > 0
-        assert row["server_us_match"] > 0
-        assert row["setup_s"] >= 0
-    assert "score hybrid ms" in done.stdout
-    assert "server µs hybrid" in done.stdout
+        for path in fleet_bench.PATHS:
+            assert row[f"{path}_p50_ms"] > 0
+            assert row[f"server_us_{path}"] > 0
+            assert row[f"cpu_us_{path}"] > 0
+        for path in fleet_bench.PATHS[:-1]:
+            p50 = row[f"{path}_p50_ms"]
+            assert row[f"{path}_ratio"] == pytest.approx(p50 / row["match_p50_ms"], rel=0.01)
+        assert row["setup_s"] > 0
+        writes = {(w["operation"], w["n"]): w for w in row["writes"]}
+        assert set(writes) == {(op, n) for op in ("register_kv", "evict_kv") for n in (16, 64)}
+        for w in writes.values():
+            assert w["indexed_p50_ms"] > 0
+            assert w["unindexed_p50_ms"] > 0
+            assert w["ratio"] == pytest.approx(
+                w["indexed_p50_ms"] / w["unindexed_p50_ms"], rel=0.01
+            )
+    capacity = fleet["capacity"]  # measured on the standalone server, at the largest N
+    assert capacity["namespaces"] == 64
+    for path in ("index", "exact"):
+        assert capacity[path]["runs"]
+        for run in capacity[path]["runs"]:
+            assert run["decisions"] > 0
+            assert run["decisions_per_s"] > 0
+            assert run["server_us_per_decision"] > 0
+            assert run["capacity_nodes"] > 0
+        assert capacity[path]["capacity_nodes"] > 0
+    assert capacity["exact_self_consistent_nodes"] > 0
+    # 2 ratios per row, 4 write ratios per row, and the capacity
+    assert len(fleet["targets"]) == len(rows) * 6 + 1
+    for target in fleet["targets"]:
+        assert isinstance(target["measured"], float | int)
+        assert target["limit"].startswith(("≤", "≥"))
+        assert target["target"] in done.stdout
+    assert "index hyb ms" in done.stdout
+    assert "server µs index hyb/plain" in done.stdout
+    assert "indexed / unindexed" in done.stdout
+    assert "nodes at 50 req/s" in done.stdout
     assert "quick fleet run" in done.stdout
 
 
@@ -124,6 +156,20 @@ def test_fleet_bench_refuses_a_sentinel_url() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "redis+cluster://" in done.stderr
+
+
+def check_mirror_rows(rows: dict[str, Any]) -> None:
+    """The mirror rows are sane figures (never a speed)."""
+    assert "error" not in rows, rows
+    cycle = rows["engine_cycle"]
+    assert cycle["requests"] == 300
+    assert cycle["local_us"] > 0
+    assert cycle["mirrored_us"] > 0
+    assert cycle["redis_us"] > 0
+    assert cycle["flushed"] > 0
+    visible = rows["publish_to_visible"]
+    assert 0 < visible["p50_ms"] <= visible["p99_ms"] <= visible["max_ms"]
+    assert rows["flush"]["writes_per_s"] > 0
 
 
 def check_serve_rows(rows: dict[str, object], served: bool) -> None:
