@@ -216,14 +216,19 @@ def _talking(what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def connect(args: argparse.Namespace) -> Iterator[Any]:
-    """A client for ``--redis-url`` that answered PING; closed at the end of the block."""
+def connect(args: argparse.Namespace, *, max_connections: int | None = None) -> Iterator[Any]:
+    """A client for ``--redis-url`` that answered PING; closed at the end of the block.
+    ``max_connections`` raises redis-py's cap (100 connections per pool) for commands
+    that hold many at once (``pcr simulate``: a pub/sub connection per node)."""
     url: str = args.redis_url
     where = _where(url)
     if _scheme(url) == "unix" and not where:
         raise UsageError("argument --redis-url: a unix:// URL names the socket: unix:///PATH")
+    options: dict[str, Any] = (
+        {} if max_connections is None else {"max_connections": max_connections}
+    )
     try:
-        client = client_from_url(url, **bounded_options({}))  # at most CALL_BOUND per call
+        client = client_from_url(url, **bounded_options(options))  # at most CALL_BOUND per call
     except REDIS_ERRORS as exc:  # a cluster client connects at once
         raise _connect_error(exc, where) from None
     except Exception as exc:

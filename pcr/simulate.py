@@ -148,7 +148,9 @@ def _command_simulate(args: argparse.Namespace) -> int:
     routers = ["round-robin", "prefix"] if args.router == "both" else [args.router]
     with contextlib.ExitStack() as stack:
         if args.redis_url:
-            client = stack.enter_context(common.connect(args))
+            # Every node's listener holds a pub/sub connection: room for all of them.
+            connections = max(100, 2 * args.nodes + 32)
+            client = stack.enter_context(common.connect(args, max_connections=connections))
             where = f"Redis at {_where(args.redis_url)}"
         else:
             client, where = _embedded_redis(args.serve_port, stack)

@@ -71,6 +71,21 @@ def test_simulate_on_a_real_cluster(tmp_path: Path, redis_cluster: Any) -> None:
     check_runs(figures)
 
 
+def test_simulate_a_fleet_of_more_nodes_than_the_connection_cap(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """150 nodes on a real server: more pub/sub connections (one per node's listener) than
+    redis-py's default cap of 100, and routing from the fleet index over all of them."""
+    out = tmp_path / "fleet.json"
+    args = ["--nodes", "150", "--requests", "150", "--router", "prefix", "--kv-blocks", "64"]
+    assert main(["simulate", *args, "--redis-url", redis_server.url, "--json", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["requests"] == 150
+    assert set(run["consistency"].values()) == {0}, run["consistency"]
+    assert run["route_fallbacks"] == 0
+    assert run["totals"]["unavailable_requests"] == 0
+
+
 def test_same_seed_same_figures(tmp_path: Path) -> None:
     one_router = ("--router", "prefix", "--requests", "60", "--nodes", "2")  # later win
     first = run_simulate(tmp_path, "--seed", "7", *one_router)["runs"]
