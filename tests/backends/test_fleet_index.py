@@ -20,6 +20,7 @@ chain), with the exact router (``exact=True``, ``lua/score.lua``):
 from __future__ import annotations
 
 import random
+import types
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -534,9 +535,19 @@ def test_an_operator_looks_the_id_up_at_most_once_a_second(
         return real(self, namespace)
 
     monkeypatch.setattr(FleetMembers, "current", counting)
-    for h in range(308, 302, -1):
+    # The registry's clock, stepped by hand: a busy machine must not change the count.
+    now = [1000.0]
+    monkeypatch.setattr(
+        "registry.redis_registry.time", types.SimpleNamespace(monotonic=lambda: now[0])
+    )
+    for h in range(308, 304, -1):
         operator.evict_kv([h])
+        now[0] += 0.2  # 0.8 s in all: within one lookup's lifetime
     assert looked == ["node-l"]
+    now[0] += 0.3  # past OPERATOR_LOOKUP_TTL since the lookup
+    for h in (304, 303):
+        operator.evict_kv([h])
+    assert looked == ["node-l", "node-l"]
     check_agreement(
         redis_backend.client(), prefix, {"node-l": reg}, [list(range(301, 309))], hybrid=True
     )
