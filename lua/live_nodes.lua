@@ -12,42 +12,8 @@
 --          removes them).
 -- Calls:   TIME, ZRANGEBYSCORE, ZRANGE, ZREM
 --
--- A valid member: 1 to 800 bytes of well-formed UTF-8 without '{', '}', ASCII
--- whitespace or control characters (the client applies the full namespace rules).
-
-local function well_formed(name)
-  local n = #name
-  if n == 0 or n > 800 or string.find(name, '[{}%s%c]') then
-    return false
-  end
-  local i = 1
-  while i <= n do
-    local c = string.byte(name, i)
-    local extra, low, high = 0, 0x80, 0xBF
-    if c < 0x80 then
-      extra = 0
-    elseif c >= 0xC2 and c <= 0xDF then
-      extra = 1
-    elseif c >= 0xE0 and c <= 0xEF then
-      extra = 2
-      if c == 0xE0 then low = 0xA0 elseif c == 0xED then high = 0x9F end
-    elseif c >= 0xF0 and c <= 0xF4 then
-      extra = 3
-      if c == 0xF0 then low = 0x90 elseif c == 0xF4 then high = 0x8F end
-    else
-      return false
-    end
-    for j = i + 1, i + extra do
-      local d = string.byte(name, j)
-      if not d or d < low or d > high then
-        return false
-      end
-      low, high = 0x80, 0xBF
-    end
-    i = i + extra + 1
-  end
-  return true
-end
+-- A valid member: `well_formed` (lua/_prelude.lua); the client applies the full
+-- namespace rules.
 
 local function shown(name)
   if #name > 200 then

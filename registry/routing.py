@@ -199,7 +199,6 @@ class IndexPlan:
         self.members: dict[str, int] = {}
         self.live_count = 0
         self.chosen = chosen
-        self.bare = bare
         lookups, self._where = lookup_calls(fleet, wanted, cluster)
         self._exact = sorted(bare if chosen is None else bare & chosen)
         exact: list[tuple[Any, tuple[Any, ...]]] = []
@@ -236,7 +235,12 @@ class IndexPlan:
         (some live namespace has no index id: written with ``fleet_index=False``, or
         garbage in the node index; the list is kept until the number of live
         namespaces changes, or for ``ttl`` seconds)."""
-        return _bare_state(self, state, ttl)
+        now = time.monotonic()
+        if self.live_count <= len(self.members):
+            return (self.live_count, frozenset(), now)
+        if self.live_count == state[0] and now - state[2] < ttl:
+            return state
+        return None
 
     def listed(self, live: Iterable[str]) -> BareState:
         """The non-members among the node index's ``live`` namespaces."""
@@ -250,18 +254,6 @@ class IndexPlan:
 
 BareState = tuple[int, frozenset[str], float]
 """(live namespaces counted when listed, those of them without an index id, when)."""
-
-
-def _bare_state(plan: IndexPlan, state: BareState, ttl: float) -> BareState | None:
-    """The non-members to keep after a scored round, or None when they must be listed
-    again (more live namespaces than members, and their number changed or the list is
-    older than ``ttl``)."""
-    now = time.monotonic()
-    if plan.live_count <= len(plan.members):
-        return (plan.live_count, frozenset(), now)
-    if plan.live_count == state[0] and now - state[2] < ttl:
-        return state
-    return None
 
 
 def translated_reply(reply: BaseException, what: str) -> BaseException:
