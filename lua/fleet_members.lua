@@ -6,7 +6,10 @@
 --
 -- KEYS[1]  pcr:nodes                ZSET namespace -> lease end (server clock, ms)
 -- KEYS[2]  {pcr:nodes}:members      HASH "ns:<namespace>" -> id, "id:<id>" -> namespace,
---                                        "next" -> the next never-used id
+--                                        "next" -> the next never-used id, "version" ->
+--                                        changes whenever an entry joins or leaves :live
+--                                        (first set from the server's clock in µs, so
+--                                        a table rebuilt from empty never repeats one)
 -- KEYS[3]  {pcr:nodes}:live         ZSET "<id> <namespace>" of current members -> lease end
 -- KEYS[4]  {pcr:nodes}:retired      SET ids whose bits may still be in the index
 -- KEYS[5]  {pcr:nodes}:free         SET ids scrubbed from the index, to hand out again
@@ -19,26 +22,61 @@
 --          "live"                   -> { {"id ns", ...} of live members (malformed entries
 --                                        left out), the number of live namespaces in the
 --                                        node index }
+--          "since" version          for routers that keep the member list:
+--                                   -> { the current version, every entry of :live
+--                                        (malformed ones left out) or nil when `version`
+--                                        is current, the entries whose lease is over,
+--                                        the number of live namespaces in the node index }
 --          "forget" ns              drop a namespace whose lease is over from the node
 --                                   index and retire its id -> 1, or 0 (renewed)
 --          "retired"                -> the retired ids, orphaned reservations included
 --          "free" id...             retired ids scrubbed from the index -> number freed
 --
--- Calls:   TIME, ZSCORE, ZREM, ZADD, ZRANGEBYSCORE, ZCOUNT, HGET, HSET, HDEL, HINCRBY,
+-- Calls:   TIME, ZSCORE, ZREM, ZADD, ZRANGE, ZRANGEBYSCORE, ZCOUNT, HGET, HSET, HDEL, HINCRBY,
 --          HGETALL, SADD, SREM, SPOP, SMEMBERS
 
 local nodes, members, live, retired, free = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local mode = ARGV[1]
 
+-- The member list changed (an entry joined or left :live): routers that keep a copy
+-- read it again. A missing version starts from the server's clock in µs, so a version
+-- a router remembers from before a restart with an empty Redis never comes back.
+local function bump()
+  local version = redis.pcall('HINCRBY', members, 'version', 1)
+  if version == 1 or type(version) ~= 'number' then  -- new, or garbage: start again
+    local time = redis.call('TIME')
+    redis.call('HSET', members, 'version', time[1] .. string.format('%06d', tonumber(time[2])))
+  end
+end
+
 -- Record a lease end in a ZSET, never moving it back. ZREM first: it frees memory, so
--- renewals keep working while Redis is at maxmemory.
+-- renewals keep working while Redis is at maxmemory. Returns whether `member` is new.
 local function record(key, member, lease_end)
   local current = redis.call('ZSCORE', key, member)
   if current and tonumber(current) >= tonumber(lease_end) then
-    return
+    return false
   end
   redis.call('ZREM', key, member)
   redis.call('ZADD', key, lease_end, member)
+  return not current
+end
+
+-- The entries of a ZSET range that routers may read: "<digits> <well-formed name>"
+-- (anyone who may write :live could write garbage; a client decoding replies as text
+-- must never choke). An ASCII name passes one pattern test; only others need the walk.
+local function readable(entries)
+  local listed = {}
+  for _, entry in ipairs(entries) do
+    if string.find(entry, '^%d+ [!-z|~]+$') then
+      listed[#listed + 1] = entry
+    else
+      local name = string.match(entry, '^%d+ (.+)$')
+      if name and well_formed(name) then
+        listed[#listed + 1] = entry
+      end
+    end
+  end
+  return listed
 end
 
 local function announce(ns, lease_end)
@@ -50,7 +88,9 @@ local function retire(ns)
   local old = redis.call('HGET', members, 'ns:' .. ns)
   if old then
     redis.call('HDEL', members, 'ns:' .. ns, 'id:' .. old)
-    redis.call('ZREM', live, old .. ' ' .. ns)
+    if redis.call('ZREM', live, old .. ' ' .. ns) == 1 then
+      bump()
+    end
     redis.call('SADD', retired, old)
   end
 end
@@ -59,8 +99,8 @@ end
 local function make_current(ns, id)
   redis.call('HSET', members, 'ns:' .. ns, id, 'id:' .. id, ns)
   local lease_end = redis.call('ZSCORE', nodes, ns)
-  if lease_end then
-    redis.call('ZADD', live, lease_end, id .. ' ' .. ns)
+  if lease_end and redis.call('ZADD', live, lease_end, id .. ' ' .. ns) == 1 then
+    bump()
   end
 end
 
@@ -96,27 +136,27 @@ elseif mode == 'check' then
   if redis.call('HGET', members, 'ns:' .. ARGV[2]) ~= ARGV[3] then
     return 0
   end
-  record(live, ARGV[3] .. ' ' .. ARGV[2], ARGV[4])
+  if record(live, ARGV[3] .. ' ' .. ARGV[2], ARGV[4]) then
+    bump()  -- the entry was gone (a failover, an operator): put back, listed again
+  end
   return 1
 elseif mode == 'live' then
   -- One range read: routers parse "id namespace"; the count tells them whether some
-  -- live namespace has no id (then they list those the slow way, once). Entries that
-  -- are not "<digits> <well-formed UTF-8>" (anyone who may write this key could write
-  -- garbage) are left out here, so a client decoding replies as text never chokes.
+  -- live namespace has no id (then they list those the slow way, once).
   local now = '(' .. now_ms()
-  local listed = {}
-  for _, entry in ipairs(redis.call('ZRANGEBYSCORE', live, now, '+inf')) do
-    -- An ASCII name passes one pattern test; only others need the UTF-8 walk.
-    if string.find(entry, '^%d+ [!-z|~]+$') then
-      listed[#listed + 1] = entry
-    else
-      local name = string.match(entry, '^%d+ (.+)$')
-      if name and well_formed(name) then
-        listed[#listed + 1] = entry
-      end
-    end
+  return {readable(redis.call('ZRANGEBYSCORE', live, now, '+inf')),
+          redis.call('ZCOUNT', nodes, now, '+inf')}
+elseif mode == 'since' then
+  -- A router's per-decision call: while the member list is the one it holds (the
+  -- version it sends), only the entries whose lease is over (usually none) travel.
+  local now = now_ms()
+  local version = redis.call('HGET', members, 'version') or ''
+  local listed = false
+  if version ~= ARGV[2] or version == '' then
+    listed = readable(redis.call('ZRANGE', live, 0, -1))
   end
-  return {listed, redis.call('ZCOUNT', nodes, now, '+inf')}
+  return {version, listed, readable(redis.call('ZRANGEBYSCORE', live, '-inf', now)),
+          redis.call('ZCOUNT', nodes, '(' .. now, '+inf')}
 elseif mode == 'forget' then
   local ns = ARGV[2]
   local lease_end = redis.call('ZSCORE', nodes, ns)

@@ -23,7 +23,7 @@ from redis.exceptions import NoScriptError
 
 from registry import metrics as _metrics
 from registry.errors import REDIS_ERRORS, RegistryError, translate
-from registry.fleet import FleetKeys
+from registry.fleet import FleetKeys, MemberList
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, node_index_key
 from registry.membership import split_members, warn_invalid
 from registry.routing import (
@@ -64,6 +64,7 @@ class AsyncPrefixRouter:
         self.exact = exact
         self._fleet = FleetKeys(key_prefix)
         self._bare: BareState = (0, frozenset(), float("-inf"))
+        self._known = MemberList()  # the member table as last read (by version)
         self.client = client
         self.key_prefix = key_prefix
         self.hybrid = hybrid
@@ -139,6 +140,7 @@ class AsyncPrefixRouter:
         plan = IndexPlan(
             self._fleet, wanted, self._bare[1], chosen, self.key_prefix, self._keys,
             hybrid=self.hybrid, cluster=is_cluster(self.client),
+            known=self._known, ttl=self.live_cache_ttl,
         )  # fmt: skip
         context = f"routing from the fleet index {self._fleet.members!r}"
         replies = await self._batch(plan.routed, context)
@@ -146,6 +148,7 @@ class AsyncPrefixRouter:
             if isinstance(reply, Exception):
                 raise translated_reply(reply, f"{context}: score") from reply
         scores = plan.scores(replies)
+        self._known = plan.known
         state = plan.bare_state(self._bare, self.live_cache_ttl)
         if state is not None:
             self._bare = state

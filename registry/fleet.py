@@ -38,12 +38,19 @@ Consistency rules (ARCHITECTURE.md, "The fleet index"):
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from registry.keys import DEFAULT_KEY_PREFIX, node_index_key, validate_key_prefix
+from registry.keys import (
+    DEFAULT_KEY_PREFIX,
+    node_index_key,
+    validate_key_prefix,
+    validate_namespace,
+)
 from registry.scripts import ScriptRunner, script_sha
 
 log = logging.getLogger(__name__)
@@ -173,14 +180,18 @@ def update_calls(
 
 def lookup_calls(
     fleet: FleetKeys, hashes: Sequence[int], cluster: bool = True
-) -> tuple[list[Routed], list[list[int]]]:
+) -> tuple[list[Routed], list[list[int]] | None]:
     """One HMGET per index shard the prompt touches, and for each the prompt positions
-    its replies belong to."""
-    count = shard_count(cluster)
+    its replies belong to (None with one shard: the reply is in prompt order)."""
+    shards = fleet.shards
+    if not hashes:
+        return [], []
+    if shard_count(cluster) == 1:
+        key = shards[0]
+        return [(key, ("HMGET", key, *hashes))], None
     positions: dict[int, list[int]] = {}
     for position, h in enumerate(hashes):
-        positions.setdefault(h % count, []).append(position)
-    shards = fleet.shards
+        positions.setdefault(h % SHARDS, []).append(position)
     calls: list[Routed] = []
     where: list[list[int]] = []
     for shard, places in sorted(positions.items()):
@@ -197,6 +208,71 @@ def live_call(fleet: FleetKeys) -> Routed:
     return (keys[0], ("EVALSHA", script_sha("fleet_members"), len(keys), *keys, "live"))
 
 
+@dataclass(frozen=True)
+class MemberList:
+    """A router's copy of the member table (every entry of ``:live``, dead ones
+    included), kept between decisions and read again only when the table's version
+    changed, or after ``ttl`` seconds. Each decision then carries only the entries whose
+    lease is over, usually none, instead of every live member's name."""
+
+    version: str = ""
+    members: Mapping[str, int] = field(default_factory=dict)
+    """namespace -> id, for names that follow the namespace rules."""
+    entries: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    """each ``"<id> <namespace>"`` entry -> (namespace, id)."""
+    fetched_at: float = float("-inf")
+
+    def call(self, fleet: FleetKeys, ttl: float) -> Routed:
+        """The ``fleet_members since`` command (the full list when this copy is older
+        than ``ttl`` seconds)."""
+        fresh = time.monotonic() - self.fetched_at < ttl
+        keys = fleet.member_keys
+        version = self.version if fresh else ""
+        return (keys[0], ("EVALSHA", script_sha("fleet_members"), 5, *keys, "since", version))
+
+    def update(self, reply: Any) -> tuple[MemberList, Mapping[str, int], int]:
+        """From a ``since`` reply: (the copy to keep, {live member: id}, the number of
+        live namespaces in the node index)."""
+        version, listed, ended, live_count = reply
+        kept = self
+        if listed is not None:
+            kept = member_list(_text(version), listed)
+        live = kept.members
+        if ended:
+            live = dict(live)
+            for entry in ended:
+                found = kept.entries.get(_text(entry))
+                if found is not None and live.get(found[0]) == found[1]:
+                    del live[found[0]]
+        return kept, live, int(live_count)
+
+
+def member_list(version: str, listed: Iterable[Any]) -> MemberList:
+    """A ``MemberList`` of ``listed`` entries; those that are not "<id> <namespace>"
+    with a valid namespace are left out (anyone who may write the member table could
+    write garbage)."""
+    members: dict[str, int] = {}
+    entries: dict[str, tuple[str, int]] = {}
+    for raw_entry in listed:
+        entry = _text(raw_entry)
+        raw, _, name = entry.partition(" ")
+        if raw.isdigit() and len(raw) < 10 and _is_namespace(name):
+            members[name] = int(raw)
+            entries[entry] = (name, int(raw))
+    return MemberList(version, members, entries, time.monotonic())
+
+
+@functools.lru_cache(maxsize=65_536)
+def _is_namespace(name: str) -> bool:
+    """Whether ``name`` follows the namespace rules (remembered: a router sees the same
+    few hundred names again and again)."""
+    try:
+        validate_namespace(name)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def bitmap(value: Any) -> int:
     """An index field's value as an int (0 for a missing or malformed one: anyone who
     may write the index could write garbage; it must not break routing)."""
@@ -209,6 +285,66 @@ def bitmap(value: Any) -> int:
     return bits if bits > 0 else 0
 
 
+def prefix_ends(
+    start: int, values: Sequence[Any], *, hybrid: bool
+) -> tuple[dict[int, int], dict[int, int]]:
+    """For the members whose KV bits are set in ``start``: ({id: where its KV prefix
+    ends}, {id: one past its farthest Mamba checkpoint inside that prefix}) over the
+    index ``values`` of a prompt's positions; a member missing from the first ran to the
+    end, one missing from the second has no checkpoint. Each distinct value is parsed
+    once, and a run of equal values (a chain the same members hold) costs a comparison
+    per position."""
+    alive = start
+    kv_end: dict[int, int] = {}
+    if not alive:
+        return kv_end, {}
+    checkpoints: list[tuple[int, int]] = []
+    parsed: dict[Any, int] = {}
+    previous: Any = _NOTHING
+    held = 0
+    for position, value in enumerate(values):
+        if value != previous:
+            previous = value
+            bits = parsed.get(value)
+            if bits is None:
+                bits = parsed[value] = bitmap(value)
+            still = alive & bits
+            if still != alive:
+                gone = alive ^ still
+                while gone:
+                    lowest = gone & -gone
+                    kv_end[(lowest.bit_length() - 1) >> 1] = position
+                    gone ^= lowest
+                alive = still
+                if not alive:
+                    break
+            held = (bits >> 1) & alive if hybrid else 0
+        if held:
+            checkpoints.append((position, held))
+    mamba_end: dict[int, int] = {}
+    found = 0
+    for position, held in reversed(checkpoints):
+        fresh = held & ~found
+        if fresh:
+            found |= held
+            while fresh:
+                lowest = fresh & -fresh
+                mamba_end[(lowest.bit_length() - 1) >> 1] = position + 1
+                fresh ^= lowest
+    return kv_end, mamba_end
+
+
+_NOTHING = object()
+
+
+def kv_mask(ids: Iterable[int]) -> int:
+    """The KV bits of member ``ids``."""
+    mask = 0
+    for member in ids:
+        mask |= 1 << (2 * member)
+    return mask
+
+
 def prefixes(
     ids: Iterable[int], values: Sequence[Any], *, hybrid: bool
 ) -> dict[int, tuple[int, int]]:
@@ -217,37 +353,8 @@ def prefixes(
     position whose KV bit is clear; the Mamba prefix is one past the farthest position
     inside it with the Mamba bit (0 with ``hybrid`` off): the same answer as
     ``lua/score.lua`` gives from the namespace's own maps."""
-    start = 0
-    for member in ids:
-        start |= 1 << (2 * member)
-    alive = start
-    kv_end: dict[int, int] = {}
-    checkpoints: list[tuple[int, int]] = []
-    for position, value in enumerate(values):
-        bits = bitmap(value)
-        still = alive & bits
-        if still != alive:
-            gone = alive ^ still
-            while gone:
-                lowest = gone & -gone
-                kv_end[(lowest.bit_length() - 1) >> 1] = position
-                gone ^= lowest
-            alive = still
-        if not alive:
-            break
-        if hybrid:
-            held = (bits >> 1) & alive
-            if held:
-                checkpoints.append((position, held))
-    mamba_end: dict[int, int] = {}
-    found = 0
-    for position, held in reversed(checkpoints):
-        fresh = held & ~found
-        found |= held
-        while fresh:
-            lowest = fresh & -fresh
-            mamba_end[(lowest.bit_length() - 1) >> 1] = position + 1
-            fresh ^= lowest
+    ids = list(ids)
+    kv_end, mamba_end = prefix_ends(kv_mask(ids), values, hybrid=hybrid)
     everything = len(values)
     return {member: (kv_end.get(member, everything), mamba_end.get(member, 0)) for member in ids}
 
@@ -341,14 +448,6 @@ class FleetMembers:
             return command()
         except REDIS_ERRORS as exc:
             raise (translate(exc, f"fleet index {self.keys.members!r}") or exc) from exc
-
-
-def scores_by_namespace(
-    members: Mapping[str, int], values: Sequence[Any], *, hybrid: bool
-) -> dict[str, tuple[int, int]]:
-    """``prefixes`` keyed by namespace."""
-    found = prefixes(members.values(), values, hybrid=hybrid)
-    return {name: found[member] for name, member in members.items()}
 
 
 def _text(value: Any) -> str:

@@ -18,7 +18,6 @@ A router never writes and never claims an epoch. It is thread-safe.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,10 +28,10 @@ from registry import metrics as _metrics
 from registry.errors import translate
 from registry.fleet import (
     FleetKeys,
-    live_call,
+    MemberList,
+    kv_mask,
     lookup_calls,
-    members_from_reply,
-    scores_by_namespace,
+    prefix_ends,
 )
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
@@ -49,6 +48,18 @@ class NodeScore:
     mamba_prefix: int  # leading blocks usable with Mamba state (farthest checkpoint <= kv_prefix);
     # 0 from a router built with hybrid=False, which skips the Mamba lookup
     usable: int  # what routing ranks by: mamba_prefix for hybrid models, else kv_prefix
+
+    @classmethod
+    def of(cls, namespace: str, kv_prefix: int, mamba_prefix: int, usable: int) -> NodeScore:
+        """A score built without the frozen dataclass's per-field checks: a router
+        builds one per live member on every decision (hundreds), from checked values."""
+        score = object.__new__(cls)
+        fields = score.__dict__
+        fields["namespace"] = namespace
+        fields["kv_prefix"] = kv_prefix
+        fields["mamba_prefix"] = mamba_prefix
+        fields["usable"] = usable
+        return score
 
 
 class PrefixRouter:
@@ -77,6 +88,7 @@ class PrefixRouter:
         # How many namespaces were live when this router last listed those without an
         # index id, and those namespaces (scored exactly, beside the index).
         self._bare: BareState = (0, frozenset(), float("-inf"))
+        self._known = MemberList()  # the member table as last read (by version)
         self._lock = threading.Lock()
         self._live: tuple[float, list[str]] = (float("-inf"), [])
         self._keys: dict[str, NamespaceKeys] = {}
@@ -133,6 +145,8 @@ class PrefixRouter:
             self._keys,
             hybrid=self.hybrid,
             cluster=self._cluster,
+            known=self._known,
+            ttl=self.live_cache_ttl,
         )
         context = f"routing from the fleet index {self._fleet.members!r}"
         replies = self._runner.batch(
@@ -142,6 +156,7 @@ class PrefixRouter:
             if isinstance(reply, Exception):
                 raise translated_reply(reply, f"{context}: score") from reply
         scores = plan.scores(replies)
+        self._known = plan.known
         state = plan.bare_state(self._bare, self.live_cache_ttl)
         if state is not None:
             self._bare = state
@@ -178,9 +193,10 @@ class PrefixRouter:
 
 
 class IndexPlan:
-    """One index-scored routing decision: the commands to send (live members, one HMGET
-    per index shard the prompt touches, an exact ``score`` per namespace known to be
-    live without an index id) and how to read their replies. Shared by both routers."""
+    """One index-scored routing decision: the commands to send (the member table's
+    changes since the router's copy, one HMGET per index shard the prompt touches, an
+    exact ``score`` per namespace known to be live without an index id) and how to read
+    their replies. Shared by both routers."""
 
     def __init__(
         self,
@@ -193,12 +209,15 @@ class IndexPlan:
         *,
         hybrid: bool,
         cluster: bool,
+        known: MemberList,
+        ttl: float,
     ) -> None:
         self.wanted = wanted
         self.hybrid = hybrid
-        self.members: dict[str, int] = {}
+        self.members: Mapping[str, int] = {}
         self.live_count = 0
         self.chosen = chosen
+        self.known = known
         lookups, self._where = lookup_calls(fleet, wanted, cluster)
         self._exact = sorted(bare if chosen is None else bare & chosen)
         exact: list[tuple[Any, tuple[Any, ...]]] = []
@@ -208,25 +227,37 @@ class IndexPlan:
                 self._exact, pack_hashes(wanted), key_prefix, keys_cache, hybrid=hybrid
             )
             exact = [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls]
-        self.routed = [live_call(fleet), *lookups, *exact]
+        self.routed = [known.call(fleet, ttl), *lookups, *exact]
 
     def scores(self, replies: Sequence[Any]) -> dict[str, NodeScore]:
         """The scores of the live members (and of the known non-members sent exactly);
-        sets ``members`` and ``live_count`` from the reply."""
+        sets ``members``, ``live_count`` and ``known`` (the member list to keep) from
+        the reply."""
         hybrid = self.hybrid
-        members, self.live_count = members_from_reply(replies[0])
+        self.known, members, self.live_count = self.known.update(replies[0])
         self.members = members
-        wanted = {n: i for n, i in members.items() if _usable(n, self.chosen)}
-        values: list[Any] = [None] * len(self.wanted)
-        for places, reply in zip(self._where, replies[1 : 1 + len(self._where)], strict=True):
-            for place, value in zip(places, reply, strict=True):
-                values[place] = value
-        found = scores_by_namespace(wanted, values, hybrid=hybrid)
-        result = {
-            name: NodeScore(name, kv, mamba, mamba if hybrid else kv)
-            for name, (kv, mamba) in found.items()
-        }
-        exact_replies = replies[1 + len(self._where) :]
+        chosen = self.chosen
+        if chosen is None:
+            wanted: Mapping[str, int] = members
+        else:
+            wanted = {n: members[n] for n in chosen if n in members}
+        shards = len(self._where) if self._where is not None else 1
+        if self._where is None:
+            values: Sequence[Any] = replies[1]
+        else:
+            values = [None] * len(self.wanted)
+            for places, reply in zip(self._where, replies[1 : 1 + shards], strict=True):
+                for place, value in zip(places, reply, strict=True):
+                    values[place] = value
+        start = kv_mask(wanted.values())
+        kv_end, mamba_end = prefix_ends(start, values, hybrid=hybrid)
+        everything = len(values)
+        result: dict[str, NodeScore] = {}
+        for name, member in wanted.items():
+            kv = kv_end.get(member, everything)
+            mamba = mamba_end.get(member, 0)
+            result[name] = NodeScore.of(name, kv, mamba, mamba if hybrid else kv)
+        exact_replies = replies[1 + shards :]
         result.update(scores_from_replies(self._exact, exact_replies, hybrid=hybrid))
         return result
 
@@ -259,24 +290,6 @@ BareState = tuple[int, frozenset[str], float]
 def translated_reply(reply: BaseException, what: str) -> BaseException:
     """A read's error reply as the registry error for it."""
     return translate(reply, what, write=False) or reply
-
-
-def _usable(name: str, chosen: set[str] | None) -> bool:
-    """A name from the member table that is a namespace (and one asked for)."""
-    if chosen is not None:
-        return name in chosen
-    return _is_namespace(name)
-
-
-@functools.lru_cache(maxsize=65_536)
-def _is_namespace(name: str) -> bool:
-    """Whether ``name`` follows the namespace rules (remembered: a router sees the same
-    few hundred names on every decision)."""
-    try:
-        validate_namespace(name)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def pack_hashes(hashes: Sequence[int]) -> bytes:

@@ -36,7 +36,7 @@ from registry import (
     collect_dead,
 )
 from registry.fleet import FleetKeys, FleetMembers, bitmap, shard_count
-from registry.scripts import is_cluster
+from registry.scripts import ScriptRunner, is_cluster, script_sha
 from tests.support.backends import Backend, expire_lease
 
 Scores = dict[str, tuple[int, int]]
@@ -94,12 +94,21 @@ def as_pairs(scores: dict[str, Any]) -> Scores:
     return {name: (s.kv_prefix, s.mamba_prefix) for name, s in scores.items()}
 
 
+_ROUTERS: dict[tuple[int, str, bool], tuple[PrefixRouter, PrefixRouter]] = {}
+
+
 def routers(client: Any, prefix: str, *, hybrid: bool) -> tuple[PrefixRouter, PrefixRouter]:
-    """(index router, exact router), neither caching the live list."""
-    return (
-        PrefixRouter(client, prefix, hybrid=hybrid, live_cache_ttl=0),
-        PrefixRouter(client, prefix, hybrid=hybrid, live_cache_ttl=0, exact=True),
-    )
+    """(index router, exact router) for this test's key prefix, the same pair all
+    through the test: the index router keeps its member list (re-read only when the
+    member table's version changes), so every check also checks that copy is current;
+    the exact router lists the live namespaces afresh each time."""
+    key = (id(client), prefix, hybrid)
+    if key not in _ROUTERS:
+        _ROUTERS[key] = (
+            PrefixRouter(client, prefix, hybrid=hybrid, live_cache_ttl=3600),
+            PrefixRouter(client, prefix, hybrid=hybrid, live_cache_ttl=0, exact=True),
+        )
+    return _ROUTERS[key]
 
 
 def index_bits(client: Any, prefix: str) -> dict[int, int]:
@@ -468,6 +477,99 @@ def test_gc_retires_and_scrubs_dead_members_and_reused_ids_start_clean(
     check_agreement(client, prefix, live, [prompt], hybrid=True)
     assert as_pairs(index_router.score(prompt))["gc-d"] == (2, 0)
     assert NodeIndex(client, prefix).scrubbed == 0  # nothing left to scrub
+
+
+# -- 5. a router's copy of the member table ----------------------------------------------
+
+
+def since(client: Any, prefix: str, version: str) -> list[Any]:
+    """The ``fleet_members since`` reply for a router holding ``version``."""
+    keys = FleetKeys(prefix).member_keys
+    return list(client.evalsha(script_sha("fleet_members"), 5, *keys, "since", version))
+
+
+def test_a_router_keeps_its_member_list_exactly_as_long_as_it_is_current(
+    redis_backend: Backend, prefix: str
+) -> None:
+    """The index router re-reads the member list only when the table's version moved:
+    every change to who is listed (a first claim, a re-claim, gc, an id reused, an entry
+    put back by a renewal) moves it; a lease that ends does not, and is told per
+    decision instead. One router, never refreshed by time, must score as the maps say
+    after each change."""
+    client = redis_backend.client()
+    script = ScriptRunner(client)
+    script.load(["fleet_members"])
+    rng = random.Random(8)
+    prompt = [rng.randrange(1, 2**63) for _ in range(12)]
+    regs = {name: owner(redis_backend, name, prefix) for name in ("ml-a", "ml-b")}
+    for i, reg in enumerate(regs.values()):
+        reg.register_kv(range(3 + 3 * i), prompt[: 3 + 3 * i])
+    router = PrefixRouter(client, prefix, live_cache_ttl=3600)
+
+    def check(live: dict[str, PrefixCacheRegistry]) -> None:
+        want = {name: direct(reg.entries(), prompt, hybrid=True) for name, reg in live.items()}
+        assert as_pairs(router.score(prompt)) == want
+
+    check(regs)
+    # Unchanged: the version is current, no list travels, no lease is over.
+    version = version_of(client, prefix)
+    reply = since(client, prefix, version)
+    assert reply[1] is None
+    assert list(reply[2]) == []
+    assert int(reply[3]) == 2
+    assert since(client, prefix, "0")[1] is not None  # an old version gets the list
+    # A namespace's first claim: listed at once.
+    regs["ml-c"] = owner(redis_backend, "ml-c", prefix)
+    regs["ml-c"].register_kv(range(2), prompt[:2])
+    check(regs)
+    # A lease ends: the version stays, the ended entry comes with the decision.
+    expire_lease(regs["ml-b"])
+    assert since(client, prefix, version)[2]
+    live = {n: r for n, r in regs.items() if n != "ml-b"}
+    check(live)
+    # It renews (the same id): scored again.
+    regs["ml-b"].renew()
+    check(regs)
+    # A re-claim: a new id, the old one's bits no longer count.
+    regs["ml-a"].claim(lease_ttl=60)
+    regs["ml-a"].register_kv(range(1), prompt[:1])
+    check(regs)
+    # gc collects a dead one, and its id goes to a newcomer.
+    expire_lease(regs["ml-b"])
+    assert collect_dead(client, prefix) == ["ml-b"]
+    live = {n: r for n, r in regs.items() if n != "ml-b"}
+    check(live)
+    live["ml-d"] = owner(redis_backend, "ml-d", prefix)
+    check(live)
+    # An entry lost behind the owners' backs (a failover, an operator): the namespace is
+    # still live, so it is still scored; the owner's renewal puts the entry back.
+    members = FleetKeys(prefix)
+    entry = f"{member_id(client, prefix, 'ml-c')} ml-c"
+    client.zrem(members.live, entry)
+    check(live)
+    live["ml-c"].renew()
+    assert client.zscore(members.live, entry) is not None
+    check(live)
+    # Garbage in the version field does not stop claims, and the list still moves.
+    client.hset(members.members, "version", "not a number")
+    live["ml-e"] = owner(redis_backend, "ml-e", prefix)
+    check(live)
+    # The whole table wiped (a restart with an empty Redis): the owners join again and
+    # the router, still holding the old version, lists them.
+    before = version_of(client, prefix)
+    client.delete(*members.all_keys()[:4])
+    for reg in live.values():
+        reg.claim(lease_ttl=60)
+        reg.register_kv(range(2), prompt[:2])
+    check(live)
+    # It starts again from the server's clock, past any version handed out before.
+    assert int(version_of(client, prefix)) > int(before)
+
+
+def version_of(client: Any, prefix: str) -> str:
+    raw = client.hget(FleetKeys(prefix).members, "version")
+    assert raw is not None
+    return str(raw.decode() if isinstance(raw, bytes) else raw)
 
 
 # -- 7. operators -------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def direct(reg: PrefixCacheRegistry, prompt: list[int]) -> tuple[int, int]:
 
 
 def scores(client: Any, prefix: str, *, exact: bool = False) -> dict[str, tuple[int, int]]:
-    router = PrefixRouter(client, prefix, live_cache_ttl=0, exact=exact)
+    router = PrefixRouter(client, prefix, live_cache_ttl=0 if exact else 3600, exact=exact)
     return {n: (s.kv_prefix, s.mamba_prefix) for n, s in router.score(PROMPT).items()}
 
 
