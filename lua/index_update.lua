@@ -6,7 +6,9 @@
 -- changes nothing, so a re-sent copy is harmless.
 --
 -- KEYS[1..k]  pcr:{index-03.2}:blocks   index shards (HASH block hash -> hex bitmap);
---                                      on a cluster all k keys share one slot (k = 1)
+--                                      on a cluster, the shards one primary serves, in
+--                                      the cross-slot form (registry.scripts
+--                                      .merged_index_updates) that declares only KEYS[1]
 -- ARGV[1]  "17"                        the member id (registry/fleet.py hands them out)
 -- ARGV[2]  "kv+" | "kv-" | "mamba+" | "mamba-"
 --          set the KV bit | clear the KV bit, and the Mamba bit where the KV bit was set

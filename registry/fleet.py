@@ -159,7 +159,8 @@ def update_calls(
 ) -> list[Routed]:
     """The ``index_update`` commands setting or clearing ``change`` for ``hashes`` under
     each member id in ``ids``: one call per id on a standalone server (its one shard),
-    one per (id, shard) on a cluster."""
+    one per (id, shard) on a cluster, which ``registry.scripts.run_per_node`` merges
+    into one call per (id, primary) when it sends them."""
     if change not in CHANGES:
         raise ValueError(f"change must be one of {', '.join(CHANGES)}, not {change!r}")
     if not hashes or not ids:

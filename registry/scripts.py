@@ -374,33 +374,112 @@ def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> 
         node = client.get_node_from_key(key)
         groups.setdefault(node.name, (node, []))[1].append(i)
     replies: list[Any] = [None] * len(routed)
-    taken: list[tuple[Any, Any, list[int]]] = []
+    taken: list[tuple[Any, Any, Any, list[tuple[Any, ...]], list[list[int]]]] = []
     healthy = False
     try:
         for node, indexes in groups.values():
             pool = client.get_redis_connection(node).connection_pool
             connection = pool.get_connection()
-            taken.append((pool, connection, indexes))
-            connection.send_packed_command(
-                packed_commands(connection, [routed[i][1] for i in indexes])
-            )
-        for _pool, connection, indexes in taken:
-            for i in indexes:
+            commands, sources = merged_index_updates(routed, indexes)
+            taken.append((node, pool, connection, commands, sources))
+            connection.send_packed_command(packed_commands(connection, commands))
+        for _node, _pool, connection, _commands, sources in taken:
+            for sent in sources:
                 try:
-                    replies[i] = connection.read_response()
+                    reply = connection.read_response()
                 except ResponseError as exc:
-                    replies[i] = exc
+                    reply = exc
+                for i in sent:
+                    replies[i] = reply
         healthy = True
     except (RedisConnectionError, RedisTimeoutError):
         return None
     finally:
-        for pool, connection, _indexes in taken:
+        for _node, pool, connection, _commands, _sources in taken:
             if not healthy:
                 connection.disconnect()  # a half-read connection must not be reused
             pool.release(connection)
+    for node, _pool, _connection, _commands, sources in taken:
+        for sent in sources:
+            if len(sent) > 1 and isinstance(replies[sent[0]], NoScriptError):
+                # The merged form is loaded here, on its node; the caller's NOSCRIPT
+                # handling loads the rest and sends the batch again.
+                try:
+                    client.get_redis_connection(node).script_load(cross_slot_source(INDEX_UPDATE))
+                except REDIS_ERRORS:
+                    return None
     if any(isinstance(reply, REDIRECTED) for reply in replies):
         return None
     return replies
+
+
+INDEX_UPDATE = "index_update"
+CROSS_SLOT = """#!lua flags=allow-cross-slot-keys
+-- The cross-slot form: a Redis Cluster checks that a script's declared keys share one
+-- slot, so KEYS[1] is declared and the other keys (on the same primary) come first in
+-- ARGV, after their count: moved into KEYS here, then the script runs as written.
+local extra = tonumber(ARGV[1])
+for i = 1, extra do
+  KEYS[#KEYS + 1] = ARGV[1 + i]
+end
+local total = #ARGV
+for i = 1, total - extra - 1 do
+  ARGV[i] = ARGV[i + extra + 1]
+end
+for i = total - extra, total do
+  ARGV[i] = nil
+end
+"""
+
+
+@cache
+def cross_slot_source(operation: str) -> str:
+    """``operation``'s script flagged to touch keys of several slots of one node (Redis
+    7's ``allow-cross-slot-keys``): sent only to a Redis Cluster primary, by
+    ``run_per_node``, for the keys that primary serves."""
+    return CROSS_SLOT + script_source(operation)
+
+
+@cache
+def cross_slot_sha(operation: str) -> str:
+    """The SHA1 of ``cross_slot_source(operation)``."""
+    return hashlib.sha1(cross_slot_source(operation).encode("utf-8")).hexdigest()
+
+
+def merged_index_updates(
+    routed: Sequence[tuple[Any, tuple[Any, ...]]], indexes: Sequence[int]
+) -> tuple[list[tuple[Any, ...]], list[list[int]]]:
+    """The commands for one cluster primary: those of ``indexes``, with the fleet-index
+    updates of one member and one change merged into one call of the cross-slot form of
+    ``lua/index_update.lua`` (which takes several shards' hashes in one call), so a write
+    costs each primary one index call however many of its shards the write touches; and,
+    per command sent, the ``routed`` positions it answers for."""
+    sha = script_sha(INDEX_UPDATE)
+    commands: list[tuple[Any, ...]] = []
+    sources: list[list[int]] = []
+    merged: dict[tuple[Any, Any], int] = {}
+    for i in indexes:
+        command = routed[i][1]
+        if len(command) > 6 and command[0] == "EVALSHA" and command[1] == sha and command[2] == 1:
+            group = (command[4], command[5])
+            at = merged.get(group)
+            if at is not None:
+                sources[at].append(i)
+                continue
+            merged[group] = len(commands)
+        commands.append(command)
+        sources.append([i])
+    for at in merged.values():
+        if len(sources[at]) > 1:
+            calls = [routed[i][1] for i in sources[at]]
+            first = calls[0]
+            keys = [call[3] for call in calls]
+            tails = [arg for call in calls for arg in call[6:]]
+            commands[at] = (
+                "EVALSHA", cross_slot_sha(INDEX_UPDATE), 1, keys[0], len(keys) - 1, *keys[1:],
+                first[4], first[5], *tails,
+            )  # fmt: skip
+    return commands, sources
 
 
 def _translated(exc: BaseException, what: str, *, write: bool) -> RegistryError:

@@ -395,6 +395,81 @@ def test_stats_of_many_namespaces_cost_one_round_trip_per_shard(
         backend.close()
 
 
+def index_field_bits(client: Any, prefix: str, hashes: list[int]) -> dict[int, bool]:
+    """Per hash, whether the fleet index holds any bit for it."""
+    fleet = FleetKeys(prefix)
+    return {h: client.hget(fleet.shards[h % len(fleet.shards)], h) is not None for h in hashes}
+
+
+def test_a_write_sends_each_primary_one_index_update_whatever_the_shards_it_touches(
+    redis_cluster: Any, prefix: str
+) -> None:
+    """A write whose hashes fall in all 16 index shards costs each primary one index
+    call (the cross-slot form of index_update for the shards it serves), in the write's
+    own round trip; with its scripts flushed from every primary it still lands."""
+    backend = cluster_backend(redis_cluster)
+    try:
+        reg = owner(backend, "merged", prefix)
+        hashes = [10**12 + i for i in range(64)]  # every residue mod 16: every shard
+        reg.register_kv(range(64), hashes)  # scripts loaded, connections open
+        reg.evict_kv(hashes)
+        client = backend.client()
+        primaries = {n.name: redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()}
+        try:
+            for admin in primaries.values():
+                admin.config_resetstat()
+            with counted_sends() as sends:
+                reg.register_kv(range(64), hashes)
+            assert sorted(sends) == sorted(primaries)
+            kv_node = client.get_node_from_key(reg.keys.kv).name
+            for name, admin in primaries.items():
+                calls = admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+                assert calls == 1 + (name == kv_node), name  # one index call (+ the write)
+            assert all(index_field_bits(client, prefix, hashes).values())
+            assert PrefixRouter(client, prefix).score(hashes)["merged"].kv_prefix == 64
+            # Scripts gone (a restart, a failover): NOSCRIPT, loaded, sent again.
+            for admin in primaries.values():
+                admin.script_flush()
+            reg.evict_kv(hashes[32:])
+            assert index_field_bits(client, prefix, hashes) == {
+                h: i < 32 for i, h in enumerate(hashes)
+            }
+            assert not reg._index_dirty
+        finally:
+            for admin in primaries.values():
+                admin.close()
+    finally:
+        backend.close()
+
+
+def test_index_updates_land_when_the_slot_map_is_stale(redis_cluster: Any, prefix: str) -> None:
+    """Index updates merged for a primary that no longer serves their shards are
+    answered MOVED; the write falls back to redis-py's pipeline with one call per shard,
+    and the index still holds exactly what the maps hold."""
+    backend = cluster_backend(redis_cluster)
+    try:
+        reg = owner(backend, "stale-map", prefix)
+        hashes = [10**12 + i for i in range(32)]
+        client = backend.client()
+        fleet = FleetKeys(prefix)
+        primaries = client.get_primaries()
+        wrong = {}
+        for shard in fleet.shards:
+            right = client.get_node_from_key(shard)
+            wrong[shard] = next(n for n in primaries if n.name != right.name)
+        real = client.get_node_from_key
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(client, "get_node_from_key", lambda key, *a: wrong.get(key) or real(key))
+            reg.register_kv(range(32), hashes)
+            reg.evict_kv(hashes[::2])
+        assert index_field_bits(client, prefix, hashes) == {
+            h: i % 2 == 1 for i, h in enumerate(hashes)
+        }
+        assert not reg._index_dirty
+    finally:
+        backend.close()
+
+
 def test_scores_stay_exact_when_the_slot_map_is_stale(redis_cluster: Any, prefix: str) -> None:
     """Commands sent to a node that no longer serves their slot are answered MOVED; the
     router then falls back to redis-py's pipeline, which follows the redirection."""
