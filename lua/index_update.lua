@@ -22,48 +22,31 @@ local id = tonumber(ARGV[1])
 local digit = math.floor(id / 2)  -- which hex digit, counted from the right from 0
 local low = (id % 2 == 0) and 1 or 4  -- the member's KV bit inside that digit
 local change = ARGV[2]
-local set_mask, clear_mask = 0, 0
-if change == 'kv+' then
-  set_mask = low
-elseif change == 'kv-' then
-  clear_mask = low * 3
-elseif change == 'mamba+' then
-  set_mask = low * 2
-elseif change == 'mamba-' then
-  clear_mask = low * 2
-else
+
+-- What one hex digit becomes under each change, for each of the 16 it can be (in the
+-- order 0-9a-f), when the member's KV bit is 1 (even ids) or 4 (odd ids): written out
+-- here rather than worked out per call, which cost more than editing 16 fields. kv-
+-- clears the Mamba bit only where the KV bit was set: evict_kv cascades only to the
+-- Mamba entries of KV entries it removed (a Mamba state registered without its KV block
+-- stays in the maps).
+local DIGITS = {
+  ['kv+'] = {'1133557799bbddff', '45674567cdefcdef'},
+  ['kv-'] = {'0020446488a8ccec', '0123012389ab0123'},
+  ['mamba+'] = {'23236767ababefef', '89abcdef89abcdef'},
+  ['mamba-'] = {'010145458989cdcd', '0123456701234567'},
+}
+local row = DIGITS[change]
+if not row then
   return redis.error_reply('BAD_CHANGE index_update: unknown change ' .. tostring(change))
 end
-
--- What one hex digit becomes under this change, for each of the 16 it can be: worked
--- out once per call with plain arithmetic (the `bit` library is not in every Lua runtime
--- that runs these scripts), so each field costs a table lookup and two string cuts.
-local HEX = '0123456789abcdef'
-local becomes, value_of = {}, {}
-for d = 0, 15 do
-  local result = 0
-  local clear = clear_mask
-  if change == 'kv-' and math.floor(d / low) % 2 == 0 then
-    -- No KV bit: evict_kv removed no KV entry here, so it cascaded to no Mamba entry
-    -- either (a Mamba state registered without its KV block stays in the maps).
-    clear = 0
-  end
-  for _, b in ipairs({1, 2, 4, 8}) do
-    local on = math.floor(d / b) % 2 == 1
-    if math.floor(set_mask / b) % 2 == 1 then
-      on = true
-    elseif math.floor(clear / b) % 2 == 1 then
-      on = false
-    end
-    if on then
-      result = result + b
-    end
-  end
-  local char = string.sub(HEX, d + 1, d + 1)
-  value_of[char] = d
-  value_of[string.upper(char)] = d
-  becomes[char] = string.sub(HEX, result + 1, result + 1)
-  becomes[string.upper(char)] = becomes[char]
+local map = row[low == 1 and 1 or 2]
+local set_mask = (change == 'kv+' or change == 'mamba+') and 1 or 0  -- sets a bit
+local HEX, UPPER = '0123456789abcdef', '0123456789ABCDEF'
+local becomes = {}
+for d = 1, 16 do
+  local to = string.sub(map, d, d)
+  becomes[string.sub(HEX, d, d)] = to
+  becomes[string.sub(UPPER, d, d)] = to
 end
 -- A field that did not exist, after a change that sets a bit.
 local fresh = becomes['0'] .. string.rep('0', digit)

@@ -23,8 +23,9 @@ prompt on one namespace. Each ratio is score p50 / match p50.
 decisions, then ``usec`` summed over the primaries, / K (median of three batches). Redis
 counts the commands a script calls both on their own and inside the script's EVALSHA time,
 so only top-level commands are summed. The index path sends one EVALSHA of
-``fleet_members live`` (which calls TIME, ZRANGEBYSCORE and ZCOUNT inside) and one HMGET per
-index shard: evalsha + hmget are summed, time/zrangebyscore/zcount left out. The exact path
+``fleet_members since`` (which calls TIME, HGET, ZRANGEBYSCORE and ZCOUNT inside, and ZRANGE
+when the member list changed) and one HMGET per index shard: evalsha + hmget are summed,
+the script's inner commands left out. The exact path
 sends one EVALSHA of ``score.lua`` per namespace: evalsha only (its TIME, HGET, HEXISTS,
 HLEN, HKEYS, HMGET are inside). The match is one HMGET: all of it. ``commandstats`` times
 are wall clock inside the server: on a loaded machine a preempted command counts its wait.
@@ -94,7 +95,7 @@ REQUESTS_PER_S = 50
 PATHS = ("index_hybrid", "index_plain", "exact_hybrid", "exact_plain", "match")
 
 INNER = {
-    "index": frozenset({"time", "zrangebyscore", "zcount"}),
+    "index": frozenset({"time", "hget", "zrange", "zrangebyscore", "zcount"}),
     "exact": frozenset({"time", "hget", "hexists", "hlen", "hkeys", "hmget"}),
     "match": frozenset(),
 }
