@@ -7,6 +7,12 @@
 -- ARGV[2]  "500"                       HSCAN COUNT hint
 -- ARGV[3..] retired member ids ("4", "17", ...)
 --
+-- On the first page (cursor "0") the ids' stamps ("@<id>", lua/index_update.lua) go
+-- first: from then on no late update of a superseded owner can set bits under them, so
+-- once every page is scrubbed the ids are clean to hand out again. Stamps and values
+-- that are not hex bitmaps (anyone who may write the shard could write garbage) are
+-- left alone.
+--
 -- Returns: the next cursor ("0": the shard is done).
 -- Calls:   HSCAN, HSET, HDEL
 -- A hex digit's value without the bits of `mask` (plain arithmetic, no `bit` library).
@@ -30,6 +36,15 @@ for i = 3, #ARGV do
     clear[digit] = old + bits
   end
 end
+if ARGV[1] == '0' then
+  local stamps = {}
+  for i = 3, #ARGV do
+    stamps[#stamps + 1] = '@' .. ARGV[i]
+  end
+  for from = 1, #stamps, CHUNK do
+    redis.call('HDEL', KEYS[1], unpack(stamps, from, math.min(from + CHUNK - 1, #stamps)))
+  end
+end
 local page = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
 local entries = page[2]
 local sets, dels = {}, {}
@@ -37,8 +52,12 @@ for j = 1, #entries, 2 do
   local value = entries[j + 1]
   local n, touched = #value, false
   local digits = {}
-  for at = 1, n do
-    digits[at] = tonumber(string.sub(value, at, at), 16)
+  if string.find(value, '^%x+$') and string.sub(entries[j], 1, 1) ~= '@' then
+    for at = 1, n do
+      digits[at] = tonumber(string.sub(value, at, at), 16)
+    end
+  else
+    n = 0  -- a stamp, or garbage: nothing to clear
   end
   for digit, mask in pairs(clear) do
     local at = n - digit

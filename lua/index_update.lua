@@ -10,14 +10,24 @@
 --                                      the cross-slot form (registry.scripts
 --                                      .merged_index_updates) that declares only KEYS[1]
 -- ARGV[1]  "17"                        the member id (registry/fleet.py hands them out)
--- ARGV[2]  "kv+" | "kv-" | "mamba+" | "mamba-"
+-- ARGV[2]  "kv+" | "kv-" | "mamba+" | "mamba-" | "stamp"
 --          set the KV bit | clear the KV bit, and the Mamba bit where the KV bit was set
 --          (evict_kv cascades only to the Mamba entries of KV entries it removed) |
---          set | clear the Mamba bit
--- ARGV[3..] per key in order: the number of hashes, then those hashes ("3", "881", ...)
+--          set | clear the Mamba bit | stamp the id with the epoch on every key
+-- ARGV[3]  "1733..."                   the writer's owner epoch; '' for a writer that
+--                                      owns nothing (an operator)
+-- ARGV[4..] per key in order: the number of hashes, then those hashes ("3", "881", ...)
 --
--- Returns: integer, the number of fields changed.
--- Calls:   HMGET, HSET, HDEL
+-- Fencing. Each shard holds a stamp per member id, field "@<id>" -> the epoch of the
+-- ownership the id was handed to, written by the owner ("stamp") when it joins or
+-- reserves the id, deleted by index_scrub.lua when the id is retired and scrubbed. A
+-- change is applied on a shard only while the id's stamp there is the writer's epoch
+-- (for an operator: while there is one): a superseded owner that wakes up after gc
+-- freed its id, or after the id went to another namespace, cannot set bits under it.
+--
+-- Returns: integer, the number of fields changed; an error reply STALE_MEMBER when some
+-- shard refused the change (the others applied it): the writer rebuilds its bits.
+-- Calls:   HGET, HMGET, HSET, HDEL
 local id = tonumber(ARGV[1])
 local digit = math.floor(id / 2)  -- which hex digit, counted from the right from 0
 local low = (id % 2 == 0) and 1 or 4  -- the member's KV bit inside that digit
@@ -35,6 +45,14 @@ local DIGITS = {
   ['mamba+'] = {'23236767ababefef', '89abcdef89abcdef'},
   ['mamba-'] = {'010145458989cdcd', '0123456701234567'},
 }
+local epoch = ARGV[3]
+local stamp_field = '@' .. ARGV[1]
+if change == 'stamp' then
+  for k = 1, #KEYS do
+    redis.call('HSET', KEYS[k], stamp_field, epoch)
+  end
+  return #KEYS
+end
 local row = DIGITS[change]
 if not row then
   return redis.error_reply('BAD_CHANGE index_update: unknown change ' .. tostring(change))
@@ -78,33 +96,43 @@ local function changed(value)
   return value
 end
 
-local count = 0
-local at = 3
+local count, refused = 0, 0
+local at = 4
 for k = 1, #KEYS do
   local n = tonumber(ARGV[at])
-  for first = at + 1, at + n, CHUNK do
-    local last = math.min(first + CHUNK - 1, at + n)
-    local values = redis.call('HMGET', KEYS[k], unpack(ARGV, first, last))
-    local sets, dels = {}, {}
-    for j = 1, last - first + 1 do
-      local value = changed(values[j])
-      if value then
-        if value == '' then
-          dels[#dels + 1] = ARGV[first + j - 1]
-        else
-          sets[#sets + 1] = ARGV[first + j - 1]
-          sets[#sets + 1] = value
+  local stamp = redis.call('HGET', KEYS[k], stamp_field)
+  if not stamp or (epoch ~= '' and stamp ~= epoch) then
+    refused = refused + 1
+  else
+    for first = at + 1, at + n, CHUNK do
+      local last = math.min(first + CHUNK - 1, at + n)
+      local values = redis.call('HMGET', KEYS[k], unpack(ARGV, first, last))
+      local sets, dels = {}, {}
+      for j = 1, last - first + 1 do
+        local value = changed(values[j])
+        if value then
+          if value == '' then
+            dels[#dels + 1] = ARGV[first + j - 1]
+          else
+            sets[#sets + 1] = ARGV[first + j - 1]
+            sets[#sets + 1] = value
+          end
         end
       end
+      for from = 1, #sets, CHUNK do  -- 2 values per field: unpack stays chunked
+        redis.call('HSET', KEYS[k], unpack(sets, from, math.min(from + CHUNK - 1, #sets)))
+      end
+      if #dels > 0 then
+        redis.call('HDEL', KEYS[k], unpack(dels))
+      end
+      count = count + #sets / 2 + #dels
     end
-    for from = 1, #sets, CHUNK do  -- 2 values per field: unpack stays chunked
-      redis.call('HSET', KEYS[k], unpack(sets, from, math.min(from + CHUNK - 1, #sets)))
-    end
-    if #dels > 0 then
-      redis.call('HDEL', KEYS[k], unpack(dels))
-    end
-    count = count + #sets / 2 + #dels
   end
   at = at + n + 1
+end
+if refused > 0 then
+  return redis.error_reply('STALE_MEMBER index_update: member ' .. ARGV[1]
+    .. ' is not stamped with epoch "' .. epoch .. '" on ' .. refused .. ' of '
+    .. #KEYS .. ' shards (superseded, or the stamp was lost)')
 end
 return count

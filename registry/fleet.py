@@ -156,11 +156,14 @@ def update_calls(
     hashes: Sequence[int],
     *,
     cluster: bool,
+    epoch: str = "",
 ) -> list[Routed]:
     """The ``index_update`` commands setting or clearing ``change`` for ``hashes`` under
-    each member id in ``ids``: one call per id on a standalone server (its one shard),
-    one per (id, shard) on a cluster, which ``registry.scripts.run_per_node`` merges
-    into one call per (id, primary) when it sends them."""
+    each member id in ``ids``, by the owner of ``epoch`` ('' for an operator): one call
+    per id on a standalone server (its one shard), one per (id, shard) on a cluster,
+    which ``registry.scripts.run_per_node`` merges into one call per (id, primary) when
+    it sends them. A shard applies one only while the id is stamped there with that
+    epoch (``stamp_calls``)."""
     if change not in CHANGES:
         raise ValueError(f"change must be one of {', '.join(CHANGES)}, not {change!r}")
     if not hashes or not ids:
@@ -169,14 +172,27 @@ def update_calls(
     shards = fleet.shards
     if not cluster:  # one shard: one call per id (the usual one id), no grouping
         key = shards[0]
-        return [(key, ("EVALSHA", sha, 1, key, m, change, len(hashes), *hashes)) for m in ids]
+        return [
+            (key, ("EVALSHA", sha, 1, key, m, change, epoch, len(hashes), *hashes)) for m in ids
+        ]
     groups = sorted(by_shard(hashes, cluster).items())
     calls: list[Routed] = []
     for member in ids:  # on a cluster: one call per shard (a script stays in one slot)
         for shard, group in groups:
             key = shards[shard]
-            calls.append((key, ("EVALSHA", sha, 1, key, member, change, len(group), *group)))
+            command = ("EVALSHA", sha, 1, key, member, change, epoch, len(group), *group)
+            calls.append((key, command))
     return calls
+
+
+def stamp_calls(fleet: FleetKeys, member: int, epoch: str, *, cluster: bool) -> list[Routed]:
+    """The ``index_update`` commands stamping ``member`` with its owner's ``epoch`` on
+    every shard: sent when the owner joins with the id or reserves it, before any bit."""
+    sha = script_sha("index_update")
+    return [
+        (key, ("EVALSHA", sha, 1, key, member, "stamp", epoch, 0))
+        for key in fleet.shards[: shard_count(cluster)]
+    ]
 
 
 def lookup_calls(

@@ -34,7 +34,7 @@ from registry.errors import (
     StaleEpochError,
     translate,
 )
-from registry.fleet import REBUILD_CHUNK, FleetKeys, FleetMembers, update_calls
+from registry.fleet import REBUILD_CHUNK, FleetKeys, FleetMembers, stamp_calls, update_calls
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
 from registry.notices import EvictionNotice, parse_notice
@@ -204,7 +204,9 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         ids = self._index_ids
         if not ids and self.epoch is None:
             ids = self._operator_ids()
-        return update_calls(self._fleet, ids, change, hashes, cluster=self._cluster)
+        return update_calls(
+            self._fleet, ids, change, hashes, cluster=self._cluster, epoch=self._fence
+        )
 
     def _operator_ids(self) -> tuple[int, ...]:
         """The namespace's member id for a writer that owns nothing, looked up at most
@@ -271,12 +273,17 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             self._index_ids = (*self._index_ids[:1], fresh)
             try:
                 kv, mamba = self.entries()
-                calls = []
+                calls = stamp_calls(self._fleet, fresh, self._fence, cluster=self._cluster)
                 for change, hashes in (("kv+", list(kv)), ("mamba+", list(mamba))):
                     for first in range(0, len(hashes), REBUILD_CHUNK):
                         part = hashes[first : first + REBUILD_CHUNK]
                         calls += update_calls(
-                            self._fleet, (fresh,), change, part, cluster=self._cluster
+                            self._fleet,
+                            (fresh,),
+                            change,
+                            part,
+                            cluster=self._cluster,
+                            epoch=self._fence,
                         )
                 if calls:
                     replies = self._runner.batch(
@@ -306,8 +313,24 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         if not self.fleet_index:
             self._node_index().announce(self.namespace, lease_until_ms)
             return
-        self._index_ids = (self._members().join(self.namespace, lease_until_ms),)
+        member = self._members().join(self.namespace, lease_until_ms)
+        self._index_ids = (member,)
         self._index_dirty = False
+        # The id's stamp on every shard, before any bit: a shard applies this owner's
+        # updates only under it (lua/index_update.lua, "Fencing").
+        stamps = stamp_calls(self._fleet, member, self._fence, cluster=self._cluster)
+        try:
+            replies = self._runner.batch(
+                "claim", stamps, scripts=("index_update",), context=f"namespace {self.namespace!r}"
+            )
+        except RegistryError as exc:
+            replies = [exc]
+        if any(isinstance(r, Exception) for r in replies):
+            self._index_dirty = True  # rebuilt (a new id, stamped) at the next renewal
+            log.warning(
+                "namespace %r: stamping its fleet-index id failed; rebuilt at the next renewal",
+                self.namespace,
+            )
 
     def _renewed(self, lease_until_ms: int) -> None:
         """After a renewal: record the lease and check the member id in one call;

@@ -452,16 +452,17 @@ def merged_index_updates(
     """The commands for one cluster primary: those of ``indexes``, with the fleet-index
     updates of one member and one change merged into one call of the cross-slot form of
     ``lua/index_update.lua`` (which takes several shards' hashes in one call), so a write
-    costs each primary one index call however many of its shards the write touches; and,
+    costs each primary one index call however many of its shards the write touches (the
+    calls of one member id, change and epoch: ``registry.fleet.update_calls``); and,
     per command sent, the ``routed`` positions it answers for."""
     sha = script_sha(INDEX_UPDATE)
     commands: list[tuple[Any, ...]] = []
     sources: list[list[int]] = []
-    merged: dict[tuple[Any, Any], int] = {}
+    merged: dict[tuple[Any, Any, Any], int] = {}
     for i in indexes:
         command = routed[i][1]
-        if len(command) > 6 and command[0] == "EVALSHA" and command[1] == sha and command[2] == 1:
-            group = (command[4], command[5])
+        if len(command) > 7 and command[0] == "EVALSHA" and command[1] == sha and command[2] == 1:
+            group = (command[4], command[5], command[6])
             at = merged.get(group)
             if at is not None:
                 sources[at].append(i)
@@ -474,10 +475,10 @@ def merged_index_updates(
             calls = [routed[i][1] for i in sources[at]]
             first = calls[0]
             keys = [call[3] for call in calls]
-            tails = [arg for call in calls for arg in call[6:]]
+            tails = [arg for call in calls for arg in call[7:]]
             commands[at] = (
                 "EVALSHA", cross_slot_sha(INDEX_UPDATE), 1, keys[0], len(keys) - 1, *keys[1:],
-                first[4], first[5], *tails,
+                first[4], first[5], first[6], *tails,
             )  # fmt: skip
     return commands, sources
 

@@ -52,6 +52,8 @@ def index_view(mirror: MirroredRegistry) -> tuple[set[int], set[int]]:
     kv, mamba = set(), set()
     for shard in FleetKeys(mirror.inner.keys.key_prefix).shards:
         for field, value in mirror.inner.client.hgetall(shard).items():
+            if (field.decode() if isinstance(field, bytes) else field).startswith("@"):
+                continue  # a member id's stamp (lua/index_update.lua, "Fencing")
             bits = bitmap(value)
             if bits >> (2 * member) & 1:
                 kv.add(int(field))
