@@ -321,7 +321,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         stamps = stamp_calls(self._fleet, member, self._fence, cluster=self._cluster)
         try:
             replies = self._runner.batch(
-                "claim", stamps, scripts=("index_update",), context=f"namespace {self.namespace!r}"
+                "index_stamp",
+                stamps,
+                scripts=("index_update",),
+                context=f"namespace {self.namespace!r}",
             )
         except RegistryError as exc:
             replies = [exc]
