@@ -238,6 +238,8 @@ class MemberList:
     entries: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     """each ``"<id> <namespace>"`` entry -> (namespace, id)."""
     fetched_at: float = float("-inf")
+    mask: int = 0
+    """``kv_mask`` of every member's id."""
 
     def call(self, fleet: FleetKeys, ttl: float) -> Routed:
         """The ``fleet_members since`` command (the full list when this copy is older
@@ -276,7 +278,7 @@ def member_list(version: str, listed: Iterable[Any]) -> MemberList:
         if raw.isdigit() and len(raw) < 10 and _is_namespace(name):
             members[name] = int(raw)
             entries[entry] = (name, int(raw))
-    return MemberList(version, members, entries, time.monotonic())
+    return MemberList(version, members, entries, time.monotonic(), kv_mask(members.values()))
 
 
 @functools.lru_cache(maxsize=65_536)

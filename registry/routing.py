@@ -249,7 +249,7 @@ class IndexPlan:
             for places, reply in zip(self._where, replies[1 : 1 + shards], strict=True):
                 for place, value in zip(places, reply, strict=True):
                     values[place] = value
-        start = kv_mask(wanted.values())
+        start = self.known.mask if wanted is self.known.members else kv_mask(wanted.values())
         kv_end, mamba_end = prefix_ends(start, values, hybrid=hybrid)
         everything = len(values)
         result: dict[str, NodeScore] = {}
