@@ -151,6 +151,9 @@ elseif mode == 'since' then
   -- version it sends), only the entries whose lease is over (usually none) travel.
   local now = now_ms()
   local version = redis.call('HGET', members, 'version') or ''
+  if not string.find(version, '^%d+$') then
+    version = ''  -- garbage is never sent (a text client must not choke): list every time
+  end
   local listed = false
   if version ~= ARGV[2] or version == '' then
     listed = readable(redis.call('ZRANGE', live, 0, -1))

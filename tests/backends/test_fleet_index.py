@@ -732,6 +732,7 @@ def test_bare_namespaces_are_scored_exactly_and_garbage_breaks_nothing(
         },
     )
     admin.hset(fleet.members, mapping={"ns:node-q": "zz", "id:zz": "node-q"})
+    admin.hset(fleet.members, "version", b"\xff\xfe")  # never sent to a router as it is
     for shard in fleet.shards:
         admin.hset(shard, mapping={str(prompt[0]): "not hex", "garbage": "-5"})
     scores = as_pairs(index_router.score(prompt))
