@@ -2,10 +2,11 @@
 
 Routers answer ``score``/``best`` from it in one round trip per Redis node, whatever the
 number of namespaces: one HMGET per index shard for the prompt's hashes and one
-``fleet_members`` call for the live members, checked against their leases by the
-server's clock in that same round trip. It is a *derived* view: each namespace's own
-maps stay the truth, and the engine's own ``match_kv_prefix`` stays exact, so a stale
-index costs at most a suboptimal route.
+``fleet_members since`` call, the leases checked by the server's clock in that same
+round trip. A router keeps the member list (``MemberList``) by the member table's
+version, so a decision carries only the members whose lease ended. It is a *derived*
+view: each namespace's own maps stay the truth, and the engine's own
+``match_kv_prefix`` stays exact, so a stale index costs at most a suboptimal route.
 
 Layout (``FleetKeys``; the README's data layout shows it with ``redis-cli``):
 
@@ -13,7 +14,8 @@ Layout (``FleetKeys``; the README's data layout shows it with ``redis-cli``):
   ``hash % 16``; the tags put the shards' slots 1,024 apart, so any even split of the
   slots over the primaries spreads them evenly; on a standalone server only the first):
   HASH block hash -> bitmap of holders in hex, bit ``2*id`` for the KV block of member
-  ``id``, ``2*id+1`` for its Mamba state.
+  ``id``, ``2*id+1`` for its Mamba state; ``@<id>`` -> the epoch of the ownership the id
+  belongs to (its stamp).
 * ``{pcr:nodes}:members`` / ``:retired`` / ``:free`` (in the node index's slot, so that
   joining, renewing and listing the live members are each one atomic call with the
   leases): member ids, handed to a namespace per ownership (``lua/fleet_members.lua``).
@@ -23,10 +25,13 @@ Consistency rules (ARCHITECTURE.md, "The fleet index"):
 * An owner writes its index bits in the same round trip as the write itself
   (``lua/index_update.lua``, sent after the write, on the same connection on a
   standalone server); evictions clear the bits of every hash asked for.
-* Member ids are per ownership: ``claim`` retires the namespace's old id and joins with
-  a new one, so the bits of a superseded (fenced) owner, even those it sends after it
-  was fenced, belong to an id no router counts. ``gc`` retires the ids of the namespaces
-  it collects and scrubs retired bits before an id is handed out again.
+* Member ids are per ownership: ``claim`` retires the namespace's old id, joins with a
+  new one and stamps it on every shard with its epoch, so the bits of a superseded
+  (fenced) owner, even those it sends after it was fenced, belong to an id no router
+  counts. ``gc`` retires the ids of the namespaces it collects, deletes their stamps and
+  scrubs their bits before an id is handed out again; a shard refuses updates under an
+  id not stamped with the sender's epoch, so a superseded owner never writes under an
+  id handed out again.
 * Anything that may have left an owner's bits wrong (an index command that failed, a
   clear, an id lost in a failover) marks them dirty; the owner then *rebuilds* them: a
   reserved id gets the bits of everything its maps hold, then becomes current in one
@@ -216,13 +221,6 @@ def lookup_calls(
         calls.append((key, ("HMGET", key, *(hashes[p] for p in places))))
         where.append(places)
     return calls, where
-
-
-def live_call(fleet: FleetKeys) -> Routed:
-    """The ``fleet_members live`` command: the live members, and how many namespaces
-    the node index holds live (more than members: some have no index id)."""
-    keys = fleet.member_keys
-    return (keys[0], ("EVALSHA", script_sha("fleet_members"), len(keys), *keys, "live"))
 
 
 @dataclass(frozen=True)
