@@ -449,28 +449,33 @@ def cross_slot_sha(operation: str) -> str:
 def merged_index_updates(
     routed: Sequence[tuple[Any, tuple[Any, ...]]], indexes: Sequence[int]
 ) -> tuple[list[tuple[Any, ...]], list[list[int]]]:
-    """The commands for one cluster primary: those of ``indexes``, with the fleet-index
-    updates of one member and one change merged into one call of the cross-slot form of
-    ``lua/index_update.lua`` (which takes several shards' hashes in one call), so a write
-    costs each primary one index call however many of its shards the write touches (the
-    calls of one member id, change and epoch: ``registry.fleet.update_calls``); and,
-    per command sent, the ``routed`` positions it answers for."""
+    """The commands for one cluster primary: those of ``indexes``, with each run of
+    consecutive fleet-index updates of one member, change and epoch (what
+    ``registry.fleet.update_calls`` makes of one write: one call per shard) merged into
+    one call of the cross-slot form of ``lua/index_update.lua``, which takes several
+    shards' hashes in one call, so a write costs each primary one index call however
+    many of its shards it touches; and, per command sent, the ``routed`` positions it
+    answers for. Only consecutive calls merge: a set and a clear of the same hash must
+    stay in the order they were sent."""
     sha = script_sha(INDEX_UPDATE)
     commands: list[tuple[Any, ...]] = []
     sources: list[list[int]] = []
-    merged: dict[tuple[Any, Any, Any], int] = {}
+    runs: list[int] = []  # positions in `commands` of index updates that may be merged
+    previous: tuple[Any, Any, Any] | None = None
     for i in indexes:
         command = routed[i][1]
         if len(command) > 7 and command[0] == "EVALSHA" and command[1] == sha and command[2] == 1:
             group = (command[4], command[5], command[6])
-            at = merged.get(group)
-            if at is not None:
-                sources[at].append(i)
+            if group == previous:
+                sources[-1].append(i)
                 continue
-            merged[group] = len(commands)
+            previous = group
+            runs.append(len(commands))
+        else:
+            previous = None
         commands.append(command)
         sources.append([i])
-    for at in merged.values():
+    for at in runs:
         if len(sources[at]) > 1:
             calls = [routed[i][1] for i in sources[at]]
             first = calls[0]

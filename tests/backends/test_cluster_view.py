@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import redis
+from redis.exceptions import NoScriptError
 
 from registry import (
     NodeIndex,
@@ -18,8 +19,9 @@ from registry import (
     collect_dead,
     live_nodes,
 )
-from registry.fleet import FleetKeys
+from registry.fleet import FleetKeys, stamp_calls, update_calls
 from registry.redis_registry import namespace_infos
+from registry.scripts import ScriptRunner, run_batched
 from tests.support.backends import Backend, dump_keys, expire_lease, notice_base, registry_state
 from tests.support.counting import counted_sends
 from tests.support.waiting import wait_until
@@ -438,6 +440,32 @@ def test_a_write_sends_each_primary_one_index_update_whatever_the_shards_it_touc
         finally:
             for admin in primaries.values():
                 admin.close()
+    finally:
+        backend.close()
+
+
+def test_index_updates_sent_together_apply_in_their_order(redis_cluster: Any, prefix: str) -> None:
+    """A set, a clear and a set again of the same hashes in one round trip (what a
+    mirror's batch sends) leave the bits set: merging per primary keeps their order."""
+    backend = cluster_backend(redis_cluster)
+    try:
+        client = backend.client()
+        fleet = FleetKeys(prefix)
+        hashes = [10**12 + i for i in range(32)]
+        routed = [
+            *stamp_calls(fleet, 5, "9", cluster=True),
+            *update_calls(fleet, [5], "kv+", hashes, cluster=True, epoch="9"),
+            *update_calls(fleet, [5], "kv-", hashes[:8], cluster=True, epoch="9"),
+            *update_calls(fleet, [5], "kv+", hashes[:4], cluster=True, epoch="9"),
+        ]
+        ScriptRunner(client).load(["index_update"])
+        replies = run_batched(client, routed)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            replies = run_batched(client, routed)  # the merged form, loaded on NOSCRIPT
+        assert not [r for r in replies if isinstance(r, Exception)]
+        assert index_field_bits(client, prefix, hashes) == {
+            h: not 4 <= i < 8 for i, h in enumerate(hashes)
+        }
     finally:
         backend.close()
 

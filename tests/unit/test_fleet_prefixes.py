@@ -3,10 +3,13 @@ against the per-namespace rule (``lua/score.lua`` without its parent-chain short
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from registry.fleet import SHARDS, FleetKeys, bitmap, by_shard, lookup_calls, prefixes, update_calls
+from registry.scripts import cross_slot_sha, merged_index_updates
 
 
 def reference(holds: list[tuple[bool, bool]], hybrid: bool) -> tuple[int, int]:
@@ -77,3 +80,37 @@ def test_updates_are_one_call_per_id_standalone_and_per_shard_on_a_cluster() -> 
     assert len(update_calls(fleet, [4], "mamba-", hashes, cluster=True)) == 2
     assert update_calls(fleet, [], "kv+", hashes, cluster=False) == []
     assert update_calls(fleet, [1], "kv+", [], cluster=False) == []
+
+
+def test_index_updates_merge_per_primary_only_in_runs_that_keep_their_order() -> None:
+    """A set and a clear of the same hash sent in one round trip must reach the shard in
+    that order: only consecutive updates of one member, change and epoch merge."""
+    fleet = FleetKeys("pcr")
+    hashes = list(range(32))  # every shard twice
+
+    def calls(change: str, part: list[int]) -> list[Any]:
+        return update_calls(fleet, [3], change, part, cluster=True, epoch="7")
+
+    routed = [*calls("kv+", hashes), *calls("kv-", hashes[:4]), *calls("kv+", hashes[:4])]
+    write = ("k", ("EVALSHA", "0" * 40, 1, "k", "x"))
+    routed.insert(0, write)
+    commands, sources = merged_index_updates(routed, range(len(routed)))
+    assert commands[0] == write[1]
+    assert [len(s) for s in sources] == [1, 16, 4, 4]  # three runs, each merged
+    assert [c[1] for c in commands[1:]] == [cross_slot_sha("index_update")] * 3
+    # (EVALSHA, sha, 1, first key, n, n more keys, member, change, epoch, ...)
+    assert [c[5 + c[4] : 8 + c[4]] for c in commands[1:]] == [
+        (3, "kv+", "7"),
+        (3, "kv-", "7"),
+        (3, "kv+", "7"),
+    ]
+    assert sorted(i for s in sources for i in s) == list(range(len(routed)))
+    # A merged call carries every shard's hashes, its first key declared, the rest after
+    # their count: what the cross-slot preamble moves back into KEYS.
+    first = commands[1]
+    assert first[2:4] == (1, fleet.shards[0])
+    assert first[4] == 15
+    assert list(first[5:20]) == list(fleet.shards[1:])
+    # Nothing else merges: an update alone stays as it was.
+    alone = calls("mamba+", [5])
+    assert merged_index_updates(alone, [0]) == ([alone[0][1]], [[0]])
