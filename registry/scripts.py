@@ -65,6 +65,7 @@ OPERATIONS = (
     "bridge_apply",
     "bridge_resume",
     "mirror_resync",
+    "mirror_apply",
     "index_update",
     "index_scrub",
     "fleet_members",

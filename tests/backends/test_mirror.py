@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -22,7 +23,9 @@ from registry import (
     StaleEpochError,
 )
 from registry.fleet import FleetKeys, bitmap
-from registry.mirror import DEFAULT_MAX_DELAY, MirrorCounts
+from registry.mirror import CALL_VALUES, CALL_WRITES, DEFAULT_MAX_DELAY, MirrorCounts
+from registry.scripts import script_sha
+from registry.types import NoticeKind
 from tests.support.backends import (
     REDIS_BACKEND_PARAMS,
     Backend,
@@ -84,7 +87,10 @@ def mirrors() -> Iterator[list[MirroredRegistry]]:
         assert mirror._thread is None or not mirror._thread.is_alive()
 
 
-def machine_for(backend: Backend) -> type[RuleBasedStateMachine]:
+def machine_for(backend: Backend, *, held: bool = False) -> type[RuleBasedStateMachine]:
+    """The differential machine; ``held``: the flusher stopped, so every write between two
+    ``flush()`` rules reaches Redis in one batch (merged runs, merged index upkeep)."""
+
     class MirrorComparison(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
@@ -94,6 +100,8 @@ def machine_for(backend: Backend) -> type[RuleBasedStateMachine]:
             self.real.add_eviction_hook(claimed.append)
             self.real.claim()
             self.real.remove_eviction_hook(claimed.append)
+            if held:
+                self.real.stop_flusher()
             self.base = claimed[0].seq  # the claim's clear: the mirror counts on from it
             self.model_fired: list[list[int]] = []
             self.real_fired: list[list[int]] = []
@@ -216,6 +224,28 @@ def test_the_mirror_matches_the_reference_and_redis_matches_the_mirror(
         backend.close()
 
 
+@pytest.mark.parametrize("backend_name", REDIS_BACKEND_PARAMS)
+def test_writes_batched_into_one_call_match_the_reference_and_its_notices(
+    backend_name: str, request: pytest.FixtureRequest
+) -> None:
+    """The same machine with the flusher held: each flush sends every write since the
+    last as ``mirror_apply`` runs, so Redis's maps, notices (numbers, kinds, pairs) and
+    fleet-index bits must equal those of the writes applied one by one."""
+    backend = make_backend(backend_name, request)
+    try:
+        run_state_machine_as_test(
+            machine_for(backend, held=True),
+            settings=settings(
+                max_examples=25 if backend_name == "fakeredis" else 10,
+                stateful_step_count=40,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )
+    finally:
+        backend.close()
+
+
 # -- the API ----------------------------------------------------------------------------
 
 
@@ -284,6 +314,93 @@ def test_batches_are_bounded_and_in_order(
     counts = mirror.counts()
     assert (counts.flushed, counts.batches, counts.queued) == (20, 5, 0)
     assert redis_view(mirror) == ({5: 9}, {5: 9})
+    assert_redis_matches(mirror)
+
+
+def reply_records(mirror: MirroredRegistry) -> int:
+    """How many reply records (one per script call) the namespace holds now."""
+    pattern = f"{mirror.inner.keys.base}:reply:*"
+    return len(list(mirror.inner.client.scan_iter(match=pattern, count=1000)))
+
+
+def test_a_batch_is_a_few_bounded_script_calls_in_one_round_trip(
+    redis_backend: Backend, mirrors: list[MirroredRegistry]
+) -> None:
+    mirror = mirrored(redis_backend)
+    mirrors.append(mirror)
+    mirror.stop_flusher()
+    before = reply_records(mirror)
+    for i in range(CALL_WRITES * 2 + 10):  # two full calls by the write bound, then 10
+        mirror.register_kv([i], [i + 1])
+    big = list(range(10**6, 10**6 + CALL_VALUES))  # joins the third, filling its values
+    mirror.register_kv(list(range(len(big))), big)
+    mirror.register_mamba([1], [1])  # so this one starts a fourth call
+    mirror.flush()
+    counts = mirror.counts()
+    assert (counts.flushed, counts.batches) == (CALL_WRITES * 2 + 12, 1)
+    assert reply_records(mirror) - before == 4
+    assert_redis_matches(mirror)
+    assert index_view(mirror) == tuple(set(m) for m in mirror.entries())
+
+
+def test_a_batch_whose_reply_was_lost_is_sent_again_and_applies_once(
+    redis_backend: Backend, mirrors: list[MirroredRegistry], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mirror = mirrored(redis_backend)
+    mirrors.append(mirror)
+    mirror.register_kv([1, 2], [11, 12])
+    mirror.register_mamba([1, 2], [11, 12])
+    mirror.flush()
+    base = mirror.notice_sequence()
+    heard: list[EvictionNotice] = []
+    mirror.add_eviction_hook(heard.append)
+    mirror.stop_flusher()
+    mirror.register_mamba([5], [11])  # a replace notice
+    mirror.register_mamba([6], [11])  # another: applied twice, both would repeat
+    mirror.evict_kv([12])  # a cascade notice
+    mirror.register_kv([3], [13])
+    sent = mirror._batched
+    lost: list[bool] = []
+
+    def reply_lost(chunks: Any) -> list[Any]:
+        replies = sent(chunks)  # applied by Redis ...
+        if not lost:
+            lost.append(True)
+            raise redis.ConnectionError("connection reset")  # ... but the reply never came
+        return replies
+
+    monkeypatch.setattr(mirror, "_batched", reply_lost)
+    mirror.flush()
+    counts = mirror.counts()
+    assert lost == [True]
+    assert (counts.retries, counts.resyncs, counts.dropped, counts.queued) == (1, 0, 0, 0)
+    assert_redis_matches(mirror)
+    published = mirror.inner.notices_after(base)
+    assert published is not None
+    assert [(n.seq, n.kind, n.pairs) for n in published] == [
+        (n.seq, n.kind, n.pairs) for n in heard
+    ]
+    assert [n.kind for n in heard] == [NoticeKind.REPLACE, NoticeKind.REPLACE, NoticeKind.CASCADE]
+
+
+def test_a_malformed_run_changes_nothing(
+    redis_backend: Backend, mirrors: list[MirroredRegistry]
+) -> None:
+    mirror = mirrored(redis_backend)
+    mirrors.append(mirror)
+    mirror.register_kv([1, 2], [11, 12])
+    mirror.flush()
+    inner = mirror.inner
+    for run in (
+        ["k", 1, 13, 3, "k", 2, 14, 4],  # cut short
+        ["k", 1, 13, 3, "q", 0],  # an unknown write
+        ["k", 1, 13, 3, "e", -1],  # a bad count
+        ["K", 1, 13],  # a clear carries no values
+    ):
+        keys, args = inner._write_args("mirror_apply", inner._all_keys, True, run)
+        with pytest.raises(redis.ResponseError, match="BAD_WRITE"):
+            inner.client.evalsha(script_sha("mirror_apply"), len(keys), *keys, *args)
+    assert redis_view(mirror) == mirror.entries() == ({11: 1, 12: 2}, {})
     assert_redis_matches(mirror)
 
 
