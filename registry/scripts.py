@@ -14,6 +14,8 @@ locally computed SHA1, SCRIPT LOAD and one retry on NOSCRIPT (a restart, a failo
 from __future__ import annotations
 
 import hashlib
+import logging
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from importlib import resources
@@ -40,6 +42,8 @@ from registry.errors import (
     StaleEpochError,
     translate,
 )
+
+log = logging.getLogger(__name__)
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
@@ -381,7 +385,10 @@ def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> 
         for node, indexes in groups.values():
             pool = client.get_redis_connection(node).connection_pool
             connection = pool.get_connection()
-            commands, sources = merged_index_updates(routed, indexes)
+            if client in _NO_CROSS_SLOT:
+                commands, sources = [routed[i][1] for i in indexes], [[i] for i in indexes]
+            else:
+                commands, sources = merged_index_updates(routed, indexes)
             taken.append((node, pool, connection, commands, sources))
             connection.send_packed_command(packed_commands(connection, commands))
         for _node, _pool, connection, _commands, sources in taken:
@@ -407,6 +414,15 @@ def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> 
                 # handling loads the rest and sends the batch again.
                 try:
                     client.get_redis_connection(node).script_load(cross_slot_source(INDEX_UPDATE))
+                except ResponseError:
+                    # A server that refuses the form (before Redis 7, no script flags):
+                    # this client sends one update per shard from now on.
+                    log.warning(
+                        "the cluster refused index_update's cross-slot form; "
+                        "sending one index update per shard"
+                    )
+                    _NO_CROSS_SLOT.add(client)
+                    return None
                 except REDIS_ERRORS:
                     return None
     if any(isinstance(reply, REDIRECTED) for reply in replies):
@@ -415,6 +431,8 @@ def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> 
 
 
 INDEX_UPDATE = "index_update"
+_NO_CROSS_SLOT: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Cluster clients whose servers refused the cross-slot form (``run_per_node``)."""
 CROSS_SLOT = """#!lua flags=allow-cross-slot-keys
 -- The cross-slot form: a Redis Cluster checks that a script's declared keys share one
 -- slot, so KEYS[1] is declared and the other keys (on the same primary) come first in

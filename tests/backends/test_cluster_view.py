@@ -470,6 +470,30 @@ def test_index_updates_sent_together_apply_in_their_order(redis_cluster: Any, pr
         backend.close()
 
 
+def test_a_cluster_that_refuses_the_cross_slot_form_gets_one_update_per_shard(
+    redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server without script flags (before Redis 7) cannot load the merged form: the
+    write still lands, its bits through redis-py's pipeline, and the client sends one
+    update per shard from then on."""
+    from registry import scripts
+
+    monkeypatch.setattr(scripts, "cross_slot_source", lambda _op: "this is not Lua (")
+    monkeypatch.setattr(scripts, "cross_slot_sha", lambda _op: "f" * 40)  # never loaded
+    backend = cluster_backend(redis_cluster)
+    try:
+        reg = owner(backend, "old-server", prefix)
+        hashes = [10**12 + i for i in range(32)]
+        reg.register_kv(range(32), hashes)
+        client = reg.client
+        assert client in scripts._NO_CROSS_SLOT
+        reg.evict_kv(hashes[:8])
+        assert index_field_bits(client, prefix, hashes) == {h: i >= 8 for i, h in enumerate(hashes)}
+        assert not reg._index_dirty
+    finally:
+        backend.close()
+
+
 def test_index_updates_land_when_the_slot_map_is_stale(redis_cluster: Any, prefix: str) -> None:
     """Index updates merged for a primary that no longer serves their shards are
     answered MOVED; the write falls back to redis-py's pipeline with one call per shard,
