@@ -211,3 +211,26 @@ local function well_formed(name)
   end
   return true
 end
+
+-- Set the hash -> block id pairs ARGV[first..last] in the Mamba map `key` (in chunks of
+-- CHUNK arguments, an even number: pairs stay whole); returns "<old id>:<hash>" for each
+-- hash that moved to another block id (register_mamba's 'replace' notice).
+local function set_mamba_pairs(key, first, last)
+  local moved = {}
+  for from = first, last, CHUNK do
+    local to = math.min(from + CHUNK - 1, last)
+    local fields = {}
+    for i = from, to, 2 do
+      fields[#fields + 1] = ARGV[i]
+    end
+    local old_ids = redis.call('HMGET', key, unpack(fields))
+    for j = 1, #fields do
+      local old_id = old_ids[j]
+      if old_id and old_id ~= ARGV[from + 2 * j - 1] then
+        moved[#moved + 1] = old_id .. ':' .. fields[j]
+      end
+    end
+    redis.call('HSET', key, unpack(ARGV, from, to))
+  end
+  return moved
+end

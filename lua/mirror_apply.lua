@@ -90,22 +90,7 @@ end
 -- register_mamba.lua: a hash moved to another block id is a 'replace' notice.
 local function register_mamba(first, last)
   history(KEYS[4])
-  local pair_texts = {}
-  for from = first, last, CHUNK do
-    local to = math.min(from + CHUNK - 1, last)
-    local fields = {}
-    for i = from, to, 2 do
-      fields[#fields + 1] = ARGV[i]
-    end
-    local old_ids = redis.call('HMGET', KEYS[3], unpack(fields))
-    for j = 1, #fields do
-      local old_id = old_ids[j]
-      if old_id and old_id ~= ARGV[from + 2 * j - 1] then
-        pair_texts[#pair_texts + 1] = old_id .. ':' .. fields[j]
-      end
-    end
-    redis.call('HSET', KEYS[3], unpack(ARGV, from, to))
-  end
+  local pair_texts = set_mamba_pairs(KEYS[3], first, last)
   if #pair_texts > 0 then
     publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'replace', table.concat(pair_texts, ' '))
   end

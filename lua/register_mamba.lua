@@ -24,23 +24,7 @@
 local early = begin_write(KEYS[3])
 if early then return early end
 history(KEYS[3])  -- stamps count in the current history's numbers
-local pair_texts = {}
-local n = #ARGV
-for first = 6, n, CHUNK do
-  local last = math.min(first + CHUNK - 1, n)
-  local fields = {}
-  for i = first, last, 2 do
-    fields[#fields + 1] = ARGV[i]
-  end
-  local old_ids = redis.call('HMGET', KEYS[2], unpack(fields))
-  for j = 1, #fields do
-    local old_id = old_ids[j]
-    if old_id and old_id ~= ARGV[first + 2 * j - 1] then
-      pair_texts[#pair_texts + 1] = old_id .. ':' .. fields[j]
-    end
-  end
-  redis.call('HSET', KEYS[2], unpack(ARGV, first, last))
-end
+local pair_texts = set_mamba_pairs(KEYS[2], 6, #ARGV)
 local notice = ''
 if #pair_texts > 0 then
   notice = publish_notice(KEYS[3], KEYS[4], ARGV[4], ARGV[5], 'replace',

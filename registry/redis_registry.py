@@ -259,6 +259,13 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             )
         return reply
 
+    def _index_batch(self, operation: str, calls: list[tuple[Any, tuple[Any, ...]]]) -> list[Any]:
+        """Fleet-index commands alone, in one round trip per Redis node; their replies,
+        error replies as exception objects (a lost connection raises)."""
+        return self._runner.batch(
+            operation, calls, scripts=("index_update",), context=f"namespace {self.namespace!r}"
+        )
+
     def reindex(self) -> int | None:
         """Rebuild this namespace's fleet-index bits from its maps: a reserved member id
         gets a bit for every entry, then becomes the namespace's id in one step (routers
@@ -286,12 +293,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
                             epoch=self._fence,
                         )
                 if calls:
-                    replies = self._runner.batch(
-                        "reindex",
-                        calls,
-                        scripts=("index_update",),
-                        context=f"namespace {self.namespace!r}",
-                    )
+                    replies = self._index_batch("reindex", calls)
                     for reply in replies:
                         if isinstance(reply, Exception):
                             raise self._runner.error(reply, "reindex", self.namespace, None)
@@ -320,12 +322,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         # updates only under it (lua/index_update.lua, "Fencing").
         stamps = stamp_calls(self._fleet, member, self._fence, cluster=self._cluster)
         try:
-            replies = self._runner.batch(
-                "index_stamp",
-                stamps,
-                scripts=("index_update",),
-                context=f"namespace {self.namespace!r}",
-            )
+            replies = self._index_batch("index_stamp", stamps)
         except RegistryError as exc:
             replies = [exc]
         if any(isinstance(r, Exception) for r in replies):
@@ -632,9 +629,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
                 self._fleet, ids, "mamba-", list(held_mamba), cluster=self._cluster
             )
         if calls:
-            replies = self._runner.batch(
-                "clear", calls, scripts=("index_update",), context=f"namespace {self.namespace!r}"
-            )
+            replies = self._index_batch("clear", calls)
             if any(isinstance(r, Exception) for r in replies):
                 log.warning(
                     "namespace %r: a fleet-index update failed after a clear", self.namespace
