@@ -19,7 +19,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from registry import metrics as _metrics
 from registry.errors import REDIS_ERRORS, RegistryError, translate
@@ -38,7 +40,7 @@ from registry.routing import (
     scores_from_replies,
     translated_reply,
 )
-from registry.scripts import is_cluster, script_sha, script_source
+from registry.scripts import is_cluster, packed_commands, script_sha, script_source
 from registry.validation import prefix_hashes
 
 INDEX_SCRIPTS = ("fleet_members", "score")
@@ -235,6 +237,9 @@ class AsyncPrefixRouter:
         index router's scripts and runs it again."""
 
         async def run() -> list[Any]:
+            direct = await run_on_one_connection(self.client, routed)
+            if direct is not None:
+                return direct
             pipe = self.client.pipeline(transaction=False)
             for _key, command in routed:
                 pipe.execute_command(*command)
@@ -255,11 +260,53 @@ class AsyncPrefixRouter:
         self, operation: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
     ) -> list[Any]:
         sha = script_sha(operation)
+        routed = [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls]
+        direct = await run_on_one_connection(self.client, routed)
+        if direct is not None:
+            return direct
         pipe = self.client.pipeline(transaction=False)
-        for keys, args in calls:
-            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        for _key, command in routed:
+            pipe.execute_command(*command)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         return replies
+
+
+async def run_on_one_connection(
+    client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]
+) -> list[Any] | None:
+    """``registry.scripts.run_on_one_connection`` for ``redis.asyncio``: the commands
+    in one write and one read of one pooled connection of a standalone server, packed by
+    hiredis (redis-py's pipeline looks at every argument in Python, which for a prompt's
+    hundreds of hashes costs more than the server's work). Error replies come back as
+    exception objects, in order. None on a lost connection or a timeout, or for a client
+    without a plain connection pool (a cluster): the caller then runs redis-py's
+    pipeline, which retries (every command sent this way tolerates a re-sent copy)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or is_cluster(client) or not callable(getattr(pool, "get_connection", None)):
+        return None
+    try:
+        connection = await pool.get_connection()
+    except (RedisConnectionError, RedisTimeoutError):
+        return None
+    healthy = False
+    try:
+        await connection.send_packed_command(
+            packed_commands(connection, [command for _key, command in routed])
+        )
+        replies: list[Any] = []
+        for _ in routed:
+            try:
+                replies.append(await connection.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        healthy = True
+    except (RedisConnectionError, RedisTimeoutError):
+        return None
+    finally:
+        if not healthy:
+            await connection.disconnect()  # a half-read connection must not be reused
+        await pool.release(connection)
+    return replies
 
 
 def _translated(exc: BaseException, what: str) -> RegistryError:
