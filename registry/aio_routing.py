@@ -284,6 +284,8 @@ async def run_on_one_connection(
     pool = getattr(client, "connection_pool", None)
     if pool is None or is_cluster(client) or not callable(getattr(pool, "get_connection", None)):
         return None
+    if getattr(client, "connection", None) is not None:
+        return None  # a single_connection_client: its commands stay on its connection
     try:
         connection = await pool.get_connection()
     except (RedisConnectionError, RedisTimeoutError):

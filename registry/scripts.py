@@ -116,6 +116,7 @@ class ScriptRunner:
 
     def __init__(self, client: Any) -> None:
         self.client = client
+        self._direct = not is_cluster(client)  # one pooled connection, hiredis packing
 
     def load(self, operations: Iterable[str] = OPERATIONS) -> None:
         """SCRIPT LOAD the scripts now, so the first calls need no NOSCRIPT retry."""
@@ -161,6 +162,19 @@ class ScriptRunner:
     ) -> Any:
         try:  # a plain try: this is every write's path
             try:
+                if self._direct:
+                    # One write and one read of a pooled connection, packed by hiredis
+                    # (redis-py's own packing costs more than the server's work for a
+                    # write of a few dozen pairs); None on a lost connection or a
+                    # timeout: redis-py's path below then retries (writes are
+                    # exactly-once by their request ids).
+                    command = ("EVALSHA", script_sha(operation), len(keys), *keys, *args)
+                    replies = run_on_one_connection(self.client, ((None, command),))
+                    if replies is not None:
+                        reply = replies[0]
+                        if isinstance(reply, Exception):
+                            raise reply
+                        return reply
                 return self.client.evalsha(script_sha(operation), len(keys), *keys, *args)
             except NoScriptError:
                 self.client.script_load(script_source(operation))
@@ -317,12 +331,16 @@ def run_on_one_connection(
     read of one pooled connection: a pipeline without redis-py's per-command
     bookkeeping, which costs a small batch as much as the server's work. Error replies
     come back as exception objects, in order. Returns None on a lost connection or a
-    timeout, or for a client without a plain connection pool: the caller then runs
-    redis-py's pipeline, which retries (every batched command tolerates a re-sent copy).
+    timeout, for a client without a plain connection pool, or for one built with
+    ``single_connection_client=True`` (its commands stay on its own connection): the
+    caller then runs redis-py's pipeline, which retries (every batched command tolerates
+    a re-sent copy).
     """
     pool = getattr(client, "connection_pool", None)
     if pool is None or not callable(getattr(pool, "get_connection", None)):
         return None
+    if getattr(client, "connection", None) is not None:
+        return None  # a single_connection_client: its commands stay on its connection
     try:
         connection = pool.get_connection()
     except (RedisConnectionError, RedisTimeoutError):
