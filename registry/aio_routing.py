@@ -40,7 +40,13 @@ from registry.routing import (
     scores_from_replies,
     translated_reply,
 )
-from registry.scripts import is_cluster, packed_commands, script_sha, script_source
+from registry.scripts import (
+    direct_pool,
+    is_cluster,
+    packed_commands,
+    script_sha,
+    script_source,
+)
 from registry.validation import prefix_hashes
 
 INDEX_SCRIPTS = ("fleet_members", "score")
@@ -281,11 +287,9 @@ async def run_on_one_connection(
     exception objects, in order. None on a lost connection or a timeout, or for a client
     without a plain connection pool (a cluster): the caller then runs redis-py's
     pipeline, which retries (every command sent this way tolerates a re-sent copy)."""
-    pool = getattr(client, "connection_pool", None)
-    if pool is None or is_cluster(client) or not callable(getattr(pool, "get_connection", None)):
+    pool = direct_pool(client)
+    if pool is None:
         return None
-    if getattr(client, "connection", None) is not None:
-        return None  # a single_connection_client: its commands stay on its connection
     try:
         connection = await pool.get_connection()
     except (RedisConnectionError, RedisTimeoutError):

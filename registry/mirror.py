@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 
 from registry.base import RegistryBase
 from registry.client import RedisClient
@@ -69,19 +69,19 @@ from registry.redis_registry import (
     DEFAULT_REPLY_TTL,
     PrefixCacheRegistry,
 )
-from registry.scripts import ScriptRunner, is_cluster, run_batched, script_sha
+from registry.scripts import (
+    ScriptRunner,
+    direct_pool,
+    packed_commands,
+    read_replies,
+    run_batched,
+    script_sha,
+)
 from registry.types import BlockHash, BlockId, BlockPair, NoticeKind
 from registry.validation import flatten
 
 log = logging.getLogger(__name__)
 
-_pack: Callable[[tuple[Any, ...]], bytes] | None
-try:
-    from hiredis import pack_command as _hiredis_pack
-
-    _pack = _hiredis_pack
-except ImportError:  # pragma: no cover - without hiredis the redis-py path serves
-    _pack = None
 
 DEFAULT_MAX_DELAY = 0.0002
 """Seconds the flusher waits after a write is queued for more to join its batch (when
@@ -864,17 +864,14 @@ class MirroredRegistry(RegistryBase):
         if self._plain is None:
             self._plain = _plain_connection_pool(client)
         pool = self._plain
-        if not pool or _pack is None:
+        if not pool:
             return run_batched(client, [call for part in chunks() for call in part])
-        pack = _pack
         commands = [command for part in chunks() for _, command in part]
-        payload = b"".join([pack(command) for command in commands])
         connection = pool.get_connection()
         healthy = False
-        replies: list[Any] = []
         try:
-            connection.send_packed_command([payload])
-            _read_replies(connection, len(commands), replies)
+            connection.send_packed_command(packed_commands(connection, commands))
+            replies = read_replies(connection, len(commands))
             healthy = True
             return replies
         finally:
@@ -1007,20 +1004,11 @@ class MirroredRegistry(RegistryBase):
         self.close()
 
 
-def _read_replies(connection: Any, count: int, replies: list[Any]) -> None:
-    """Read ``count`` replies into ``replies``; an error reply as its exception."""
-    for _ in range(count):
-        try:
-            replies.append(connection.read_response())
-        except ResponseError as exc:
-            replies.append(exc)
-
-
 def _plain_connection_pool(client: Any) -> Any:
     """The connection pool of a standalone redis-py client whose connections speak RESP
     on a socket (not a cluster, not fakeredis), or False."""
-    pool = getattr(client, "connection_pool", None)
-    if pool is None or is_cluster(client):
+    pool = direct_pool(client)
+    if pool is None:
         return False
     connection_class = getattr(pool, "connection_class", None)
     module = getattr(connection_class, "__module__", "")

@@ -336,11 +336,9 @@ def run_on_one_connection(
     caller then runs redis-py's pipeline, which retries (every batched command tolerates
     a re-sent copy).
     """
-    pool = getattr(client, "connection_pool", None)
-    if pool is None or not callable(getattr(pool, "get_connection", None)):
+    pool = direct_pool(client)
+    if pool is None:
         return None
-    if getattr(client, "connection", None) is not None:
-        return None  # a single_connection_client: its commands stay on its connection
     try:
         connection = pool.get_connection()
     except (RedisConnectionError, RedisTimeoutError):
@@ -348,12 +346,7 @@ def run_on_one_connection(
     healthy = False
     try:
         connection.send_packed_command(packed_commands(connection, [c for _k, c in routed]))
-        replies: list[Any] = []
-        for _ in routed:
-            try:
-                replies.append(connection.read_response())
-            except ResponseError as exc:
-                replies.append(exc)
+        replies = read_replies(connection, len(routed))
         healthy = True
     except (RedisConnectionError, RedisTimeoutError):
         return None
@@ -361,6 +354,30 @@ def run_on_one_connection(
         if not healthy:
             connection.disconnect()  # a half-read connection must not be reused
         pool.release(connection)
+    return replies
+
+
+def direct_pool(client: Any) -> Any | None:
+    """The connection pool a batch may take one connection from and write to directly
+    (``run_on_one_connection``): a standalone client's (or Sentinel's), not a cluster's,
+    and not that of a ``single_connection_client``, whose commands stay on its own
+    connection. None otherwise: the caller uses redis-py's own path."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or is_cluster(client) or not callable(getattr(pool, "get_connection", None)):
+        return None
+    if getattr(client, "connection", None) is not None:
+        return None
+    return pool
+
+
+def read_replies(connection: Any, count: int) -> list[Any]:
+    """``count`` replies read from ``connection``, an error reply as its exception."""
+    replies: list[Any] = []
+    for _ in range(count):
+        try:
+            replies.append(connection.read_response())
+        except ResponseError as exc:
+            replies.append(exc)
     return replies
 
 
