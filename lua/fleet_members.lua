@@ -6,16 +6,18 @@
 --
 -- KEYS[1]  pcr:nodes                ZSET namespace -> lease end (server clock, ms)
 -- KEYS[2]  {pcr:nodes}:members      HASH "ns:<namespace>" -> id, "id:<id>" -> namespace,
---                                        "next" -> the next never-used id, "version" ->
+--                                        "next:<g>" -> the next never-used id of group
+--                                        g (below), "version" ->
 --                                        changes whenever an entry joins or leaves :live
 --                                        (first set from the server's clock in µs, so
 --                                        a table rebuilt from empty never repeats one)
 -- KEYS[3]  {pcr:nodes}:live         ZSET "<id> <namespace>" of current members -> lease end
 -- KEYS[4]  {pcr:nodes}:retired      SET ids whose bits may still be in the index
 -- KEYS[5]  {pcr:nodes}:free         SET ids scrubbed from the index, to hand out again
--- ARGV[1]  "join" ns lease_end      retire ns's id, hand it a new one, record the lease
---                                   -> the new id
---          "reserve" ns             a new id for ns, not yet its current one -> the id
+-- ARGV[1]  "join" ns lease_end g    retire ns's id, hand it a new one of group g, record
+--                                   the lease -> the new id
+--          "reserve" ns g           a new id of group g for ns, not yet its current one
+--                                   -> the id
 --          "switch" ns id           make a reserved id current, retiring the old one
 --                                   -> 1, or 0 when the id is no longer ns's
 --          "check" ns id lease_end  record the lease -> 1 if id is still ns's current id
@@ -32,8 +34,14 @@
 --          "retired"                -> the retired ids, orphaned reservations included
 --          "free" id...             retired ids scrubbed from the index -> number freed
 --
+-- Groups. An id's group is id % 16: its bits live in index shard `group` under the
+-- local id id // 16 (registry/fleet.py), so an owner's index upkeep goes to the shard
+-- on its own Redis node. Each group hands out its ids separately, smallest free first,
+-- which keeps every shard's bitmaps as short as its own members allow. A missing or bad
+-- group is group 0 (a standalone server has only that one).
+--
 -- Calls:   TIME, ZSCORE, ZREM, ZADD, ZRANGE, ZRANGEBYSCORE, ZCOUNT, HGET, HSET, HDEL, HINCRBY,
---          HGETALL, SADD, SREM, SPOP, SMEMBERS
+--          HGETALL, SADD, SREM, SMEMBERS
 
 local nodes, members, live, retired, free = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local mode = ARGV[1]
@@ -104,10 +112,49 @@ local function make_current(ns, id)
   end
 end
 
-local function new_id(ns)
-  local id = redis.call('SPOP', free)
-  if not id then
-    id = tostring(redis.call('HINCRBY', members, 'next', 1) - 1)
+local GROUPS = 16
+
+local function group_of(raw)
+  local g = tonumber(raw)
+  if g and g >= 0 and g < GROUPS and g == math.floor(g) then
+    return g
+  end
+  return 0
+end
+
+-- A new id of `group`: its smallest scrubbed id, else one never used. A group's counter
+-- starts past every id the single counter of earlier versions ("next") handed out.
+local function new_id(ns, group)
+  local best, best_raw
+  for _, raw in ipairs(redis.call('SMEMBERS', free)) do
+    local n = tonumber(raw)
+    if n and n % GROUPS == group and n == math.floor(n) and (not best or n < best) then
+      best, best_raw = n, raw
+    end
+  end
+  local id
+  if best then
+    redis.call('SREM', free, best_raw)
+    id = string.format('%d', best)
+  else
+    local counter = 'next:' .. group
+    if not redis.call('HGET', members, counter) then
+      local before = tonumber(redis.call('HGET', members, 'next') or '0') or 0
+      redis.call('HSET', members, counter, math.ceil(before / GROUPS))
+    end
+    local n = redis.pcall('HINCRBY', members, counter, 1)
+    if type(n) ~= 'number' or n < 1 then  -- garbage: start past every id listed
+      n = math.ceil((tonumber(redis.call('HGET', members, 'next') or '0') or 0) / GROUPS) + 1
+      local all = redis.call('HGETALL', members)
+      for i = 1, #all, 2 do
+        local listed = tonumber(string.match(all[i], '^id:(%d+)$') or '')
+        if listed and math.floor(listed / GROUPS) + 2 > n then
+          n = math.floor(listed / GROUPS) + 2
+        end
+      end
+      redis.call('HSET', members, counter, n)
+    end
+    id = string.format('%d', (n - 1) * GROUPS + group)
   end
   redis.call('HSET', members, 'id:' .. id, ns)
   return id
@@ -115,12 +162,12 @@ end
 
 if mode == 'join' then
   retire(ARGV[2])
-  local id = new_id(ARGV[2])
+  local id = new_id(ARGV[2], group_of(ARGV[4]))
   announce(ARGV[2], ARGV[3])
   make_current(ARGV[2], id)
   return id
 elseif mode == 'reserve' then
-  return new_id(ARGV[2])
+  return new_id(ARGV[2], group_of(ARGV[3]))
 elseif mode == 'switch' then
   local ns, id = ARGV[2], ARGV[3]
   if redis.call('HGET', members, 'id:' .. id) ~= ns then

@@ -1,15 +1,13 @@
 -- index_update: add or drop one member's bits in the fleet index, the derived view
 -- routers score from: per block hash, which live namespaces hold it (registry/fleet.py).
 -- A field's value is a bitmap in hex, most significant digit first, without leading
--- zeros: bit 2*id says member `id` holds the block's KV, bit 2*id+1 its Mamba state. A
--- field whose bits are all clear is deleted. Setting a set bit or clearing a clear one
+-- zeros: bit 2*id says the member of local id `id` holds the block's KV, bit 2*id+1 its
+-- Mamba state. A field whose bits are all clear is deleted. Setting a set bit or clearing a clear one
 -- changes nothing, so a re-sent copy is harmless.
 --
--- KEYS[1..k]  pcr:{index-03.2}:blocks   index shards (HASH block hash -> hex bitmap);
---                                      on a cluster, the shards one primary serves, in
---                                      the cross-slot form (registry.scripts
---                                      .merged_index_updates) that declares only KEYS[1]
--- ARGV[1]  "17"                        the member id (registry/fleet.py hands them out)
+-- KEYS[1..k]  pcr:{index-03.2}:blocks   index shards (HASH block hash -> hex bitmap): the
+--                                      shard of the member's group (registry/fleet.py)
+-- ARGV[1]  "17"                        the member's local id in its group (id // 16)
 -- ARGV[2]  "kv+" | "kv-" | "mamba+" | "mamba-" | "stamp"
 --          set the KV bit | clear the KV bit, and the Mamba bit where the KV bit was set
 --          (evict_kv cascades only to the Mamba entries of KV entries it removed) |

@@ -160,9 +160,9 @@ class AsyncPrefixRouter:
         state = plan.bare_state(self._bare, self.live_cache_ttl)
         if state is not None:
             self._bare = state
-            return scores
-        self._bare = plan.listed(await self._members("live"))
-        missed = plan.missed(self._bare[1], scores)
+        else:
+            self._bare = plan.listed(await self._members("live"))
+        missed = plan.missed(self._bare[1] if state is None else frozenset(), scores)
         if missed:
             scores.update(await self._score_exactly(missed, pack_hashes(wanted)))
         return scores

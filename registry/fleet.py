@@ -1,7 +1,8 @@
-"""The fleet index: per block hash, which live namespaces hold it, sharded by block hash.
+"""The fleet index: per block hash, which live namespaces hold it, in one shard per
+group of members (on Redis Cluster, a group per primary).
 
 Routers answer ``score``/``best`` from it in one round trip per Redis node, whatever the
-number of namespaces: one HMGET per index shard for the prompt's hashes and one
+number of namespaces: one HMGET of the prompt's hashes per group's shard and one
 ``fleet_members since`` call, the leases checked by the server's clock in that same
 round trip. A router keeps the member list (``MemberList``) by the member table's
 version, so a decision carries only the members whose lease ended. It is a *derived*
@@ -10,12 +11,19 @@ view: each namespace's own maps stay the truth, and the engine's own
 
 Layout (``FleetKeys``; the README's data layout shows it with ``redis-cli``):
 
-* ``pcr:{index-NN.x}:blocks`` (on Redis Cluster 16 shards, a block hash goes to shard
-  ``hash % 16``; the tags put the shards' slots 1,024 apart, so any even split of the
-  slots over the primaries spreads them evenly; on a standalone server only the first):
-  HASH block hash -> bitmap of holders in hex, bit ``2*id`` for the KV block of member
-  ``id``, ``2*id+1`` for its Mamba state; ``@<id>`` -> the epoch of the ownership the id
-  belongs to (its stamp).
+* ``pcr:{index-NN.x}:blocks``, one shard per group NN = 0..15 (the tags put the shards'
+  slots 1,024 apart, so any even split of the slots over the primaries gives each one
+  some; a standalone server uses only the first): HASH block hash -> bitmap of the
+  group's holders in hex, bit ``2*local`` for the KV block of the member whose local id
+  is ``local``, ``2*local+1`` for its Mamba state; ``@<local>`` -> the epoch of the
+  ownership the id belongs to (its stamp).
+* Member ids carry their group: id = ``local * 16 + group``. An owner joins the group
+  whose shard its own primary serves (``home_group``), so on a cluster its index upkeep
+  goes to the node its write goes to, in the same round trip, and a write wakes one
+  server, as it does without the index. Each group hands out its own ids, smallest free
+  first, so each shard's bitmaps are as short as its members allow. Where a group's
+  shard lives only changes speed: after a resharding, a member's upkeep may go to
+  another node until its next rebuild.
 * ``{pcr:nodes}:members`` / ``:retired`` / ``:free`` (in the node index's slot, so that
   joining, renewing and listing the live members are each one atomic call with the
   leases): member ids, handed to a namespace per ownership (``lua/fleet_members.lua``).
@@ -23,10 +31,11 @@ Layout (``FleetKeys``; the README's data layout shows it with ``redis-cli``):
 Consistency rules (ARCHITECTURE.md, "The fleet index"):
 
 * An owner writes its index bits in the same round trip as the write itself
-  (``lua/index_update.lua``, sent after the write, on the same connection on a
-  standalone server); evictions clear the bits of every hash asked for.
+  (``lua/index_update.lua``, sent after the write, on the same connection when its
+  group's shard is on the write's node); evictions clear the bits of every hash asked
+  for.
 * Member ids are per ownership: ``claim`` retires the namespace's old id, joins with a
-  new one and stamps it on every shard with its epoch, so the bits of a superseded
+  new one and stamps it on its group's shard with its epoch, so the bits of a superseded
   (fenced) owner, even those it sends after it was fenced, belong to an id no router
   counts. ``gc`` retires the ids of the namespaces it collects, deletes their stamps and
   scrubs their bits before an id is handed out again; a shard refuses updates under an
@@ -46,8 +55,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 from registry.keys import (
@@ -56,7 +66,7 @@ from registry.keys import (
     validate_key_prefix,
     validate_namespace,
 )
-from registry.scripts import ScriptRunner, script_sha
+from registry.scripts import ScriptRunner, is_cluster, same_arguments, script_sha
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +90,7 @@ SHARD_TAGS = (
 )
 """Hash tags of the index shards: tag i hashes to a slot in [1024*i, 1024*(i+1))."""
 
-SHARDS = len(SHARD_TAGS)
+SHARDS = GROUPS = len(SHARD_TAGS)
 CHANGES = ("kv+", "kv-", "mamba+", "mamba-")
 REBUILD_CHUNK = 4096
 """Hashes per ``index_update`` call when rebuilding (bounds how long one call blocks)."""
@@ -127,7 +137,7 @@ class FleetKeys:
         """The KEYS of ``lua/fleet_members.lua``."""
         return (self.nodes, self.members, self.live, self.retired, self.free)
 
-    @property
+    @functools.cached_property
     def shards(self) -> tuple[str, ...]:
         """The index shards, ``pcr:{index-NN.x}:blocks``."""
         return tuple(f"{self.key_prefix}:{{{tag}}}:blocks" for tag in SHARD_TAGS)
@@ -137,21 +147,37 @@ class FleetKeys:
         return (self.members, self.live, self.retired, self.free, *self.shards)
 
 
-def shard_count(cluster: bool) -> int:
-    """How many index shards a deployment uses: 16 on Redis Cluster, where the shards
-    let every primary answer its share at once; 1 on a standalone server (or Sentinel),
-    where more keys would only add commands. Every client of one deployment agrees,
-    since it decides by the kind of server it talks to."""
-    return SHARDS if cluster else 1
+def group_of(member: int) -> int:
+    """The group of member id ``member``: the index shard that holds its bits."""
+    return member % GROUPS
 
 
-def by_shard(hashes: Iterable[int], cluster: bool = True) -> dict[int, list[int]]:
-    """Hashes grouped by index shard (``hash % shard_count``), each group in input order."""
-    count = shard_count(cluster)
-    groups: dict[int, list[int]] = {}
-    for h in hashes:
-        groups.setdefault(h % count, []).append(h)
-    return groups
+def local_id(member: int) -> int:
+    """Member ``member``'s id inside its group's shard: its bits there are
+    ``2*local_id`` (KV) and ``2*local_id+1`` (Mamba)."""
+    return member // GROUPS
+
+
+def global_id(group: int, local: int) -> int:
+    """The member id of local id ``local`` in ``group``."""
+    return local * GROUPS + group
+
+
+def home_group(client: Any, fleet: FleetKeys, key: str) -> int:
+    """The group a namespace whose keys share ``key``'s slot should join: on Redis
+    Cluster the first shard served by the same primary (so its index upkeep rides its
+    writes' round trip to that one node), else 0. Only speed depends on it: a member in
+    any group is written and read correctly wherever its shard lives."""
+    if not is_cluster(client):
+        return 0
+    try:
+        home = client.get_node_from_key(key).name
+        for group, shard in enumerate(fleet.shards):
+            if client.get_node_from_key(shard).name == home:
+                return group
+    except Exception:  # a layout being refreshed: any group is correct
+        log.debug("no home group for %r", key, exc_info=True)
+    return 0
 
 
 def update_calls(
@@ -160,67 +186,40 @@ def update_calls(
     change: str,
     hashes: Sequence[int],
     *,
-    cluster: bool,
     epoch: str = "",
 ) -> list[Routed]:
     """The ``index_update`` commands setting or clearing ``change`` for ``hashes`` under
     each member id in ``ids``, by the owner of ``epoch`` ('' for an operator): one call
-    per id on a standalone server (its one shard), one per (id, shard) on a cluster,
-    which ``registry.scripts.run_per_node`` merges into one call per (id, primary) when
-    it sends them. A shard applies one only while the id is stamped there with that
-    epoch (``stamp_calls``)."""
+    per id, on its group's shard. A shard applies one only while the id is stamped
+    there with that epoch (``stamp_calls``)."""
     if change not in CHANGES:
         raise ValueError(f"change must be one of {', '.join(CHANGES)}, not {change!r}")
     if not hashes or not ids:
         return []
     sha = script_sha("index_update")
     shards = fleet.shards
-    if not cluster:  # one shard: one call per id (the usual one id), no grouping
-        key = shards[0]
-        return [
-            (key, ("EVALSHA", sha, 1, key, m, change, epoch, len(hashes), *hashes)) for m in ids
-        ]
-    groups = sorted(by_shard(hashes, cluster).items())
     calls: list[Routed] = []
-    for member in ids:  # on a cluster: one call per shard (a script stays in one slot)
-        for shard, group in groups:
-            key = shards[shard]
-            command = ("EVALSHA", sha, 1, key, member, change, epoch, len(group), *group)
-            calls.append((key, command))
+    for member in ids:
+        key = shards[member % GROUPS]
+        local = member // GROUPS
+        calls.append((key, ("EVALSHA", sha, 1, key, local, change, epoch, len(hashes), *hashes)))
     return calls
 
 
-def stamp_calls(fleet: FleetKeys, member: int, epoch: str, *, cluster: bool) -> list[Routed]:
-    """The ``index_update`` commands stamping ``member`` with its owner's ``epoch`` on
-    every shard: sent when the owner joins with the id or reserves it, before any bit."""
+def stamp_calls(fleet: FleetKeys, member: int, epoch: str) -> list[Routed]:
+    """The ``index_update`` command stamping ``member`` with its owner's ``epoch`` on its
+    group's shard: sent when the owner joins with the id or reserves it, before any bit."""
+    key = fleet.shards[member % GROUPS]
     sha = script_sha("index_update")
-    return [
-        (key, ("EVALSHA", sha, 1, key, member, "stamp", epoch, 0))
-        for key in fleet.shards[: shard_count(cluster)]
-    ]
+    return [(key, ("EVALSHA", sha, 1, key, member // GROUPS, "stamp", epoch, 0))]
 
 
-def lookup_calls(
-    fleet: FleetKeys, hashes: Sequence[int], cluster: bool = True
-) -> tuple[list[Routed], list[list[int]] | None]:
-    """One HMGET per index shard the prompt touches, and for each the prompt positions
-    its replies belong to (None with one shard: the reply is in prompt order)."""
-    shards = fleet.shards
+def lookup_calls(fleet: FleetKeys, hashes: Sequence[int], groups: Iterable[int]) -> list[Routed]:
+    """One HMGET of every hash of the prompt per group's shard, in ``groups`` order."""
     if not hashes:
-        return [], []
-    if shard_count(cluster) == 1:
-        key = shards[0]
-        return [(key, ("HMGET", key, *hashes))], None
-    positions: dict[int, list[int]] = {}
-    for position, h in enumerate(hashes):
-        positions.setdefault(h % SHARDS, []).append(position)
-    calls: list[Routed] = []
-    where: list[list[int]] = []
-    for shard, places in sorted(positions.items()):
-        key = shards[shard]
-        calls.append((key, ("HMGET", key, *(hashes[p] for p in places))))
-        where.append(places)
-    return calls, where
+        return []
+    keys = [fleet.shards[g] for g in groups]
+    return list(zip(keys, same_arguments("HMGET", keys, hashes), strict=True))
 
 
 @dataclass(frozen=True)
@@ -236,8 +235,8 @@ class MemberList:
     entries: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     """each ``"<id> <namespace>"`` entry -> (namespace, id)."""
     fetched_at: float = float("-inf")
-    mask: int = 0
-    """``kv_mask`` of every member's id."""
+    masks: Mapping[int, int] = field(default_factory=dict)
+    """group -> ``kv_mask`` of the local ids of the group's members."""
 
     def call(self, fleet: FleetKeys, ttl: float) -> Routed:
         """The ``fleet_members since`` command (the full list when this copy is older
@@ -276,7 +275,7 @@ def member_list(version: str, listed: Iterable[Any]) -> MemberList:
         if raw.isdigit() and len(raw) < 10 and _is_namespace(name):
             members[name] = int(raw)
             entries[entry] = (name, int(raw))
-    return MemberList(version, members, entries, time.monotonic(), kv_mask(members.values()))
+    return MemberList(version, members, entries, time.monotonic(), group_masks(members.values()))
 
 
 @functools.lru_cache(maxsize=65_536)
@@ -303,76 +302,132 @@ def bitmap(value: Any) -> int:
 
 
 def prefix_ends(
-    start: int, values: Sequence[Any], *, hybrid: bool
+    start: int,
+    values: Iterable[Any],
+    *,
+    hybrid: bool,
+    parse: Callable[[Any], int] | None = None,
 ) -> tuple[dict[int, int], dict[int, int]]:
     """For the members whose KV bits are set in ``start``: ({id: where its KV prefix
     ends}, {id: one past its farthest Mamba checkpoint inside that prefix}) over the
     index ``values`` of a prompt's positions; a member missing from the first ran to the
-    end, one missing from the second has no checkpoint. Each distinct value is parsed
-    once, and a run of equal values (a chain the same members hold) costs a comparison
-    per position."""
+    end, one missing from the second has no checkpoint. The values are walked run by run
+    (a chain the same members hold is one run; ``itertools.groupby`` finds the runs in
+    C), and each distinct value is parsed once (by ``parse``, ``bitmap`` by default)."""
     alive = start
     kv_end: dict[int, int] = {}
     if not alive:
         return kv_end, {}
-    checkpoints: list[tuple[int, int]] = []
+    read = parse or bitmap
+    checkpoints: list[tuple[int, int]] = []  # (last position of a run, members' bits)
     parsed: dict[Any, int] = {}
-    previous: Any = _NOTHING
-    held = 0
-    for position, value in enumerate(values):
-        if value != previous:
-            previous = value
-            bits = parsed.get(value)
-            if bits is None:
-                bits = parsed[value] = bitmap(value)
-            still = alive & bits
-            if still != alive:
-                gone = alive ^ still
-                while gone:
-                    lowest = gone & -gone
-                    kv_end[(lowest.bit_length() - 1) >> 1] = position
-                    gone ^= lowest
-                alive = still
-                if not alive:
-                    break
-            held = (bits >> 1) & alive if hybrid else 0
-        if held:
-            checkpoints.append((position, held))
+    position = 0
+    for value, run in groupby(values):
+        bits = parsed.get(value)
+        if bits is None:
+            bits = parsed[value] = read(value)
+        still = alive & bits
+        if still != alive:
+            _record(alive ^ still, position, kv_end)
+            alive = still
+            if not alive:
+                break
+        position += len(list(run))
+        if hybrid:
+            held = (bits >> 1) & alive
+            if held:
+                checkpoints.append((position - 1, held))
     mamba_end: dict[int, int] = {}
     found = 0
     for position, held in reversed(checkpoints):
         fresh = held & ~found
         if fresh:
-            found |= held
-            while fresh:
-                lowest = fresh & -fresh
-                mamba_end[(lowest.bit_length() - 1) >> 1] = position + 1
-                fresh ^= lowest
+            found |= fresh
+            _record(fresh, position + 1, mamba_end)
     return kv_end, mamba_end
 
 
-_NOTHING = object()
+def _record(members: int, position: int, into: dict[int, int]) -> None:
+    """``into[id] = position`` for each member whose KV bit is set in ``members``."""
+    while members:
+        lowest = members & -members
+        into[(lowest.bit_length() - 1) >> 1] = position
+        members ^= lowest
 
 
 def kv_mask(ids: Iterable[int]) -> int:
-    """The KV bits of member ``ids``."""
+    """The KV bits of local ids ``ids`` (in one group's shard)."""
     mask = 0
     for member in ids:
         mask |= 1 << (2 * member)
     return mask
 
 
+def group_masks(ids: Iterable[int]) -> dict[int, int]:
+    """group -> the KV bits of member ``ids``' local ids in that group's shard."""
+    masks: dict[int, int] = {}
+    for member in ids:
+        group = member % GROUPS
+        masks[group] = masks.get(group, 0) | 1 << (2 * (member // GROUPS))
+    return masks
+
+
+def group_prefixes(
+    masks: Mapping[int, int], values: Mapping[int, Sequence[Any]], *, hybrid: bool
+) -> tuple[dict[int, int], dict[int, int]]:
+    """``prefix_ends`` over several groups: for the members whose KV bits are in
+    ``masks`` (group -> local KV bits) and whose group's shard answered ``values``
+    (group -> one value per prompt position), ({member id: where its KV prefix ends},
+    {member id: one past its farthest Mamba checkpoint inside it}). Several groups are
+    walked at once: each position's values side by side, each group's bits (its live
+    members' only) moved to a range of its own in one bitmap."""
+    groups = [g for g in sorted(masks) if masks[g] and g in values]
+    if not groups:
+        return {}, {}
+    if len(groups) == 1:
+        (group,) = groups
+        kv, mamba = prefix_ends(masks[group], values[group], hybrid=hybrid)
+        return (
+            {local * GROUPS + group: end for local, end in kv.items()},
+            {local * GROUPS + group: end for local, end in mamba.items()},
+        )
+    width = max(masks[g].bit_length() for g in groups) + 1  # even: KV and Mamba bits
+    width += width % 2
+    kept = [masks[g] | masks[g] << 1 for g in groups]  # a live member's two bits
+    start = 0
+    for at, g in enumerate(groups):
+        start |= masks[g] << (at * width)
+
+    def joined(row: tuple[Any, ...]) -> int:
+        bits = 0
+        for at, value in enumerate(row):
+            bits |= (bitmap(value) & kept[at]) << (at * width)
+        return bits
+
+    rows = zip(*(values[g] for g in groups), strict=True)
+    kv, mamba = prefix_ends(start, rows, hybrid=hybrid, parse=joined)
+    half = width // 2  # members per group range
+
+    def member(index: int) -> int:
+        return (index % half) * GROUPS + groups[index // half]
+
+    return (
+        {member(i): end for i, end in kv.items()},
+        {member(i): end for i, end in mamba.items()},
+    )
+
+
 def prefixes(
-    ids: Iterable[int], values: Sequence[Any], *, hybrid: bool
+    ids: Iterable[int], values: Mapping[int, Sequence[Any]], *, hybrid: bool
 ) -> dict[int, tuple[int, int]]:
     """Per member id, (KV prefix, Mamba-aware prefix) of the prompt whose positions have
-    the index ``values`` (one per position, in order): the KV prefix ends at the first
-    position whose KV bit is clear; the Mamba prefix is one past the farthest position
-    inside it with the Mamba bit (0 with ``hybrid`` off): the same answer as
+    the index ``values`` (per group, one per position, in order): the KV prefix ends at
+    the first position whose KV bit is clear; the Mamba prefix is one past the farthest
+    position inside it with the Mamba bit (0 with ``hybrid`` off): the same answer as
     ``lua/score.lua`` gives from the namespace's own maps."""
     ids = list(ids)
-    kv_end, mamba_end = prefix_ends(kv_mask(ids), values, hybrid=hybrid)
-    everything = len(values)
+    kv_end, mamba_end = group_prefixes(group_masks(ids), values, hybrid=hybrid)
+    everything = len(next(iter(values.values()), ()))
     return {member: (kv_end.get(member, everything), mamba_end.get(member, 0)) for member in ids}
 
 
@@ -407,13 +462,15 @@ class FleetMembers:
             write=True,
         )
 
-    def join(self, namespace: str, lease_until_ms: int) -> int:
-        """Retire ``namespace``'s id, give it a new one, record its lease end."""
-        return int(self._run("join", namespace, lease_until_ms))
+    def join(self, namespace: str, lease_until_ms: int, group: int = 0) -> int:
+        """Retire ``namespace``'s id, give it a new one of ``group``, record its lease
+        end."""
+        return int(self._run("join", namespace, lease_until_ms, group))
 
-    def reserve(self, namespace: str) -> int:
-        """A new id for ``namespace``, not yet current (a rebuild fills it first)."""
-        return int(self._run("reserve", namespace))
+    def reserve(self, namespace: str, group: int = 0) -> int:
+        """A new id of ``group`` for ``namespace``, not yet current (a rebuild fills it
+        first)."""
+        return int(self._run("reserve", namespace, group))
 
     def switch(self, namespace: str, member: int) -> bool:
         """Make a reserved id current (retiring the old one); False if it was retired
@@ -440,17 +497,21 @@ class FleetMembers:
     def scrub(self, page: int = 500) -> int:
         """Clear retired ids' bits from every shard, then hand the ids out again;
         returns how many were freed. O(index entries): run by ``gc``."""
-        retired = [int(_text(i)) for i in self._run("retired")]
+        retired = [int(raw) for raw in map(_text, self._run("retired")) if raw.isdigit()]
         if not retired:
             return 0
-        for shard in self.keys.shards:
+        by_group: dict[int, list[int]] = {}
+        for member in retired:
+            by_group.setdefault(member % GROUPS, []).append(member // GROUPS)
+        for group, local_ids in sorted(by_group.items()):
+            shard = self.keys.shards[group]
             cursor = "0"
             while True:
                 cursor = _text(
                     self._runner.run(
                         "index_scrub",
                         (shard,),
-                        (cursor, page, *retired),
+                        (cursor, page, *local_ids),
                         context=f"fleet index {shard!r}",
                     )
                 )

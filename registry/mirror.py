@@ -107,8 +107,7 @@ with their notices) about 0.7 ms."""
 INDEX_CALL_HASHES = 500
 """Hashes per fleet-index update a batch sends at most (its upkeep is merged over the
 batch; ``index_update`` cost 0.6 to 1.2 µs of server time per hash here, so one call
-holds the server under 1 ms too). On a cluster, ``run_per_node`` merges the updates of
-one member and change going to one primary again."""
+holds the server under 1 ms too)."""
 
 RETRY_MIN = 0.01
 RETRY_MAX = 1.0
@@ -223,10 +222,9 @@ def index_runs(inner: PrefixCacheRegistry, writes: list[_Entry]) -> list[tuple[i
     set, as ``evict_kv`` cascades) depends on order. So the writes are cut into runs in
     which a hash under "kv-" has no other change than its own cascade's "mamba-"; each
     run is at most four kinds of update, "kv-" first: the same bits as one call per
-    write, in order. Each run travels in a round trip of its own (``run_per_node``, on a
-    cluster, merges only consecutive updates of one member and one change, which keeps
-    their order, so this is caution more than need: such cuts are rare). The last run ends
-    at ``len(writes)``; there is always at least one."""
+    write, in order. Each run travels in a round trip of its own (its updates go to one
+    shard, in order, so this is caution more than need: such cuts are rare). The last run
+    ends at ``len(writes)``; there is always at least one."""
     runs: list[tuple[int, list[Routed]]] = []
     # The run's last change per hash: KV set / cleared, Mamba set / cleared (disjoint).
     kv_set: set[int] = set()

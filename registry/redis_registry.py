@@ -34,13 +34,21 @@ from registry.errors import (
     StaleEpochError,
     translate,
 )
-from registry.fleet import REBUILD_CHUNK, FleetKeys, FleetMembers, stamp_calls, update_calls
+from registry.fleet import (
+    GROUPS,
+    REBUILD_CHUNK,
+    FleetKeys,
+    FleetMembers,
+    home_group,
+    stamp_calls,
+    update_calls,
+)
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
 from registry.notices import EvictionNotice, parse_notice
 from registry.ownership import DEFAULT_LEASE_TTL, Ownership
 from registry.replay import notices_after
-from registry.scripts import ScriptRunner, is_cluster, run_batched, script_sha
+from registry.scripts import ScriptRunner, run_batched, script_sha
 from registry.validation import flatten
 
 if TYPE_CHECKING:
@@ -140,7 +148,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self._index_ids: tuple[int, ...] = ()
         self._index_dirty = False
         self._operator_lookup: tuple[float, tuple[int, ...]] = (float("-inf"), ())
-        self._cluster = is_cluster(client)
 
     def _set_epoch(self, epoch: int | None) -> None:
         self.epoch = epoch
@@ -195,6 +202,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             self._fleet_members = FleetMembers(self.client, self.keys.key_prefix)
         return self._fleet_members
 
+    def _home_group(self) -> int:
+        """The fleet-index group this namespace joins (``registry.fleet.home_group``)."""
+        return home_group(self.client, self._fleet, self.keys.kv)
+
     def _index_calls(self, change: str, hashes: list[int]) -> list[tuple[Any, tuple[Any, ...]]]:
         """The fleet-index upkeep of one write, as (routing key, command) pairs to send in
         the write's own round trip. ``change``: "kv+", "kv-", "mamba+" or "mamba-".
@@ -204,9 +215,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         ids = self._index_ids
         if not ids and self.epoch is None:
             ids = self._operator_ids()
-        return update_calls(
-            self._fleet, ids, change, hashes, cluster=self._cluster, epoch=self._fence
-        )
+        return update_calls(self._fleet, ids, change, hashes, epoch=self._fence)
 
     def _operator_ids(self) -> tuple[int, ...]:
         """The namespace's member id for a writer that owns nothing, looked up at most
@@ -276,11 +285,11 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         members = self._members()
         for _attempt in range(3):
             self._index_dirty = False
-            fresh = members.reserve(self.namespace)
+            fresh = members.reserve(self.namespace, self._home_group())
             self._index_ids = (*self._index_ids[:1], fresh)
             try:
                 kv, mamba = self.entries()
-                calls = stamp_calls(self._fleet, fresh, self._fence, cluster=self._cluster)
+                calls = stamp_calls(self._fleet, fresh, self._fence)
                 for change, hashes in (("kv+", list(kv)), ("mamba+", list(mamba))):
                     for first in range(0, len(hashes), REBUILD_CHUNK):
                         part = hashes[first : first + REBUILD_CHUNK]
@@ -289,7 +298,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
                             (fresh,),
                             change,
                             part,
-                            cluster=self._cluster,
                             epoch=self._fence,
                         )
                 if calls:
@@ -315,12 +323,12 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         if not self.fleet_index:
             self._node_index().announce(self.namespace, lease_until_ms)
             return
-        member = self._members().join(self.namespace, lease_until_ms)
+        member = self._members().join(self.namespace, lease_until_ms, self._home_group())
         self._index_ids = (member,)
         self._index_dirty = False
-        # The id's stamp on every shard, before any bit: a shard applies this owner's
-        # updates only under it (lua/index_update.lua, "Fencing").
-        stamps = stamp_calls(self._fleet, member, self._fence, cluster=self._cluster)
+        # The id's stamp on its group's shard, before any bit: the shard applies this
+        # owner's updates only under it (lua/index_update.lua, "Fencing").
+        stamps = stamp_calls(self._fleet, member, self._fence)
         try:
             replies = self._index_batch("index_stamp", stamps)
         except RegistryError as exc:
@@ -342,8 +350,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         else:
             member = self._index_ids[0]
             current = self._members().check(self.namespace, member, lease_until_ms)
-            if current and not self._index_dirty:
+            if current and not self._index_dirty and member % GROUPS == self._home_group():
                 return
+            # Rebuilt: the id was lost, the bits may be wrong, or (after a resharding)
+            # the group's shard is no longer on this namespace's node.
         try:
             self.reindex()
         except RegistryError:
@@ -623,11 +633,9 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         notice = self._clear_maps(kv=kv, mamba=mamba)
         calls = []
         if kv and held_kv:
-            calls += update_calls(self._fleet, ids, "kv-", list(held_kv), cluster=self._cluster)
+            calls += update_calls(self._fleet, ids, "kv-", list(held_kv))
         if mamba and held_mamba:
-            calls += update_calls(
-                self._fleet, ids, "mamba-", list(held_mamba), cluster=self._cluster
-            )
+            calls += update_calls(self._fleet, ids, "mamba-", list(held_mamba))
         if calls:
             replies = self._index_batch("clear", calls)
             if any(isinstance(r, Exception) for r in replies):

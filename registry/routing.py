@@ -27,11 +27,12 @@ from typing import Any
 from registry import metrics as _metrics
 from registry.errors import translate
 from registry.fleet import (
+    GROUPS,
     FleetKeys,
     MemberList,
-    kv_mask,
+    group_masks,
+    group_prefixes,
     lookup_calls,
-    prefix_ends,
 )
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
@@ -160,10 +161,10 @@ class PrefixRouter:
         state = plan.bare_state(self._bare, self.live_cache_ttl)
         if state is not None:
             self._bare = state
-            return scores
-        # Some live namespace has no index id: list them, score those asked for exactly.
-        self._bare = plan.listed(self._index.live())
-        missed = plan.missed(self._bare[1], scores)
+        else:
+            # Some live namespace has no index id: list them, score those asked for exactly.
+            self._bare = plan.listed(self._index.live())
+        missed = plan.missed(self._bare[1] if state is None else frozenset(), scores)
         if missed:
             extra = self._run_pipeline(missed, pack_hashes(wanted))
             scores.update(scores_from_replies(missed, extra, hybrid=self.hybrid))
@@ -194,9 +195,9 @@ class PrefixRouter:
 
 class IndexPlan:
     """One index-scored routing decision: the commands to send (the member table's
-    changes since the router's copy, one HMGET per index shard the prompt touches, an
-    exact ``score`` per namespace known to be live without an index id) and how to read
-    their replies. Shared by both routers."""
+    changes since the router's copy, one HMGET of the prompt per shard of a group it
+    has members in, an exact ``score`` per namespace known to be live without an index
+    id) and how to read their replies. Shared by both routers."""
 
     def __init__(
         self,
@@ -218,7 +219,15 @@ class IndexPlan:
         self.live_count = 0
         self.chosen = chosen
         self.known = known
-        lookups, self._where = lookup_calls(fleet, wanted, cluster)
+        # The shards of the groups this router's copy of the member list has members
+        # in (every group before its first copy): a member of a group not read this
+        # time, new to the router, is scored exactly once (``unread``).
+        if known.fetched_at == float("-inf"):
+            self.groups: list[int] = list(range(GROUPS if cluster else 1))
+        else:
+            self.groups = sorted(known.masks)
+        self.unread: list[str] = []
+        lookups = lookup_calls(fleet, wanted, self.groups)
         self._exact = sorted(bare if chosen is None else bare & chosen)
         exact: list[tuple[Any, tuple[Any, ...]]] = []
         if self._exact:
@@ -241,23 +250,21 @@ class IndexPlan:
             wanted: Mapping[str, int] = members
         else:
             wanted = {n: members[n] for n in chosen if n in members}
-        shards = len(self._where) if self._where is not None else 1
-        if self._where is None:
-            values: Sequence[Any] = replies[1]
-        else:
-            values = [None] * len(self.wanted)
-            for places, reply in zip(self._where, replies[1 : 1 + shards], strict=True):
-                for place, value in zip(places, reply, strict=True):
-                    values[place] = value
-        start = self.known.mask if wanted is self.known.members else kv_mask(wanted.values())
-        kv_end, mamba_end = prefix_ends(start, values, hybrid=hybrid)
-        everything = len(values)
+        read = len(self.groups) if self.wanted else 0
+        values = dict(zip(self.groups, replies[1 : 1 + read], strict=False))
+        known = self.known
+        masks = known.masks if wanted is known.members else group_masks(wanted.values())
+        kv_end, mamba_end = group_prefixes(masks, values, hybrid=hybrid)
+        everything = len(self.wanted)
         result: dict[str, NodeScore] = {}
         for name, member in wanted.items():
+            if everything and member % GROUPS not in values:
+                self.unread.append(name)
+                continue
             kv = kv_end.get(member, everything)
             mamba = mamba_end.get(member, 0)
             result[name] = NodeScore.of(name, kv, mamba, mamba if hybrid else kv)
-        exact_replies = replies[1 + shards :]
+        exact_replies = replies[1 + read :]
         result.update(scores_from_replies(self._exact, exact_replies, hybrid=hybrid))
         return result
 
@@ -278,9 +285,11 @@ class IndexPlan:
         return (self.live_count, frozenset(live) - set(self.members), time.monotonic())
 
     def missed(self, bare: frozenset[str], scores: Mapping[str, NodeScore]) -> list[str]:
-        """Non-members asked for that this round did not score (scored exactly next)."""
+        """Namespaces asked for that this round did not score (scored exactly next):
+        non-members in ``bare``, and members of groups not read (``unread``)."""
         chosen = self.chosen
-        return sorted(n for n in bare if (chosen is None or n in chosen) and n not in scores)
+        missed = {n for n in bare if (chosen is None or n in chosen) and n not in scores}
+        return sorted(missed.union(self.unread))
 
 
 BareState = tuple[int, frozenset[str], float]

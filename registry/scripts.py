@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from importlib import resources
@@ -392,9 +391,43 @@ def packed_commands(connection: Any, commands: Sequence[tuple[Any, ...]]) -> lis
         and getattr(encoder, "encoding", None) == "utf-8"
         and getattr(encoder, "encoding_errors", None) == "strict"
     ):
-        return [b"".join([_hiredis_pack(command) for command in commands])]
+        pack = _hiredis_pack
+        return [b"".join([getattr(c, "wire", None) or pack(c) for c in commands])]
     result: list[bytes] = connection.pack_commands(commands)
     return result
+
+
+class WiredCommand(tuple[Any, ...]):
+    """A command (the tuple of its arguments) that also carries its UTF-8 wire form in
+    ``wire``, which ``packed_commands`` sends as it is (redis-py's own path sees a
+    plain tuple)."""
+
+    wire: bytes
+
+
+def same_arguments(command: str, keys: Sequence[str], args: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """``(command, key, *args)`` for each of ``keys``, the long shared ``args`` packed
+    once (with hiredis) for all of them: a router reads the prompt's 512 hashes from
+    each group's shard, and packing them is most of a decision's client time."""
+    if _hiredis_pack is None or len(keys) < 2:
+        return [(command, key, *args) for key in keys]
+    first = _hiredis_pack((command, keys[0], *args))
+    name = command.encode("utf-8")
+    commands: list[tuple[Any, ...]] = []
+    tail = b""
+    for key in keys:
+        raw = key.encode("utf-8")
+        head = b"*%d\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+            len(args) + 2, len(name), name, len(raw), raw,
+        )  # fmt: skip
+        if not tail:
+            if not first.startswith(head):  # not the expected form: pack each one
+                return [(command, key, *args) for key in keys]
+            tail = first[len(head) :]
+        wired = WiredCommand((command, key, *args))
+        wired.wire = head + tail
+        commands.append(wired)
+    return commands
 
 
 def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> list[Any] | None:
@@ -414,132 +447,29 @@ def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> 
         node = client.get_node_from_key(key)
         groups.setdefault(node.name, (node, []))[1].append(i)
     replies: list[Any] = [None] * len(routed)
-    taken: list[tuple[Any, Any, Any, list[tuple[Any, ...]], list[list[int]]]] = []
+    taken: list[tuple[Any, Any, list[int]]] = []
     healthy = False
     try:
         for node, indexes in groups.values():
             pool = client.get_redis_connection(node).connection_pool
             connection = pool.get_connection()
-            if client in _NO_CROSS_SLOT:
-                commands, sources = [routed[i][1] for i in indexes], [[i] for i in indexes]
-            else:
-                commands, sources = merged_index_updates(routed, indexes)
-            taken.append((node, pool, connection, commands, sources))
+            taken.append((pool, connection, indexes))
+            commands = [routed[i][1] for i in indexes]
             connection.send_packed_command(packed_commands(connection, commands))
-        for _node, _pool, connection, _commands, sources in taken:
-            for sent in sources:
-                try:
-                    reply = connection.read_response()
-                except ResponseError as exc:
-                    reply = exc
-                for i in sent:
-                    replies[i] = reply
+        for _pool, connection, indexes in taken:
+            for i, reply in zip(indexes, read_replies(connection, len(indexes)), strict=True):
+                replies[i] = reply
         healthy = True
     except (RedisConnectionError, RedisTimeoutError):
         return None
     finally:
-        for _node, pool, connection, _commands, _sources in taken:
+        for pool, connection, _indexes in taken:
             if not healthy:
                 connection.disconnect()  # a half-read connection must not be reused
             pool.release(connection)
-    for node, _pool, _connection, _commands, sources in taken:
-        for sent in sources:
-            if len(sent) > 1 and isinstance(replies[sent[0]], NoScriptError):
-                # The merged form is loaded here, on its node; the caller's NOSCRIPT
-                # handling loads the rest and sends the batch again.
-                try:
-                    client.get_redis_connection(node).script_load(cross_slot_source(INDEX_UPDATE))
-                except ResponseError:
-                    # A server that refuses the form (before Redis 7, no script flags):
-                    # this client sends one update per shard from now on.
-                    log.warning(
-                        "the cluster refused index_update's cross-slot form; "
-                        "sending one index update per shard"
-                    )
-                    _NO_CROSS_SLOT.add(client)
-                    return None
-                except REDIS_ERRORS:
-                    return None
     if any(isinstance(reply, REDIRECTED) for reply in replies):
         return None
     return replies
-
-
-INDEX_UPDATE = "index_update"
-_NO_CROSS_SLOT: weakref.WeakSet[Any] = weakref.WeakSet()
-"""Cluster clients whose servers refused the cross-slot form (``run_per_node``)."""
-CROSS_SLOT = """#!lua flags=allow-cross-slot-keys
--- The cross-slot form: a Redis Cluster checks that a script's declared keys share one
--- slot, so KEYS[1] is declared and the other keys (on the same primary) come first in
--- ARGV, after their count: moved into KEYS here, then the script runs as written.
-local extra = tonumber(ARGV[1])
-for i = 1, extra do
-  KEYS[#KEYS + 1] = ARGV[1 + i]
-end
-local total = #ARGV
-for i = 1, total - extra - 1 do
-  ARGV[i] = ARGV[i + extra + 1]
-end
-for i = total - extra, total do
-  ARGV[i] = nil
-end
-"""
-
-
-@cache
-def cross_slot_source(operation: str) -> str:
-    """``operation``'s script flagged to touch keys of several slots of one node (Redis
-    7's ``allow-cross-slot-keys``): sent only to a Redis Cluster primary, by
-    ``run_per_node``, for the keys that primary serves."""
-    return CROSS_SLOT + script_source(operation)
-
-
-@cache
-def cross_slot_sha(operation: str) -> str:
-    """The SHA1 of ``cross_slot_source(operation)``."""
-    return hashlib.sha1(cross_slot_source(operation).encode("utf-8")).hexdigest()
-
-
-def merged_index_updates(
-    routed: Sequence[tuple[Any, tuple[Any, ...]]], indexes: Sequence[int]
-) -> tuple[list[tuple[Any, ...]], list[list[int]]]:
-    """The commands for one cluster primary: those of ``indexes``, with each run of
-    consecutive fleet-index updates of one member, change and epoch (what
-    ``registry.fleet.update_calls`` makes of one write: one call per shard) merged into
-    one call of the cross-slot form of ``lua/index_update.lua``, which takes several
-    shards' hashes in one call, so a write costs each primary one index call however
-    many of its shards it touches; and, per command sent, the ``routed`` positions it
-    answers for. Only consecutive calls merge: a set and a clear of the same hash must
-    stay in the order they were sent."""
-    sha = script_sha(INDEX_UPDATE)
-    commands: list[tuple[Any, ...]] = []
-    sources: list[list[int]] = []
-    runs: list[int] = []  # positions in `commands` of index updates that may be merged
-    previous: tuple[Any, Any, Any] | None = None
-    for i in indexes:
-        command = routed[i][1]
-        if len(command) > 7 and command[0] == "EVALSHA" and command[1] == sha and command[2] == 1:
-            group = (command[4], command[5], command[6])
-            if group == previous:
-                sources[-1].append(i)
-                continue
-            previous = group
-            runs.append(len(commands))
-        else:
-            previous = None
-        commands.append(command)
-        sources.append([i])
-    for at in runs:
-        if len(sources[at]) > 1:
-            calls = [routed[i][1] for i in sources[at]]
-            first = calls[0]
-            keys = [call[3] for call in calls]
-            tails = [arg for call in calls for arg in call[7:]]
-            commands[at] = (
-                "EVALSHA", cross_slot_sha(INDEX_UPDATE), 1, keys[0], len(keys) - 1, *keys[1:],
-                first[4], first[5], first[6], *tails,
-            )  # fmt: skip
-    return commands, sources
 
 
 def _translated(exc: BaseException, what: str, *, write: bool) -> RegistryError:

@@ -14,7 +14,8 @@ the index's scores must equal the exact ones (``agree``), or the run stops with 
 
 **Client time** (one connection, interleaved rounds; p50 = median of the per-round medians):
 ``PrefixRouter(client, prefix).score(prompt)`` over all N (the index path: one
-``fleet_members`` script and one HMGET per index shard, in one round trip per server) with
+``fleet_members`` script and one HMGET of the prompt per members' group shard, a group per
+primary, in one round trip per server) with
 ``hybrid=True`` and ``hybrid=False``; the same with ``exact=True`` (one ``score.lua`` per
 namespace; the router's live list fetched once and kept); and one ``match_kv_prefix`` of the
 prompt on one namespace. Each ratio is score p50 / match p50.
@@ -24,7 +25,7 @@ decisions, then ``usec`` summed over the primaries, / K (median of three batches
 counts the commands a script calls both on their own and inside the script's EVALSHA time,
 so only top-level commands are summed. The index path sends one EVALSHA of
 ``fleet_members since`` (which calls TIME, HGET, ZRANGEBYSCORE and ZCOUNT inside, and ZRANGE
-when the member list changed) and one HMGET per index shard: evalsha + hmget are summed,
+when the member list changed) and one HMGET per group shard: evalsha + hmget are summed,
 the script's inner commands left out. The exact path
 sends one EVALSHA of ``score.lua`` per namespace: evalsha only (its TIME, HGET, HEXISTS,
 HLEN, HKEYS, HMGET are inside). The match is one HMGET: all of it. ``commandstats`` times
@@ -37,7 +38,8 @@ the request, writing the reply, the event loop, the server's own timers), so it 
 higher; it is true CPU, so load on the machine does not inflate it.
 
 **Writes with index upkeep.** For each N, the owner of the last namespace (the highest
-member id, so the longest bitmaps to edit; its chain fields hold all N members' bits)
+member id of its group, so the longest bitmaps to edit; its chain fields hold the bits of
+every member of its group)
 alternates ``evict_kv`` and ``register_kv`` of n = 16 and 64 chain blocks past the prompt,
 and a namespace filled the same way but claimed with ``fleet_index=False`` (under another
 key prefix, so routers never see it) does the same on the same server; p50 of each, and
@@ -50,7 +52,7 @@ without the index) for a few seconds. The decisions/s they reach and the server'
 (``INFO cpu`` delta / wall time) give the server µs per decision; capacity = the serving
 nodes, at 50 requests/s each with ``best`` on every request, that one shard carries at
 100% of one core = 1e6 / (50 x µs per decision). The index path's cost barely depends on
-N (one HMGET of the prompt per shard, one member list of N short strings), so the
+N (one HMGET of the prompt per group shard, the member list's changes), so the
 capacity measured at N = 256 is a lower bound for any fleet up to 256 nodes: a fleet of C
 nodes <= 256 routes at no more than the cost at 256, and C <= capacity is carried. The
 exact path costs about N scripts, so its capacity falls as the fleet grows; its

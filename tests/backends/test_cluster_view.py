@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import redis
-from redis.exceptions import NoScriptError
 
 from registry import (
     NodeIndex,
@@ -19,7 +18,7 @@ from registry import (
     collect_dead,
     live_nodes,
 )
-from registry.fleet import FleetKeys, stamp_calls, update_calls
+from registry.fleet import GROUPS, FleetKeys, FleetMembers, bitmap, stamp_calls, update_calls
 from registry.redis_registry import namespace_infos
 from registry.scripts import ScriptRunner, run_batched
 from tests.support.backends import Backend, dump_keys, expire_lease, notice_base, registry_state
@@ -332,11 +331,12 @@ def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix:
         backend.close()
 
 
-def test_index_scoring_costs_one_round_trip_per_shard_and_one_read_per_index_shard(
+def test_index_scoring_costs_one_round_trip_per_shard_and_one_read_per_group(
     redis_cluster: Any, prefix: str
 ) -> None:
-    """From the fleet index: each primary gets one write; it runs one HMGET per index
-    shard it serves and the member list once, whatever the number of namespaces."""
+    """From the fleet index: each primary gets one write; it runs one HMGET per members'
+    group whose shard it serves (each namespace's group is on its own primary) and the
+    member list once, whatever the number of namespaces."""
     backend = cluster_backend(redis_cluster)
     try:
         chain = list(range(10**12, 10**12 + 512))
@@ -356,10 +356,22 @@ def test_index_scoring_costs_one_round_trip_per_shard_and_one_read_per_index_sha
             scores = router.score(chain)
         assert sorted(sends) == sorted(primaries)
         fleet = FleetKeys(prefix)
+        members = FleetMembers(client, prefix)
+        groups = set()
+        for name, reg in nodes.items():
+            member = members.current(name)
+            assert member is not None
+            groups.add(member % GROUPS)
+            home = client.get_node_from_key(reg.keys.kv).name
+            assert client.get_node_from_key(fleet.shards[member % GROUPS]).name == home
+        assert len(groups) == len(primaries)  # one group per primary
         for name, admin in primaries.items():
             stats = admin.info("commandstats")
             admin.close()
-            shards_here = sum(client.get_node_from_key(k).name == name for k in fleet.shards)
+            shards_here = sum(
+                client.get_node_from_key(fleet.shards[g]).name == name for g in groups
+            )
+            assert shards_here == 1
             members_here = client.get_node_from_key(fleet.members).name == name
             assert stats.get("cmdstat_hmget", {}).get("calls", 0) == shards_here
             assert stats.get("cmdstat_evalsha", {}).get("calls", 0) == int(members_here)
@@ -397,43 +409,46 @@ def test_stats_of_many_namespaces_cost_one_round_trip_per_shard(
         backend.close()
 
 
-def index_field_bits(client: Any, prefix: str, hashes: list[int]) -> dict[int, bool]:
-    """Per hash, whether the fleet index holds any bit for it."""
-    fleet = FleetKeys(prefix)
-    return {h: client.hget(fleet.shards[h % len(fleet.shards)], h) is not None for h in hashes}
+def index_field_bits(client: Any, prefix: str, member: int, hashes: list[int]) -> dict[int, bool]:
+    """Per hash, whether the fleet index holds a KV bit of ``member`` for it."""
+    shard = FleetKeys(prefix).shards[member % GROUPS]
+    bits = {h: bitmap(client.hget(shard, h)) for h in hashes}
+    return {h: bool(b >> (2 * (member // GROUPS)) & 1) for h, b in bits.items()}
 
 
-def test_a_write_sends_each_primary_one_index_update_whatever_the_shards_it_touches(
+def test_a_write_and_its_index_upkeep_go_to_the_owners_primary_alone(
     redis_cluster: Any, prefix: str
 ) -> None:
-    """A write whose hashes fall in all 16 index shards costs each primary one index
-    call (the cross-slot form of index_update for the shards it serves), in the write's
-    own round trip; with its scripts flushed from every primary it still lands."""
+    """A write's index upkeep goes to the shard of the owner's group, on the owner's own
+    primary, in the write's round trip: one node woken per write, however many index
+    fields it touches; with its scripts flushed from every primary it still lands."""
     backend = cluster_backend(redis_cluster)
     try:
-        reg = owner(backend, "merged", prefix)
-        hashes = [10**12 + i for i in range(64)]  # every residue mod 16: every shard
+        reg = owner(backend, "upkeep", prefix)
+        hashes = [10**12 + i for i in range(64)]
         reg.register_kv(range(64), hashes)  # scripts loaded, connections open
         reg.evict_kv(hashes)
         client = backend.client()
+        member = FleetMembers(client, prefix).current("upkeep")
+        assert member is not None
+        kv_node = client.get_node_from_key(reg.keys.kv).name
         primaries = {n.name: redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()}
         try:
             for admin in primaries.values():
                 admin.config_resetstat()
             with counted_sends() as sends:
                 reg.register_kv(range(64), hashes)
-            assert sorted(sends) == sorted(primaries)
-            kv_node = client.get_node_from_key(reg.keys.kv).name
+            assert sends == [kv_node]  # one write of both commands to one node
             for name, admin in primaries.items():
                 calls = admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-                assert calls == 1 + (name == kv_node), name  # one index call (+ the write)
-            assert all(index_field_bits(client, prefix, hashes).values())
-            assert PrefixRouter(client, prefix).score(hashes)["merged"].kv_prefix == 64
+                assert calls == (2 if name == kv_node else 0), name  # the write + its upkeep
+            assert all(index_field_bits(client, prefix, member, hashes).values())
+            assert PrefixRouter(client, prefix).score(hashes)["upkeep"].kv_prefix == 64
             # Scripts gone (a restart, a failover): NOSCRIPT, loaded, sent again.
             for admin in primaries.values():
                 admin.script_flush()
             reg.evict_kv(hashes[32:])
-            assert index_field_bits(client, prefix, hashes) == {
+            assert index_field_bits(client, prefix, member, hashes) == {
                 h: i < 32 for i, h in enumerate(hashes)
             }
             assert not reg._index_dirty
@@ -446,64 +461,139 @@ def test_a_write_sends_each_primary_one_index_update_whatever_the_shards_it_touc
 
 def test_index_updates_sent_together_apply_in_their_order(redis_cluster: Any, prefix: str) -> None:
     """A set, a clear and a set again of the same hashes in one round trip (what a
-    mirror's batch sends) leave the bits set: merging per primary keeps their order."""
+    mirror's batch sends) leave the bits as the last change says."""
     backend = cluster_backend(redis_cluster)
     try:
         client = backend.client()
         fleet = FleetKeys(prefix)
         hashes = [10**12 + i for i in range(32)]
         routed = [
-            *stamp_calls(fleet, 5, "9", cluster=True),
-            *update_calls(fleet, [5], "kv+", hashes, cluster=True, epoch="9"),
-            *update_calls(fleet, [5], "kv-", hashes[:8], cluster=True, epoch="9"),
-            *update_calls(fleet, [5], "kv+", hashes[:4], cluster=True, epoch="9"),
+            *stamp_calls(fleet, 21, "9"),
+            *update_calls(fleet, [21], "kv+", hashes, epoch="9"),
+            *update_calls(fleet, [21], "kv-", hashes[:8], epoch="9"),
+            *update_calls(fleet, [21], "kv+", hashes[:4], epoch="9"),
         ]
         ScriptRunner(client).load(["index_update"])
         replies = run_batched(client, routed)
-        if any(isinstance(r, NoScriptError) for r in replies):
-            replies = run_batched(client, routed)  # the merged form, loaded on NOSCRIPT
         assert not [r for r in replies if isinstance(r, Exception)]
-        assert index_field_bits(client, prefix, hashes) == {
+        assert index_field_bits(client, prefix, 21, hashes) == {
             h: not 4 <= i < 8 for i, h in enumerate(hashes)
         }
     finally:
         backend.close()
 
 
-def test_a_cluster_that_refuses_the_cross_slot_form_gets_one_update_per_shard(
-    redis_cluster: Any, prefix: str, monkeypatch: pytest.MonkeyPatch
+def test_a_member_whose_shard_is_on_another_primary_is_exact_and_moves_home_at_renewal(
+    redis_cluster: Any, prefix: str
 ) -> None:
-    """A server without script flags (before Redis 7) cannot load the merged form: the
-    write still lands, its bits through redis-py's pipeline, and the client sends one
-    update per shard from then on."""
-    from registry import scripts
-
-    monkeypatch.setattr(scripts, "cross_slot_source", lambda _op: "this is not Lua (")
-    monkeypatch.setattr(scripts, "cross_slot_sha", lambda _op: "f" * 40)  # never loaded
+    """Where a group's shard lives only changes speed: an owner whose group's shard is
+    on another primary (as after a resharding) is written and scored exactly, its
+    upkeep one more node per write; its renewal rebuilds it into its home group."""
     backend = cluster_backend(redis_cluster)
     try:
-        reg = owner(backend, "old-server", prefix)
-        hashes = [10**12 + i for i in range(32)]
-        reg.register_kv(range(32), hashes)
-        client = reg.client
-        assert client in scripts._NO_CROSS_SLOT
-        reg.evict_kv(hashes[:8])
-        assert index_field_bits(client, prefix, hashes) == {h: i >= 8 for i, h in enumerate(hashes)}
-        assert not reg._index_dirty
+        client = backend.client()
+        fleet = FleetKeys(prefix)
+        probe = PrefixCacheRegistry(client, "away", key_prefix=prefix)
+        home = probe._home_group()
+        kv_node = client.get_node_from_key(probe.keys.kv).name
+        away = next(
+            g for g in range(GROUPS) if client.get_node_from_key(fleet.shards[g]).name != kv_node
+        )
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(PrefixCacheRegistry, "_home_group", lambda self: away)
+            reg = owner(backend, "away", prefix)
+        members = FleetMembers(client, prefix)
+        first = members.current("away")
+        assert first is not None
+        assert first % GROUPS == away
+        reg.register_kv(range(10), H)
+        reg.register_mamba([4], [H[4]])
+        reg.evict_kv(H[8:])
+        router = PrefixRouter(client, prefix)
+        exact = PrefixRouter(client, prefix, exact=True)
+        assert router.score(H) == exact.score(H)
+        assert router.score(H)["away"].kv_prefix == 8
+        assert index_field_bits(client, prefix, first, H) == {h: i < 8 for i, h in enumerate(H)}
+        reg.renew()
+        moved = members.current("away")
+        assert moved is not None
+        assert moved % GROUPS == home
+        assert client.get_node_from_key(fleet.shards[home]).name == kv_node
+        assert router.score(H) == exact.score(H)
+        assert router.score(H)["away"] == exact.score(H)["away"]
+        collect_dead(client, prefix)  # the old id's bits scrubbed from the away shard
+        assert not any(index_field_bits(client, prefix, first, H).values())
+    finally:
+        backend.close()
+
+
+def test_a_member_of_a_group_new_to_a_router_is_scored_exactly_once(
+    redis_cluster: Any, prefix: str
+) -> None:
+    """A router reads the shards of the groups its member list has members in: a
+    namespace joining another group is scored exactly on the router's next decision,
+    from the index after that."""
+    backend = cluster_backend(redis_cluster)
+    try:
+        client = backend.client()
+        fleet = FleetKeys(prefix)
+        first = owner(backend, "first", prefix)
+        first.register_kv(range(5), H[:5])
+        router = PrefixRouter(client, prefix, live_cache_ttl=3600)
+        assert {n: s.kv_prefix for n, s in router.score(H).items()} == {"first": 5}
+        first_group = first._index_ids[0] % GROUPS
+        assert set(router._known.masks) == {first_group}
+        name = next(
+            f"other-{i}"
+            for i in range(1000)
+            if PrefixCacheRegistry(client, f"other-{i}", key_prefix=prefix)._home_group()
+            != first_group
+        )
+        other = owner(backend, name, prefix)
+        other.register_kv(range(7), H[:7])
+        other.register_mamba([2], [H[2]])
+        exactly: list[str] = []
+        shards_read: list[str] = []
+        real_exact, real_batch = router._run_pipeline, router._runner.batch
+
+        def exact_calls(names: list[str], packed: bytes) -> Any:
+            exactly.extend(names)
+            return real_exact(names, packed)
+
+        def batch(operation: str, routed: Any, **kw: Any) -> Any:
+            shards_read.extend(k for k, _c in routed if k in fleet.shards)
+            return real_batch(operation, routed, **kw)
+
+        router._run_pipeline = exact_calls  # type: ignore[method-assign]
+        router._runner.batch = batch  # type: ignore[method-assign]
+        scores = router.score(H)
+        assert {n: s.kv_prefix for n, s in scores.items()} == {"first": 5, name: 7}
+        assert scores == PrefixRouter(client, prefix, exact=True).score(H)
+        assert exactly == [name]
+        assert shards_read == [fleet.shards[first_group]]
+        other_group = other._index_ids[0] % GROUPS
+        assert set(router._known.masks) == {first_group, other_group}
+        exactly.clear()
+        shards_read.clear()
+        assert router.score(H) == scores
+        assert exactly == []
+        assert sorted(shards_read) == sorted([fleet.shards[first_group], fleet.shards[other_group]])
     finally:
         backend.close()
 
 
 def test_index_updates_land_when_the_slot_map_is_stale(redis_cluster: Any, prefix: str) -> None:
-    """Index updates merged for a primary that no longer serves their shards are
-    answered MOVED; the write falls back to redis-py's pipeline with one call per shard,
-    and the index still holds exactly what the maps hold."""
+    """Index updates sent to a primary that no longer serves their shard are answered
+    MOVED; the write falls back to redis-py's pipeline, and the index still holds
+    exactly what the maps hold."""
     backend = cluster_backend(redis_cluster)
     try:
         reg = owner(backend, "stale-map", prefix)
         hashes = [10**12 + i for i in range(32)]
         client = backend.client()
         fleet = FleetKeys(prefix)
+        member = FleetMembers(client, prefix).current("stale-map")
+        assert member is not None
         primaries = client.get_primaries()
         wrong = {}
         for shard in fleet.shards:
@@ -514,7 +604,7 @@ def test_index_updates_land_when_the_slot_map_is_stale(redis_cluster: Any, prefi
             patch.setattr(client, "get_node_from_key", lambda key, *a: wrong.get(key) or real(key))
             reg.register_kv(range(32), hashes)
             reg.evict_kv(hashes[::2])
-        assert index_field_bits(client, prefix, hashes) == {
+        assert index_field_bits(client, prefix, member, hashes) == {
             h: i % 2 == 1 for i, h in enumerate(hashes)
         }
         assert not reg._index_dirty

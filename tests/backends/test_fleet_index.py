@@ -35,8 +35,9 @@ from registry import (
     StaleEpochError,
     collect_dead,
 )
-from registry.fleet import FleetKeys, FleetMembers, bitmap, shard_count
-from registry.scripts import ScriptRunner, is_cluster, script_sha
+from registry.fleet import GROUPS, FleetKeys, FleetMembers, bitmap, home_group
+from registry.keys import NamespaceKeys
+from registry.scripts import ScriptRunner, script_sha
 from tests.support.backends import Backend, expire_lease
 
 Scores = dict[str, tuple[int, int]]
@@ -111,30 +112,41 @@ def routers(client: Any, prefix: str, *, hybrid: bool) -> tuple[PrefixRouter, Pr
     return _ROUTERS[key]
 
 
-def index_bits(client: Any, prefix: str) -> dict[int, int]:
-    """Every index field: block hash -> bitmap."""
+def index_bits(client: Any, shard: str) -> dict[int, int]:
+    """Every field of an index shard: block hash -> bitmap."""
     found: dict[int, int] = {}
-    for shard in FleetKeys(prefix).shards:
-        for field, value in client.hgetall(shard).items():
-            name = field.decode() if isinstance(field, bytes) else field
-            if not name.startswith("@"):  # member ids' stamps
-                found[int(name)] = bitmap(value)
+    for field, value in client.hgetall(shard).items():
+        name = field.decode() if isinstance(field, bytes) else field
+        if not name.startswith("@"):  # member ids' stamps
+            found[int(name)] = bitmap(value)
     return found
 
 
 def bits_of(client: Any, prefix: str, member: int) -> dict[int, int]:
-    """The hashes carrying a bit of ``member``: hash -> 1 (KV), 2 (Mamba) or 3 (both)."""
+    """The hashes carrying a bit of ``member`` (in its group's shard, under its local
+    id): hash -> 1 (KV), 2 (Mamba) or 3 (both)."""
     mine = {}
-    for h, bits in index_bits(client, prefix).items():
-        own = (bits >> (2 * member)) & 3
+    for h, bits in index_bits(client, shard_of(prefix, member)).items():
+        own = (bits >> (2 * (member // GROUPS))) & 3
         if own:
             mine[h] = own
     return mine
 
 
-def shard_of(client: Any, prefix: str, h: int) -> str:
-    """The index shard holding block hash ``h`` (one shard on a standalone server)."""
-    return FleetKeys(prefix).shards[h % shard_count(is_cluster(client))]
+def same_group(client: Any, prefix: str, base: str, member: int | None) -> str:
+    """A namespace named after ``base`` whose owner joins ``member``'s group (on a
+    cluster each primary's namespaces join the group of a shard on it)."""
+    assert member is not None
+    for n in range(1000):
+        name = base if n == 0 else f"{base}-{n}"
+        if home_group(client, FleetKeys(prefix), NamespaceKeys(name, prefix).kv) == member % GROUPS:
+            return name
+    raise AssertionError(f"no namespace joins group {member % GROUPS}")
+
+
+def shard_of(prefix: str, member: int) -> str:
+    """The index shard of ``member``'s group, which holds its bits."""
+    return FleetKeys(prefix).shards[member % GROUPS]
 
 
 def dirty(reg: PrefixCacheRegistry) -> bool:
@@ -345,13 +357,14 @@ def test_a_fenced_owner_cannot_write_bits_under_its_reused_id(
     if woke == "before-reuse":
         with pytest.raises(StaleEpochError):
             old.register_kv(range(8), prompt)  # the paused owner wakes up and writes
-    other = owner(redis_backend, "node-t", prefix)  # gets old_id back
-    assert member_id(other.client, prefix, "node-t") == old_id
+    name = same_group(old.client, prefix, "node-t", old_id)  # joins old_id's group
+    other = owner(redis_backend, name, prefix)  # gets old_id back
+    assert member_id(other.client, prefix, name) == old_id
     if woke == "after-reuse":
         with pytest.raises(StaleEpochError):
             old.register_kv(range(8), prompt)
     index_router, _exact = routers(other.client, prefix, hybrid=True)
-    assert index_router.score(prompt)["node-t"].kv_prefix == 0
+    assert index_router.score(prompt)[name].kv_prefix == 0
 
 
 # -- 3. a crash between the two steps ----------------------------------------------------
@@ -367,8 +380,10 @@ def test_a_failed_index_update_leaves_the_write_done_and_renew_rebuilds(
     client = redis_backend.client()
     live = {"node-c": reg}
     check_agreement(client, prefix, live, [prompt], hybrid=True)
-    # The shard of prompt[8] becomes a string: every index command on it fails.
-    broken = shard_of(client, prefix, prompt[8])
+    # The member's shard becomes a string: every index command on it fails.
+    member = member_id(client, prefix, "node-c")
+    assert member is not None
+    broken = shard_of(prefix, member)
     saved = client.hgetall(broken)
     client.delete(broken)
     client.set(broken, "not a hash")
@@ -402,10 +417,10 @@ def test_reindex_rebuilds_bits_lost_or_added_behind_the_owners_back(
     before = member_id(client, prefix, "node-r")
     assert before is not None
     # Bits lost (a shard emptied) and bits that lie (the tail claimed held).
-    client.delete(shard_of(client, prefix, prompt[3]))
+    client.delete(shard_of(prefix, before))
     members = FleetMembers(client, prefix)
     for h in prompt[30:]:
-        client.hset(shard_of(client, prefix, h), str(h), format(3 << (2 * before), "x"))
+        client.hset(shard_of(prefix, before), str(h), format(3 << (2 * (before // GROUPS)), "x"))
     index_router, _exact = routers(client, prefix, hybrid=True)
     assert as_pairs(index_router.score(prompt)) != {"node-r": (30, 26)}
     fresh = reg.reindex()
@@ -464,13 +479,14 @@ def test_gc_retires_and_scrubs_dead_members_and_reused_ids_start_clean(
     assert client.sismember(FleetKeys(prefix).free, dead_id)
     check_agreement(client, prefix, live, [prompt], hybrid=True)
     # The freed id goes to the next member, which inherits none of the old bits.
-    newcomer = owner(redis_backend, "gc-d", prefix)
-    assert member_id(client, prefix, "gc-d") == dead_id
-    assert as_pairs(index_router.score(prompt))["gc-d"] == (0, 0)
+    name = same_group(client, prefix, "gc-d", dead_id)
+    newcomer = owner(redis_backend, name, prefix)
+    assert member_id(client, prefix, name) == dead_id
+    assert as_pairs(index_router.score(prompt))[name] == (0, 0)
     newcomer.register_kv(range(2), prompt[:2])
-    live["gc-d"] = newcomer
+    live[name] = newcomer
     check_agreement(client, prefix, live, [prompt], hybrid=True)
-    assert as_pairs(index_router.score(prompt))["gc-d"] == (2, 0)
+    assert as_pairs(index_router.score(prompt))[name] == (2, 0)
     assert NodeIndex(client, prefix).scrubbed == 0  # nothing left to scrub
 
 
@@ -484,26 +500,23 @@ def test_gc_scrubs_past_garbage_and_stamps_and_a_lost_stamp_heals_at_renewal(
     rng = random.Random(9)
     prompt = [rng.randrange(1, 2**63) for _ in range(12)]
     client = redis_backend.client()
-    fleet = FleetKeys(prefix)
     dead = owner(redis_backend, "st-dead", prefix)
     dead.register_kv(range(6), prompt[:6])
     dead_id = member_id(client, prefix, "st-dead")
     garbage = {"777": "not hex at all", "778": "", "@x": "zz"}
-    client.hset(fleet.shards[0], mapping=garbage)
+    client.hset(shard_of(prefix, dead_id), mapping=garbage)
     expire_lease(dead)
     assert collect_dead(client, prefix) == ["st-dead"]
     assert bits_of(client, prefix, dead_id) == {}
-    for shard in fleet.shards[: shard_count(is_cluster(client))]:
-        assert client.hget(shard, f"@{dead_id}") is None  # the stamp went with it
-    assert {k: client.hget(fleet.shards[0], k) for k in garbage} == {
+    assert client.hget(shard_of(prefix, dead_id), f"@{dead_id // GROUPS}") is None  # stamp gone
+    assert {k: client.hget(shard_of(prefix, dead_id), k) for k in garbage} == {
         k: v.encode() if not backend_decodes(client) else v for k, v in garbage.items()
     }
     # A stamp lost: the write happens, its bits are refused, the renewal rebuilds.
     reg = owner(redis_backend, "st-live", prefix)
     reg.register_kv(range(4), prompt[:4])
     first_id = member_id(client, prefix, "st-live")
-    shard = shard_of(client, prefix, prompt[4])
-    client.hdel(shard, f"@{first_id}")
+    client.hdel(shard_of(prefix, first_id), f"@{first_id // GROUPS}")
     reg.register_kv(range(8), prompt[:8])
     assert len(reg.match_kv_prefix(prompt)[0]) == 8  # the write itself happened
     assert dirty(reg)
@@ -516,6 +529,38 @@ def test_gc_scrubs_past_garbage_and_stamps_and_a_lost_stamp_heals_at_renewal(
 def backend_decodes(client: Any) -> bool:
     """Whether ``client`` returns text rather than bytes."""
     return bool(client.get_encoder().decode_responses)
+
+
+def test_each_group_hands_out_its_own_ids_smallest_scrubbed_first(
+    redis_backend: Backend, prefix: str
+) -> None:
+    """Ids carry their group (id % 16) and each group counts its own, so each shard's
+    bitmaps stay as short as its members allow; a scrubbed id goes back to its own
+    group only, smallest first; counters start past the ids an older single counter
+    handed out, and past every listed id when garbage replaced them."""
+    client = redis_backend.client()
+    fleet = FleetKeys(prefix)
+    members = FleetMembers(client, prefix)
+    client.hset(fleet.members, "next", 40)  # an older version's single counter
+    far = 2**40
+    a = [members.join(f"g0-{i}", far, 0) for i in range(3)]
+    b = [members.join(f"g5-{i}", far, 5) for i in range(2)]
+    assert a == [48, 64, 80]  # local ids 3, 4, 5 of group 0: past the 40 ids handed out
+    assert b == [53, 69]  # local ids 3, 4 of group 5
+    assert members.join("bad-group", far, 99) % GROUPS == 0  # a bad group is group 0
+    # Freed ids of group 0 (as gc leaves them) come back smallest first, to group 0 only.
+    client.sadd(fleet.free, 80, 48, 69, "garbage")
+    assert members.join("g5-again", far, 5) == 69
+    assert members.join("g0-again", far, 0) == 48
+    assert members.join("g0-third", far, 0) == 80
+    assert members.join("g0-new", far, 0) == 112  # local 7: 6 went to "bad-group"
+    assert {m.decode() if isinstance(m, bytes) else m for m in client.smembers(fleet.free)} == {
+        "garbage"
+    }
+    assert members.reserve("g5-0", 5) == 85
+    # Garbage in a counter: the group starts past every id the table lists.
+    client.hset(fleet.members, "next:5", "zz")
+    assert members.join("g5-late", far, 5) == 133  # local 8: past every listed local id
 
 
 # -- 5. a router's copy of the member table ----------------------------------------------

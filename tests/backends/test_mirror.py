@@ -22,7 +22,7 @@ from registry import (
     PrefixCacheRegistry,
     StaleEpochError,
 )
-from registry.fleet import FleetKeys, bitmap
+from registry.fleet import GROUPS, FleetKeys, bitmap
 from registry.mirror import CALL_VALUES, CALL_WRITES, DEFAULT_MAX_DELAY, MirrorCounts
 from registry.scripts import script_sha
 from registry.types import NoticeKind
@@ -53,15 +53,16 @@ def index_view(mirror: MirroredRegistry) -> tuple[set[int], set[int]]:
     """The hashes the fleet index lists under the mirror's member id: (KV, Mamba)."""
     (member,) = mirror.inner._index_ids
     kv, mamba = set(), set()
-    for shard in FleetKeys(mirror.inner.keys.key_prefix).shards:
-        for field, value in mirror.inner.client.hgetall(shard).items():
-            if (field.decode() if isinstance(field, bytes) else field).startswith("@"):
-                continue  # a member id's stamp (lua/index_update.lua, "Fencing")
-            bits = bitmap(value)
-            if bits >> (2 * member) & 1:
-                kv.add(int(field))
-            if bits >> (2 * member + 1) & 1:
-                mamba.add(int(field))
+    shard = FleetKeys(mirror.inner.keys.key_prefix).shards[member % GROUPS]
+    local = member // GROUPS  # its bits in its group's shard
+    for field, value in mirror.inner.client.hgetall(shard).items():
+        if (field.decode() if isinstance(field, bytes) else field).startswith("@"):
+            continue  # a member id's stamp (lua/index_update.lua, "Fencing")
+        bits = bitmap(value)
+        if bits >> (2 * local) & 1:
+            kv.add(int(field))
+        if bits >> (2 * local + 1) & 1:
+            mamba.add(int(field))
     return kv, mamba
 
 

@@ -36,7 +36,7 @@ from registry import (
     collect_dead,
     live_nodes,
 )
-from registry.fleet import FleetKeys
+from registry.fleet import FleetKeys, FleetMembers
 from registry.keys import node_index_key
 from registry.scripts import script_source
 from tests.support.servers import HOST, RedisServer, require_redis_server
@@ -76,7 +76,8 @@ NODE_COMMANDS = (
     "get",
     "set",
     "sadd",
-    "spop",
+    "srem",
+    "smembers",
     "hgetall",
 )
 
@@ -272,6 +273,15 @@ def test_connecting_needs_no_grant(admin: redis.Redis, connect: Connect, protoco
 def test_node_a_can_do_everything_a_serving_node_does(admin: redis.Redis, connect: Connect) -> None:
     # Whatever ran before: claim() must add node-a to the index (ZADD), and every script
     # must be loaded by node-a itself (NOSCRIPT, then SCRIPT LOAD).
+    # A claim retires the namespace's member id; once gc scrubbed it, the claim below
+    # takes a scrubbed id back (SMEMBERS, SREM of the free set).
+    members = FleetMembers(admin, PREFIX)
+    earlier = connect("node-a")
+    earlier.claim(lease_ttl=30.0)
+    retired = members.current("node-a")
+    earlier.claim(lease_ttl=30.0)
+    members.scrub()
+    assert admin.sismember(FleetKeys(PREFIX).free, str(retired))
     admin.zrem(NODE_INDEX, "node-a")
     admin.script_flush()
     admin.config_resetstat()

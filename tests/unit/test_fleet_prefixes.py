@@ -3,13 +3,25 @@ against the per-namespace rule (``lua/score.lua`` without its parent-chain short
 
 from __future__ import annotations
 
-from typing import Any
-
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from registry.fleet import SHARDS, FleetKeys, bitmap, by_shard, lookup_calls, prefixes, update_calls
-from registry.scripts import cross_slot_sha, merged_index_updates
+from registry.fleet import (
+    GROUPS,
+    FleetKeys,
+    bitmap,
+    global_id,
+    group_masks,
+    group_of,
+    home_group,
+    local_id,
+    lookup_calls,
+    prefixes,
+    stamp_calls,
+    update_calls,
+)
+from registry.scripts import same_arguments
 
 
 def reference(holds: list[tuple[bool, bool]], hybrid: bool) -> tuple[int, int]:
@@ -42,13 +54,19 @@ def test_prefixes_equal_the_per_member_rule(
                               max_size=length))
         for m in members
     }  # fmt: skip
-    values: list[str | None] = []
-    for position in range(length):
-        bits = 0
-        for m in members:
-            kv, mamba = holds[m][position]
-            bits |= (kv << (2 * m)) | (mamba << (2 * m + 1))
-        values.append(f"{bits:x}" if bits else None)
+    # Each member's bits in its group's shard, under its local id.
+    values: dict[int, list[str | None]] = {}
+    for group in {m % GROUPS for m in members}:
+        column: list[str | None] = []
+        for position in range(length):
+            bits = 0
+            for m in members:
+                if m % GROUPS == group:
+                    kv, mamba = holds[m][position]
+                    local = m // GROUPS
+                    bits |= (kv << (2 * local)) | (mamba << (2 * local + 1))
+            column.append(f"{bits:x}" if bits else None)
+        values[group] = column
     found = prefixes(members, values, hybrid=hybrid)
     assert found == {m: reference(holds[m], hybrid) for m in members}
 
@@ -58,59 +76,79 @@ def test_malformed_values_count_as_no_holder() -> None:
     assert bitmap("zz") == 0
     assert bitmap("-5") == 0
     assert bitmap(b"1f") == 31
-    assert prefixes([0, 1], ["5", "garbage", "5"], hybrid=True) == {0: (1, 0), 1: (1, 0)}
+    assert prefixes([0, 16], {0: ["5", "garbage", "5"]}, hybrid=True) == {
+        0: (1, 0),
+        16: (1, 0),
+    }
 
 
-def test_lookups_cover_every_position_once_per_shard() -> None:
+def test_ids_carry_their_group_and_local_id() -> None:
+    for member in (0, 1, 15, 16, 17, 4095, 65_537):
+        assert global_id(group_of(member), local_id(member)) == member
+        assert 0 <= group_of(member) < GROUPS
+    assert group_masks([0, 16, 3, 35]) == {0: 0b101, 3: 0b10001}
+
+
+def test_lookups_read_every_position_once_per_group() -> None:
     fleet = FleetKeys("t")
     hashes = list(range(1, 200, 3))
-    calls, where = lookup_calls(fleet, hashes)
-    assert len(calls) == len(by_shard(hashes)) <= SHARDS
-    assert sorted(p for places in where for p in places) == list(range(len(hashes)))
-    for (key, command), places in zip(calls, where, strict=True):
-        assert command[:2] == ("HMGET", key)
-        assert list(command[2:]) == [hashes[p] for p in places]
-        assert {hashes[p] % SHARDS for p in places} == {fleet.shards.index(key)}
-
-
-def test_updates_are_one_call_per_id_standalone_and_per_shard_on_a_cluster() -> None:
-    fleet = FleetKeys()
-    hashes = [1, 2, 17, 33]  # shards 1, 2, 1, 1
-    assert len(update_calls(fleet, [4, 9], "kv+", hashes, cluster=False)) == 2
-    assert len(update_calls(fleet, [4], "mamba-", hashes, cluster=True)) == 2
-    assert update_calls(fleet, [], "kv+", hashes, cluster=False) == []
-    assert update_calls(fleet, [1], "kv+", [], cluster=False) == []
-
-
-def test_index_updates_merge_per_primary_only_in_runs_that_keep_their_order() -> None:
-    """A set and a clear of the same hash sent in one round trip must reach the shard in
-    that order: only consecutive updates of one member, change and epoch merge."""
-    fleet = FleetKeys("pcr")
-    hashes = list(range(32))  # every shard twice
-
-    def calls(change: str, part: list[int]) -> list[Any]:
-        return update_calls(fleet, [3], change, part, cluster=True, epoch="7")
-
-    routed = [*calls("kv+", hashes), *calls("kv-", hashes[:4]), *calls("kv+", hashes[:4])]
-    write = ("k", ("EVALSHA", "0" * 40, 1, "k", "x"))
-    routed.insert(0, write)
-    commands, sources = merged_index_updates(routed, range(len(routed)))
-    assert commands[0] == write[1]
-    assert [len(s) for s in sources] == [1, 16, 4, 4]  # three runs, each merged
-    assert [c[1] for c in commands[1:]] == [cross_slot_sha("index_update")] * 3
-    # (EVALSHA, sha, 1, first key, n, n more keys, member, change, epoch, ...)
-    assert [c[5 + c[4] : 8 + c[4]] for c in commands[1:]] == [
-        (3, "kv+", "7"),
-        (3, "kv-", "7"),
-        (3, "kv+", "7"),
+    calls = lookup_calls(fleet, hashes, [0, 5])
+    assert calls == [
+        (fleet.shards[0], ("HMGET", fleet.shards[0], *hashes)),
+        (fleet.shards[5], ("HMGET", fleet.shards[5], *hashes)),
     ]
-    assert sorted(i for s in sources for i in s) == list(range(len(routed)))
-    # A merged call carries every shard's hashes, its first key declared, the rest after
-    # their count: what the cross-slot preamble moves back into KEYS.
-    first = commands[1]
-    assert first[2:4] == (1, fleet.shards[0])
-    assert first[4] == 15
-    assert list(first[5:20]) == list(fleet.shards[1:])
-    # Nothing else merges: an update alone stays as it was.
-    alone = calls("mamba+", [5])
-    assert merged_index_updates(alone, [0]) == ([alone[0][1]], [[0]])
+    assert lookup_calls(fleet, [], [0, 5]) == []
+
+
+def test_updates_are_one_call_per_id_on_its_groups_shard() -> None:
+    fleet = FleetKeys()
+    hashes = [1, 2, 17, 33]
+    calls = update_calls(fleet, [4, 41], "kv+", hashes, epoch="9")
+    assert [key for key, _command in calls] == [fleet.shards[4], fleet.shards[9]]
+    # (EVALSHA, sha, 1, key, local id, change, epoch, count, hashes...)
+    assert [command[3:] for _key, command in calls] == [
+        (fleet.shards[4], 0, "kv+", "9", 4, *hashes),
+        (fleet.shards[9], 2, "kv+", "9", 4, *hashes),
+    ]
+    assert update_calls(fleet, [], "kv+", hashes) == []
+    assert update_calls(fleet, [1], "kv+", []) == []
+    (stamp,) = stamp_calls(fleet, 41, "9")
+    assert stamp[0] == fleet.shards[9]
+    assert stamp[1][3:] == (fleet.shards[9], 2, "stamp", "9", 0)
+
+
+def test_reads_of_several_shards_share_one_packing_of_the_prompt() -> None:
+    hiredis = pytest.importorskip("hiredis")
+    keys = ["pcr:{index-00.20}:blocks", "pcr:{index-02.1}:blocks", "p:{ü}:blocks"]
+    hashes = [1, 2**63 - 1, 17, 0]
+    commands = same_arguments("HMGET", keys, hashes)
+    assert commands == [("HMGET", key, *hashes) for key in keys]
+    for command in commands:  # each as hiredis packs it alone
+        assert command.wire == hiredis.pack_command(tuple(command))  # type: ignore[attr-defined]
+    assert same_arguments("HMGET", keys[:1], hashes) == [("HMGET", keys[0], *hashes)]
+
+
+def test_an_owner_joins_the_group_whose_shard_its_own_node_serves() -> None:
+    fleet = FleetKeys("pcr")
+
+    class Node:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    class Cluster:  # what registry.scripts.is_cluster looks for
+        nodes_manager = None
+
+        def __init__(self, where: dict[str, str], default: str) -> None:
+            self.where, self.default = where, default
+
+        def get_node_from_key(self, key: str) -> Node:
+            if self.default == "raise":
+                raise ConnectionError("layout moving")
+            return Node(self.where.get(key, self.default))
+
+    ns = "pcr:{node-a}:kv"
+    on_b = {ns: "b", fleet.shards[5]: "b", fleet.shards[9]: "b"}
+    assert home_group(Cluster(on_b, "a"), fleet, ns) == 5  # the first one on its node
+    assert home_group(Cluster({ns: "c"}, "a"), fleet, ns) == 0  # none there: any is right
+    assert home_group(Cluster({}, "raise"), fleet, ns) == 0
+    assert home_group(object(), fleet, ns) == 0  # a standalone server: one group
