@@ -127,8 +127,13 @@ end
 local function new_id(ns, group)
   local best, best_raw
   for _, raw in ipairs(redis.call('SMEMBERS', free)) do
-    local n = tonumber(raw)
-    if n and n % GROUPS == group and n == math.floor(n) and (not best or n < best) then
+    -- Only ids as this script writes them (anyone who may write the set could write
+    -- garbage: "-16", "1e9", "007" are left there).
+    local n = string.find(raw, '^[1-9]%d?%d?%d?%d?%d?%d?%d?%d?$') and tonumber(raw)
+    if raw == '0' then
+      n = 0
+    end
+    if n and n % GROUPS == group and (not best or n < best) then
       best, best_raw = n, raw
     end
   end
