@@ -220,12 +220,15 @@ class IndexPlan:
         self.chosen = chosen
         self.known = known
         # The shards of the groups this router's copy of the member list has members
-        # in (every group before its first copy): a member of a group not read this
-        # time, new to the router, is scored exactly once (``unread``).
+        # in (those asked for; every group before its first copy): a member of a group
+        # not read this time, new to the router, is scored exactly once (``unread``).
         if known.fetched_at == float("-inf"):
             self.groups: list[int] = list(range(GROUPS if cluster else 1))
-        else:
+        elif chosen is None:
             self.groups = sorted(known.masks)
+        else:  # only the groups of the namespaces asked for
+            ids = known.members
+            self.groups = sorted({ids[n] % GROUPS for n in chosen if n in ids})
         self.unread: list[str] = []
         lookups = lookup_calls(fleet, wanted, self.groups)
         self._exact = sorted(bare if chosen is None else bare & chosen)

@@ -578,6 +578,11 @@ def test_a_member_of_a_group_new_to_a_router_is_scored_exactly_once(
         assert router.score(H) == scores
         assert exactly == []
         assert sorted(shards_read) == sorted([fleet.shards[first_group], fleet.shards[other_group]])
+        # Asked for some namespaces only: only their groups' shards are read.
+        shards_read.clear()
+        assert router.score(H, namespaces=[name]) == {name: scores[name]}
+        assert shards_read == [fleet.shards[other_group]]
+        assert exactly == []
     finally:
         backend.close()
 
