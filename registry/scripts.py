@@ -115,7 +115,7 @@ class ScriptRunner:
 
     def __init__(self, client: Any) -> None:
         self.client = client
-        self._direct = not is_cluster(client)  # one pooled connection, hiredis packing
+        self._direct = not is_cluster(client)  # a standalone server's pooled connection
 
     def load(self, operations: Iterable[str] = OPERATIONS) -> None:
         """SCRIPT LOAD the scripts now, so the first calls need no NOSCRIPT retry."""
@@ -161,14 +161,18 @@ class ScriptRunner:
     ) -> Any:
         try:  # a plain try: this is every write's path
             try:
-                if self._direct:
-                    # One write and one read of a pooled connection, packed by hiredis
-                    # (redis-py's own packing costs more than the server's work for a
-                    # write of a few dozen pairs); None on a lost connection or a
-                    # timeout: redis-py's path below then retries (writes are
-                    # exactly-once by their request ids).
+                if keys or self._direct:
+                    # One write and one read of a pooled connection (on a cluster, of
+                    # the primary serving the keys), packed by hiredis: redis-py's own
+                    # packing and cluster routing cost more than the server's work for
+                    # a write of a few dozen pairs. None on a lost connection, a
+                    # timeout or a redirection: redis-py's path below then retries and
+                    # follows it (writes are exactly-once by their request ids).
                     command = ("EVALSHA", script_sha(operation), len(keys), *keys, *args)
-                    replies = run_on_one_connection(self.client, ((None, command),))
+                    if self._direct:
+                        replies = run_on_one_connection(self.client, ((None, command),))
+                    else:
+                        replies = run_per_node(self.client, ((keys[0], command),))
                     if replies is not None:
                         reply = replies[0]
                         if isinstance(reply, Exception):

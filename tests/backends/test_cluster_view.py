@@ -617,6 +617,44 @@ def test_index_updates_land_when_the_slot_map_is_stale(redis_cluster: Any, prefi
         backend.close()
 
 
+def test_a_script_call_goes_straight_to_its_primary_and_follows_a_stale_map(
+    redis_cluster: Any, prefix: str
+) -> None:
+    """A single script call (here writes without index upkeep) is one packed write to
+    the primary serving its keys, with no question to any node first;
+    sent to a node that no longer serves them, it is answered MOVED and redis-py's path
+    follows the redirection."""
+    backend = cluster_backend(redis_cluster)
+    try:
+        client = backend.client()
+        reg = PrefixCacheRegistry(client, "single", key_prefix=prefix, fleet_index=False)
+        reg.claim(lease_ttl=30.0)
+        reg.register_kv(range(3), H[:3])  # scripts loaded, connections open
+        reg.evict_kv(H[2:3])
+        home = client.get_node_from_key(reg.keys.kv)
+        admin = redis.Redis(host=home.host, port=home.port)
+        try:
+            admin.config_resetstat()
+            with counted_sends() as sends:
+                reg.register_kv(range(6), H[:6])
+                reg.evict_kv(H[5:6])
+            assert sends == [home.name, home.name]
+            stats = admin.info("commandstats")
+            assert stats["cmdstat_evalsha"]["calls"] == 2
+            assert "cmdstat_command|getkeys" not in stats
+        finally:
+            admin.close()
+        wrong = next(n for n in client.get_primaries() if n.name != home.name)
+        real = client.get_node_from_key
+        with pytest.MonkeyPatch.context() as patch:
+            kv = reg.keys.kv
+            patch.setattr(client, "get_node_from_key", lambda k, *a: wrong if k == kv else real(k))
+            assert reg.evict_kv(H[4:5]) == {H[4]}
+        assert reg.match_kv_prefix(H)[0] == [0, 1, 2, 3]
+    finally:
+        backend.close()
+
+
 def test_scores_stay_exact_when_the_slot_map_is_stale(redis_cluster: Any, prefix: str) -> None:
     """Commands sent to a node that no longer serves their slot are answered MOVED; the
     router then falls back to redis-py's pipeline, which follows the redirection."""
