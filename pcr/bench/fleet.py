@@ -42,8 +42,8 @@ member id of its group, so the longest bitmaps to edit; its chain fields hold th
 every member of its group)
 alternates ``evict_kv`` and ``register_kv`` of n = 16 and 64 chain blocks past the prompt,
 and a namespace filled the same way but claimed with ``fleet_index=False`` (under another
-key prefix, so routers never see it) does the same on the same server; p50 of each, and
-the ratio indexed / unindexed.
+key prefix, so routers never see it) does the same on the same server (on a cluster, a
+namespace of the same primary); p50 of each, and the ratio indexed / unindexed.
 
 **Capacity** (standalone, at the largest N). Several client *processes* each loop
 ``best(prompt)`` over all N live namespaces (the per-request work a router adds; the
@@ -77,6 +77,8 @@ from typing import Any
 
 from pcr.tables import format_table
 from registry import PrefixCacheRegistry, PrefixRouter
+from registry.keys import NamespaceKeys
+from registry.scripts import is_cluster
 
 NAMESPACES = (16, 64, 256)
 QUICK_NAMESPACES = (16, 64)
@@ -161,6 +163,31 @@ def _filled_owner(
     return owner
 
 
+def _raw_beside(
+    owner: PrefixCacheRegistry, raws: dict[str, PrefixCacheRegistry]
+) -> PrefixCacheRegistry:
+    """The unindexed writer compared with ``owner``: filled the same way, on the same
+    Redis server (on a cluster, a namespace of the same primary: one server process may
+    be woken faster than another on a machine of few cores, which would weigh more than
+    the index), made on first use."""
+    client = owner.client
+    home = _server_of(client, owner.keys.kv)
+    if home not in raws:
+        for k in range(10_000):
+            name = f"{RAW_NAMESPACE}-{k}"
+            if _server_of(client, NamespaceKeys(name, RAW_PREFIX).kv) == home:
+                break
+        else:  # pragma: no cover - 10,000 names on one side of a 3-way split: impossible
+            raise RuntimeError("pcr bench --fleet: no unindexed namespace on that server")
+        raws[home] = _filled_owner(client, name, 99_999, key_prefix=RAW_PREFIX, fleet_index=False)
+    return raws[home]
+
+
+def _server_of(client: Any, key: str) -> str:
+    """The Redis server holding ``key``: its cluster primary, or the one server."""
+    return str(client.get_node_from_key(key).name) if is_cluster(client) else ""
+
+
 def fill(client: Any, first: int, last: int) -> list[PrefixCacheRegistry]:
     """Namespaces ``first..last-1``, claimed and filled by their owners (a few at once)."""
     with ThreadPoolExecutor(FILL_THREADS) as pool:
@@ -230,7 +257,7 @@ def measure(client: Any, deployment: str, *, quick: bool = False) -> dict[str, A
     owners: list[PrefixCacheRegistry] = []
     capacity = None
     try:
-        raw = _filled_owner(client, RAW_NAMESPACE, 99_999, key_prefix=RAW_PREFIX, fleet_index=False)
+        raws: dict[str, PrefixCacheRegistry] = {}  # unindexed writers, one per server
         sizes = QUICK_NAMESPACES if quick else NAMESPACES
         for n in sizes:
             started = time.perf_counter()
@@ -239,7 +266,7 @@ def measure(client: Any, deployment: str, *, quick: bool = False) -> dict[str, A
             row["namespaces"] = n
             row["setup_s"] = round(time.perf_counter() - started, 2)
             row |= _measure_routing(client, servers, effort)
-            row["writes"] = _measure_writes(owners[-1], raw, effort)
+            row["writes"] = _measure_writes(owners[-1], _raw_beside(owners[-1], raws), effort)
             rows.append(row)
         if deployment == "standalone":
             capacity = _capacity(client, sizes[-1], effort, rows[-1])
