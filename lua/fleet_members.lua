@@ -122,9 +122,13 @@ local function group_of(raw)
   return 0
 end
 
--- A new id of `group`: its smallest scrubbed id, else one never used. A group's counter
--- starts past every id the single counter of earlier versions ("next") handed out.
+-- Ids an earlier version handed out from one counter ("next": ids 0 to next - 1, their
+-- bits at positions 2*id, in shard 0 or in every shard) are never reused, and no group's
+-- local id starts below that count: no new member's bits can land where an old id's bits
+-- may still lie (they are scrubbed under the new reading, not the old one).
+-- A new id of `group`: its smallest scrubbed id, else one never used.
 local function new_id(ns, group)
+  local legacy = tonumber(redis.call('HGET', members, 'next') or '0') or 0
   local best, best_raw
   for _, raw in ipairs(redis.call('SMEMBERS', free)) do
     -- Only ids as this script writes them (anyone who may write the set could write
@@ -133,7 +137,7 @@ local function new_id(ns, group)
     if raw == '0' then
       n = 0
     end
-    if n and n % GROUPS == group and (not best or n < best) then
+    if n and n % GROUPS == group and n >= legacy * GROUPS and (not best or n < best) then
       best, best_raw = n, raw
     end
   end
@@ -144,12 +148,11 @@ local function new_id(ns, group)
   else
     local counter = 'next:' .. group
     if not redis.call('HGET', members, counter) then
-      local before = tonumber(redis.call('HGET', members, 'next') or '0') or 0
-      redis.call('HSET', members, counter, math.ceil(before / GROUPS))
+      redis.call('HSET', members, counter, legacy)
     end
     local n = redis.pcall('HINCRBY', members, counter, 1)
-    if type(n) ~= 'number' or n < 1 then  -- garbage: start past every id listed
-      n = math.ceil((tonumber(redis.call('HGET', members, 'next') or '0') or 0) / GROUPS) + 1
+    if type(n) ~= 'number' or n <= legacy then  -- garbage: start past every id listed
+      n = legacy + 1
       local all = redis.call('HGETALL', members)
       for i = 1, #all, 2 do
         local listed = tonumber(string.match(all[i], '^id:(%d+)$') or '')

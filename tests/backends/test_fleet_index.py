@@ -536,30 +536,50 @@ def test_each_group_hands_out_its_own_ids_smallest_scrubbed_first(
 ) -> None:
     """Ids carry their group (id % 16) and each group counts its own, so each shard's
     bitmaps stay as short as its members allow; a scrubbed id goes back to its own
-    group only, smallest first; counters start past the ids an older single counter
-    handed out, and past every listed id when garbage replaced them."""
+    group only, smallest first; a garbage counter restarts past every listed id."""
     client = redis_backend.client()
     fleet = FleetKeys(prefix)
     members = FleetMembers(client, prefix)
-    client.hset(fleet.members, "next", 40)  # an older version's single counter
     far = 2**40
     a = [members.join(f"g0-{i}", far, 0) for i in range(3)]
     b = [members.join(f"g5-{i}", far, 5) for i in range(2)]
-    assert a == [48, 64, 80]  # local ids 3, 4, 5 of group 0: past the 40 ids handed out
-    assert b == [53, 69]  # local ids 3, 4 of group 5
-    assert members.join("bad-group", far, 99) % GROUPS == 0  # a bad group is group 0
-    # Freed ids of group 0 (as gc leaves them) come back smallest first, to group 0 only.
-    client.sadd(fleet.free, 80, 48, 69, "garbage", "-16", "1e9", "064", "1234567890")
-    assert members.join("g5-again", far, 5) == 69
-    assert members.join("g0-again", far, 0) == 48
-    assert members.join("g0-third", far, 0) == 80
-    assert members.join("g0-new", far, 0) == 112  # local 7: 6 went to "bad-group"
+    assert a == [0, 16, 32]  # local ids 0, 1, 2 of group 0
+    assert b == [5, 21]  # local ids 0, 1 of group 5
+    assert members.join("bad-group", far, 99) == 48  # a bad group is group 0
+    # Freed ids (as gc leaves them) come back smallest first, to their own group only.
+    client.sadd(fleet.free, 32, 0, 21, "garbage", "-16", "1e9", "016", "1234567890")
+    assert members.join("g5-again", far, 5) == 21
+    assert members.join("g0-again", far, 0) == 0
+    assert members.join("g0-third", far, 0) == 32
+    assert members.join("g0-new", far, 0) == 64  # local 4: 3 went to "bad-group"
     left = {m.decode() if isinstance(m, bytes) else m for m in client.smembers(fleet.free)}
-    assert left == {"garbage", "-16", "1e9", "064", "1234567890"}
-    assert members.reserve("g5-0", 5) == 85
+    assert left == {"garbage", "-16", "1e9", "016", "1234567890"}
+    assert members.reserve("g5-0", 5) == 37
     # Garbage in a counter: the group starts past every id the table lists.
     client.hset(fleet.members, "next:5", "zz")
-    assert members.join("g5-late", far, 5) == 133  # local 8: past every listed local id
+    assert members.join("g5-late", far, 5) == 85  # local 5: past 64 (local 4)
+
+
+def test_ids_of_the_single_counter_before_groups_are_never_reused(
+    redis_backend: Backend, prefix: str
+) -> None:
+    """Before groups, one counter ("next") handed out ids 0..next-1 whose bits lie at
+    2*id in the shards, scrubbed under the new reading or not at all: no group's local
+    ids start below that count, and those old ids, freed, are not handed out again."""
+    client = redis_backend.client()
+    fleet = FleetKeys(prefix)
+    members = FleetMembers(client, prefix)
+    client.hset(fleet.members, "next", 40)
+    client.sadd(fleet.free, 3, 16, 35)  # old ids, retired and scrubbed
+    far = 2**40
+    assert members.join("new-0", far, 0) == 40 * 16  # local 40 of group 0
+    assert members.join("new-3", far, 3) == 40 * 16 + 3
+    assert members.join("new-0b", far, 0) == 41 * 16
+    freed = {int(m) for m in client.smembers(fleet.free)}
+    assert freed == {3, 16, 35}
+    assert members.join("new-0", far, 0) == 42 * 16  # a new ownership: 640 retired
+    assert members.scrub() == 1
+    assert members.join("new-0c", far, 0) == 40 * 16  # a new-style id is reused
 
 
 # -- 5. a router's copy of the member table ----------------------------------------------
