@@ -582,6 +582,36 @@ def test_ids_of_the_single_counter_before_groups_are_never_reused(
     assert members.join("new-0c", far, 0) == 40 * 16  # a new-style id is reused
 
 
+def test_members_after_an_upgrade_never_inherit_the_bits_of_ids_before_groups(
+    redis_backend: Backend, prefix: str
+) -> None:
+    """A store written before groups: a single counter handed out ids 0..5 whose bits lie
+    at 2*id in every shard (the cluster's layout then; shard 0 alone on a standalone
+    server) with their stamps. New owners join, write and are scored exactly as their
+    maps say: none of them is read where an old id's bits lie."""
+    rng = random.Random(21)
+    prompt = [rng.randrange(1, 2**63) for _ in range(16)]
+    client = redis_backend.client()
+    fleet = FleetKeys(prefix)
+    client.hset(fleet.members, "next", 6)
+    old_bits = format((1 << 12) - 1, "x")  # ids 0..5 hold the KV block and Mamba state
+    for shard in fleet.shards:
+        client.hset(shard, mapping={**{h: old_bits for h in prompt}, "@0": "1", "@5": "2"})
+    live = {}
+    for i, held in enumerate((4, 9, 0)):
+        reg = owner(redis_backend, f"up-{i}", prefix)
+        if held:
+            reg.register_kv(range(held), prompt[:held])
+            reg.register_mamba([held - 1], prompt[held - 1 : held])
+        live[reg.namespace] = reg
+        member = member_id(client, prefix, reg.namespace)
+        assert member is not None
+        assert member // GROUPS >= 6  # past every old id's bits
+    check_agreement(client, prefix, live, [prompt, prompt[:6]], hybrid=True)
+    index_router, _exact = routers(client, prefix, hybrid=True)
+    assert as_pairs(index_router.score(prompt)) == {"up-0": (4, 4), "up-1": (9, 9), "up-2": (0, 0)}
+
+
 # -- 5. a router's copy of the member table ----------------------------------------------
 
 
