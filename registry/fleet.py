@@ -90,7 +90,7 @@ SHARD_TAGS = (
 )
 """Hash tags of the index shards: tag i hashes to a slot in [1024*i, 1024*(i+1))."""
 
-SHARDS = GROUPS = len(SHARD_TAGS)
+GROUPS = len(SHARD_TAGS)
 CHANGES = ("kv+", "kv-", "mamba+", "mamba-")
 REBUILD_CHUNK = 4096
 """Hashes per ``index_update`` call when rebuilding (bounds how long one call blocks)."""
@@ -236,7 +236,7 @@ class MemberList:
     """each ``"<id> <namespace>"`` entry -> (namespace, id)."""
     fetched_at: float = float("-inf")
     masks: Mapping[int, int] = field(default_factory=dict)
-    """group -> ``kv_mask`` of the local ids of the group's members."""
+    """group -> the KV bits (``2*local``) of the group's members, as ``group_masks``."""
 
     def call(self, fleet: FleetKeys, ttl: float) -> Routed:
         """The ``fleet_members since`` command (the full list when this copy is older
@@ -353,14 +353,6 @@ def _record(members: int, position: int, into: dict[int, int]) -> None:
         lowest = members & -members
         into[(lowest.bit_length() - 1) >> 1] = position
         members ^= lowest
-
-
-def kv_mask(ids: Iterable[int]) -> int:
-    """The KV bits of local ids ``ids`` (in one group's shard)."""
-    mask = 0
-    for member in ids:
-        mask |= 1 << (2 * member)
-    return mask
 
 
 def group_masks(ids: Iterable[int]) -> dict[int, int]:
