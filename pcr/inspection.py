@@ -182,7 +182,13 @@ def _hashes_of(args: argparse.Namespace) -> list[int]:
     if args.tokens and args.hashes:
         raise UsageError("give block hashes or --tokens, not both")
     if args.tokens:
-        return block_hashes(args.tokens, args.block_size)
+        hashes = block_hashes(args.tokens, args.block_size)
+        if not hashes:  # nothing to look up: a dead server would not even be asked
+            raise UsageError(
+                f"--tokens: {len(args.tokens)} token(s) make no complete block of "
+                f"{args.block_size}; give at least {args.block_size}"
+            )
+        return hashes
     if not args.hashes:
         raise UsageError("give block hashes, or --tokens with --block-size")
     return list(args.hashes)

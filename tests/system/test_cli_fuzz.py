@@ -409,9 +409,14 @@ def cases(draw: st.DrawFn, t: Targets) -> Case:
         if sometimes():
             ns = draw(names)
             option("--namespace", ns, _valid_name(ns, validate_namespace))
+        block_size = 16
         if sometimes():
             text = draw(numbers(1, cli.MAX_BLOCK_SIZE))
             option("--block-size", text, _valid_int(text, 1, cli.MAX_BLOCK_SIZE))
+            if _valid_int(text, 1, cli.MAX_BLOCK_SIZE):
+                block_size = int(text)
+        if given_tokens and block_size > 1:
+            usage = True  # one token makes no complete block: nothing to look up
     elif command == "gc" and sometimes():
         options.append("--dry-run")
     elif command == "simulate":
@@ -661,6 +666,24 @@ def test_numbers_reject_nan_inf_and_huge_values(
 ) -> None:
     line = one_line(capsys, 2, *argv)
     assert f"argument {option}" in line
+
+
+def test_tokens_that_make_no_complete_block_are_a_usage_error_before_any_server(
+    targets: Targets, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Fewer tokens than a block give nothing to look up, so no server would be asked:
+    even a dead one would read as "0 of 0 blocks cached". One line, exit 2, instead."""
+    dead = f"redis://127.0.0.1:{targets.dead_port}/0"
+    for url in (dead, targets.server.url):
+        line = one_line(
+            capsys, 2, "match", "--namespace", "node-live", "--tokens", "1", "2", "--redis-url", url
+        )
+        assert "--tokens: 2 token(s) make no complete block of 16" in line
+    line = one_line(
+        capsys, 1, "match", "--namespace", "n", "--tokens", "7", "--block-size", "1",
+        "--redis-url", dead,
+    )  # fmt: skip
+    assert "127.0.0.1" in line
 
 
 def test_an_acl_user_without_the_commands_is_one_line_naming_the_fix(
