@@ -6,7 +6,9 @@
 --     would round hashes above 2^53, so `tonumber` is never applied to a hash; numbers
 --     above 2^53 or over 14 digits (notice numbers, epochs) travel as strings too;
 --   * `unpack` is chunked (CHUNK values at a time): Lua's C stack holds about 8,000;
---   * every key comes from KEYS; the channel name is not a key and comes from ARGV;
+--   * every key comes from KEYS; the channel name is not a key and comes from ARGV; one
+--     exception: the fleet-index shard register_kv and evict_kv update (index_change),
+--     named in ARGV because on a cluster it shares the node, not the slot (register_kv.lua);
 --   * a write script opens with WRITE_ARGV: ARGV[1] the caller's owner epoch ('' for a
 --     caller that owns nothing, such as an operator), ARGV[2] the request id, ARGV[3]
 --     how long (ms) its reply is kept, and KEYS[1] the request's reply key. A re-sent
@@ -233,4 +235,111 @@ local function set_mamba_pairs(key, first, last)
     redis.call('HSET', key, unpack(ARGV, from, to))
   end
   return moved
+end
+
+-- The fleet index (registry/fleet.py): a shard is a HASH block hash -> bitmap in hex,
+-- most significant digit first, without leading zeros; bit 2*id says the member of local
+-- id `id` holds the block's KV, bit 2*id+1 its Mamba state; "@<id>" -> the epoch the id
+-- is stamped with. What one hex digit becomes under each change, for each of the 16 it
+-- can be (in the order 0-9a-f), when the member's KV bit in it is 1 (even ids) or 4 (odd
+-- ids). kv- also clears the Mamba bit, but only where the KV bit was set: evict_kv
+-- cascades only to the Mamba entries of KV entries it removed (a Mamba state registered
+-- without its KV block stays in the maps).
+local INDEX_DIGITS = {
+  ['kv+'] = {'1133557799bbddff', '45674567cdefcdef'},
+  ['kv-'] = {'0020446488a8ccec', '0123012389ab0123'},
+  ['mamba+'] = {'23236767ababefef', '89abcdef89abcdef'},
+  ['mamba-'] = {'010145458989cdcd', '0123456701234567'},
+}
+
+-- Apply `change` ('kv+', 'kv-', 'mamba+' or 'mamba-') for the member of local id
+-- `id_text` to the hashes list[from..to] in the index shard `shard`, as the owner of
+-- `epoch` ('' for a writer that owns nothing). Applied only while the id is stamped
+-- there with that epoch (for an operator: while it is stamped at all). Setting a set bit
+-- or clearing a clear one changes nothing, so a re-sent copy is harmless; a field left
+-- with no bit is deleted; a value that is not hex is left alone.
+-- Returns the number of fields changed; -1 when the shard refused (the id is not stamped
+-- with `epoch`: superseded, or the stamp was lost); -2 when the shard cannot be reached
+-- from this script (on a cluster, a write script that names the shard in ARGV found its
+-- slot served by another node).
+-- Calls:   HGET, HMGET, HSET, HDEL
+local function index_change(shard, id_text, change, epoch, list, from, to)
+  local stamp = redis.pcall('HGET', shard, '@' .. id_text)
+  if type(stamp) == 'table' and stamp.err then
+    return -2
+  end
+  if not stamp or (epoch ~= '' and stamp ~= epoch) then
+    return -1
+  end
+  local id = tonumber(id_text)
+  local digit = math.floor(id / 2)  -- the member's hex digit, counted from the right from 0
+  local row = INDEX_DIGITS[change][id % 2 + 1]
+  local setting = change == 'kv+' or change == 'mamba+'
+  local lead = string.sub(row, 1, 1)  -- what a '0' digit becomes
+  local fresh = setting and lead .. string.rep('0', digit)  -- a field that did not exist
+  local HEX = '0123456789abcdef'
+  local becomes = {}  -- byte of an old digit -> the new digit, or false (unchanged)
+  local memo = {}  -- old value -> new value, '' (no bit left) or false (unchanged):
+  -- the blocks of one chain are mostly held by the same members, so a write's fields
+  -- mostly share a few values; each is worked out once
+  local function edited(value)
+    local n = #value
+    if n <= digit then
+      return setting and lead .. string.rep('0', digit - n) .. value
+    end
+    local at = n - digit
+    local byte = string.byte(value, at)
+    local new = becomes[byte]
+    if new == nil then
+      local old = string.char(byte)
+      local d = string.find(HEX, string.lower(old), 1, true)
+      new = d and string.sub(row, d, d) or false
+      if new == old then
+        new = false
+      end
+      becomes[byte] = new
+    end
+    if not new then
+      return false
+    end
+    value = string.sub(value, 1, at - 1) .. new .. string.sub(value, at + 1)
+    if at == 1 and new == '0' then
+      local first = string.find(value, '[^0]')
+      return first and string.sub(value, first) or ''
+    end
+    return value
+  end
+  local count = 0
+  for first = from, to, CHUNK do
+    local last = math.min(first + CHUNK - 1, to)
+    local values = redis.call('HMGET', shard, unpack(list, first, last))
+    local sets, dels, s, d = {}, {}, 0, 0
+    for j = 1, last - first + 1 do
+      local value = values[j]
+      local new = fresh
+      if value then
+        new = memo[value]
+        if new == nil then
+          new = edited(value)
+          memo[value] = new
+        end
+      end
+      if new == '' then
+        d = d + 1
+        dels[d] = list[first + j - 1]
+      elseif new then
+        sets[s + 1] = list[first + j - 1]
+        sets[s + 2] = new
+        s = s + 2
+      end
+    end
+    for at = 1, s, CHUNK do  -- 2 values per field: unpack stays chunked
+      redis.call('HSET', shard, unpack(sets, at, math.min(at + CHUNK - 1, s)))
+    end
+    if d > 0 then
+      redis.call('HDEL', shard, unpack(dels, 1, d))
+    end
+    count = count + s / 2 + d
+  end
+  return count
 end

@@ -1,6 +1,7 @@
 -- evict_kv: drop KV entries and, in the same step, the Mamba entries of the same
 -- hashes (a deregistered KV block can never keep valid Mamba state); announce the
--- Mamba removals with one eviction notice.
+-- Mamba removals with one eviction notice; and, when asked, clear the writer's bits of
+-- every hash asked for in its fleet-index shard.
 --
 -- KEYS[1]  pcr:{node-0}:reply:5f1c2a9b03e1-7   this request's reply record
 -- KEYS[2]  pcr:{node-0}:kv                      HASH hash -> KV block id
@@ -12,19 +13,24 @@
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
 -- ARGV[4]  pcr:{node-0}:mamba-evicted           channel for the notice
 -- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
--- ARGV[6..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
+-- ARGV[6]  "17" or ""                           the namespace's local id in its fleet-index
+--                                               group, or '' for no index upkeep here
+-- ARGV[7]  pcr:{index-03.2}:blocks or ""        that group's shard, named in ARGV as in
+--                                               register_kv.lua (and why)
+-- ARGV[8..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
 --
 -- Returns: { removed, notice }: removed is the number of hashes removed from KV when
 --          that is all of them (the usual case: nothing to list), else their list;
 --          notice is "" or the text of the one notice for the cascaded Mamba entries,
 --          "<seq>@<incarnation> cascade @<ms> <block_id>:<hash> ..." as published;
+--          with index upkeep a third item, index_change's result (as in register_kv.lua);
 --          a retried request returns the first copy's reply;
 --          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
 -- Calls:   GET, HGET, HMGET, HDEL, EXISTS, HSET, HINCRBY, TIME, XADD, PUBLISH, SET
 local early = begin_write(KEYS[4])
 if early then return early end
 local kv_hashes = {}
-local removed = remove_fields(KEYS[2], ARGV, 6, #ARGV, kv_hashes, nil)
+local removed = remove_fields(KEYS[2], ARGV, 8, #ARGV, kv_hashes, nil)
 local notice = ''
 if removed > 0 and redis.call('EXISTS', KEYS[3]) == 1 then
   local mamba_hashes, pair_texts = {}, {}
@@ -33,7 +39,11 @@ if removed > 0 and redis.call('EXISTS', KEYS[3]) == 1 then
       table.concat(pair_texts, ' '))
   end
 end
-if removed == #ARGV - 5 then
-  return finish_write({removed, notice})
+local reply = {removed, notice}
+if removed ~= #ARGV - 7 then
+  reply[1] = kv_hashes
 end
-return finish_write({kv_hashes, notice})
+if ARGV[6] ~= '' then
+  reply[3] = index_change(ARGV[7], ARGV[6], 'kv-', ARGV[1], ARGV, 8, #ARGV)
+end
+return finish_write(reply)

@@ -48,13 +48,18 @@ from registry.membership import NodeIndex
 from registry.notices import EvictionNotice, parse_notice
 from registry.ownership import DEFAULT_LEASE_TTL, Ownership
 from registry.replay import notices_after
-from registry.scripts import ScriptRunner, run_batched, script_sha
+from registry.scripts import ScriptRunner, is_cluster, run_batched, script_sha
 from registry.validation import flatten
 
 if TYPE_CHECKING:
     from registry.mirror import MirroredRegistry
 
 log = logging.getLogger(__name__)
+
+UPKEEP_IN_SCRIPT = frozenset({"register_kv", "evict_kv"})
+"""Writes whose script keeps the fleet index itself (``index_change`` in
+``lua/_prelude.lua``) when the shard is on their node: one script call instead of two,
+which is most of what the index costs a small write (BENCHMARKS.md)."""
 
 DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
 """Notices kept in a namespace's stream for replay (each at most ~1.1 KiB there)."""
@@ -148,6 +153,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self._index_ids: tuple[int, ...] = ()
         self._index_dirty = False
         self._operator_lookup: tuple[float, tuple[int, ...]] = (float("-inf"), ())
+        # (member id, its group's shard when that is on the node of this namespace's
+        # keys, else None): where register_kv and evict_kv keep the index in their own
+        # script (``_upkeep_here``).
+        self._upkeep_shard: tuple[int, str | None] = (-1, None)
 
     def _set_epoch(self, epoch: int | None) -> None:
         self.epoch = epoch
@@ -208,14 +217,60 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
 
     def _index_calls(self, change: str, hashes: list[int]) -> list[tuple[Any, tuple[Any, ...]]]:
         """The fleet-index upkeep of one write, as (routing key, command) pairs to send in
-        the write's own round trip. ``change``: "kv+", "kv-", "mamba+" or "mamba-".
-        A writer that owns nothing (an operator) looks the namespace's id up first."""
+        the write's own round trip. ``change``: "kv+", "kv-", "mamba+" or "mamba-"."""
+        return update_calls(self._fleet, self._upkeep_ids(), change, hashes, epoch=self._fence)
+
+    def _upkeep_ids(self) -> tuple[int, ...]:
+        """The member ids a write's index bits go under: this owner's (two while a
+        rebuild fills a new one); a writer that owns nothing looks the namespace's id up."""
         if not self.fleet_index:
-            return []
+            return ()
         ids = self._index_ids
         if not ids and self.epoch is None:
             ids = self._operator_ids()
-        return update_calls(self._fleet, ids, change, hashes, epoch=self._fence)
+        return ids
+
+    def _upkeep_here(self, ids: tuple[int, ...]) -> tuple[str, str] | None:
+        """(local id, shard) for a write script that keeps the index itself: there is one
+        id, and its group's shard is on the node of this namespace's keys (always, on a
+        standalone server; on a cluster, by the client's slot map, checked once per id).
+        None: the upkeep goes as ``index_update`` calls in the write's round trip."""
+        if len(ids) != 1:
+            return None
+        member = ids[0]
+        if self._upkeep_shard[0] != member:
+            shard: str | None = self._fleet.shards[member % GROUPS]
+            if is_cluster(self.client):
+                try:
+                    node = self.client.get_node_from_key
+                    if node(shard).name != node(self.keys.kv).name:
+                        shard = None
+                except Exception:  # a layout being refreshed: the separate call is correct
+                    shard = None
+            self._upkeep_shard = (member, shard)
+        shard = self._upkeep_shard[1]
+        return None if shard is None else (str(member // GROUPS), shard)
+
+    def _upkept(self, operation: str, outcome: Any, change: str, hashes: list[int]) -> None:
+        """After a write that kept the index in its own script: its ``index_change``
+        outcome. -1: the shard refused (the bits are rebuilt at the next renewal); -2:
+        the shard was not on the write's node after all (a cluster resharded): the
+        upkeep goes as ``index_update`` calls now, and so from now on under this id."""
+        if not isinstance(outcome, int) or outcome >= 0:
+            return
+        if outcome == -2:
+            self._upkeep_shard = (self._upkeep_shard[0], None)
+            try:
+                replies = self._index_batch(operation, self._index_calls(change, hashes))
+            except RegistryError as exc:
+                replies = [exc]
+            if not any(isinstance(r, Exception) for r in replies):
+                return
+        self._index_dirty = True
+        log.warning(
+            "namespace %r: a fleet-index update failed; rebuilt at the next renewal",
+            self.namespace,
+        )
 
     def _operator_ids(self) -> tuple[int, ...]:
         """The namespace's member id for a writer that owns nothing, looked up at most
@@ -241,8 +296,18 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         change: str,
         hashes: list[int],
     ) -> Any:
-        """A write and its index upkeep in one round trip; the write's reply. An index
-        command that failed leaves the bits dirty, rebuilt at the next renewal."""
+        """A write and its index upkeep in one round trip; the write's reply. register_kv
+        and evict_kv keep the index in their own script where the shard is on their
+        node (their reply then ends with the upkeep's outcome, taken off here); other
+        writes send ``index_update`` after the write, on the same connection. An upkeep
+        that failed leaves the bits dirty, rebuilt at the next renewal."""
+        if operation in UPKEEP_IN_SCRIPT:
+            here = self._upkeep_here(self._upkeep_ids())
+            if here is not None:
+                reply = self._write(operation, keys, notices, [*here, *data])
+                self._upkept(operation, reply[-1], change, hashes)
+                return reply[:-1]
+            data = ["", "", *data]
         calls = self._index_calls(change, hashes)
         if not calls:
             return self._write(operation, keys, notices, data)

@@ -420,8 +420,9 @@ def test_a_write_and_its_index_upkeep_go_to_the_owners_primary_alone(
     redis_cluster: Any, prefix: str
 ) -> None:
     """A write's index upkeep goes to the shard of the owner's group, on the owner's own
-    primary, in the write's round trip: one node woken per write, however many index
-    fields it touches; with its scripts flushed from every primary it still lands."""
+    primary, inside the write's own script: one node woken and one script run per write,
+    however many index fields it touches; with its scripts flushed from every primary it
+    still lands."""
     backend = cluster_backend(redis_cluster)
     try:
         reg = owner(backend, "upkeep", prefix)
@@ -438,10 +439,10 @@ def test_a_write_and_its_index_upkeep_go_to_the_owners_primary_alone(
                 admin.config_resetstat()
             with counted_sends() as sends:
                 reg.register_kv(range(64), hashes)
-            assert sends == [kv_node]  # one write of both commands to one node
+            assert sends == [kv_node]  # one write to one node
             for name, admin in primaries.items():
                 calls = admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-                assert calls == (2 if name == kv_node else 0), name  # the write + its upkeep
+                assert calls == (1 if name == kv_node else 0), name  # the write keeps it
             assert all(index_field_bits(client, prefix, member, hashes).values())
             assert PrefixRouter(client, prefix).score(hashes)["upkeep"].kv_prefix == 64
             # Scripts gone (a restart, a failover): NOSCRIPT, loaded, sent again.
@@ -613,6 +614,50 @@ def test_index_updates_land_when_the_slot_map_is_stale(redis_cluster: Any, prefi
             h: i % 2 == 1 for i, h in enumerate(hashes)
         }
         assert not reg._index_dirty
+    finally:
+        backend.close()
+
+
+def test_a_write_whose_map_puts_its_shard_on_its_node_wrongly_sends_the_upkeep_after(
+    redis_cluster: Any, prefix: str
+) -> None:
+    """register_kv and evict_kv keep the index in their own script only when the
+    client's slot map puts the group's shard on their node. Where the map is wrong (a
+    resharding the client has not seen yet), the script cannot reach the shard: it
+    writes the maps and says so, and the owner sends the upkeep as ``index_update``
+    right after. The bits land, nothing is left dirty, later writes go the same way."""
+    backend = cluster_backend(redis_cluster)
+    try:
+        client = backend.client()
+        fleet = FleetKeys(prefix)
+        reg = owner(backend, "moved-shard", prefix)
+        member = FleetMembers(client, prefix).current("moved-shard")
+        assert member is not None
+        kv_node = client.get_node_from_key(reg.keys.kv)
+        shard = fleet.shards[member % GROUPS]
+        assert client.get_node_from_key(shard).name == kv_node.name  # its home group
+        # Another group's shard, on another primary, stands for the moved one.
+        elsewhere = next(
+            s for s in fleet.shards if client.get_node_from_key(s).name != kv_node.name
+        )
+        hashes = [10**12 + i for i in range(24)]
+        reg.register_kv(range(24), hashes)  # scripts loaded, connections open
+        reg._index_batch("warm-up", update_calls(fleet, [member], "kv-", hashes, epoch=reg._fence))
+        reg.evict_kv(hashes)
+        reg._upkeep_shard = (member, elsewhere)
+        with counted_sends() as sends:
+            reg.register_kv(range(24), hashes)
+        assert len(sends) == 2  # the write, then its upkeep
+        assert reg._upkeep_shard == (member, None)  # no longer tried in the script
+        reg.evict_kv(hashes[16:])
+        assert index_field_bits(client, prefix, member, hashes) == {
+            h: i < 16 for i, h in enumerate(hashes)
+        }
+        assert not client.exists(elsewhere) or not any(
+            client.hget(elsewhere, h) for h in hashes
+        )  # nothing was written to the shard that stood in
+        assert not reg._index_dirty
+        assert PrefixRouter(client, prefix).score(hashes)["moved-shard"].kv_prefix == 16
     finally:
         backend.close()
 

@@ -298,6 +298,32 @@ def test_evicting_kv_keeps_a_mamba_state_registered_without_its_kv_block(
     assert as_pairs(index_router.score(h)) == {"node-m": (2, 2)}
 
 
+def test_kv_writes_keep_the_index_in_their_own_script(redis_backend: Backend, prefix: str) -> None:
+    """register_kv and evict_kv set and clear their bits inside their own script (one
+    script call per write, no index_update), also where many fields share a value and
+    where the values differ from field to field (other members holding other parts)."""
+    client = redis_backend.client()
+    hashes = list(range(100, 164))
+    others = [owner(redis_backend, f"mix-{i}", prefix) for i in range(3)]
+    for i, other in enumerate(others):
+        other.register_kv(range(len(hashes[i::3])), hashes[i::3])  # a different value per field
+    reg = owner(redis_backend, "mix-main", prefix)
+    member = member_id(client, prefix, "mix-main")
+    assert member is not None
+    reg.evict_kv([1])  # its script loaded
+    counting = redis_backend.name != "fakeredis" and not hasattr(client, "get_primaries")
+    if counting:
+        client.config_resetstat()
+    reg.register_kv(range(64), hashes)
+    reg.evict_kv(hashes[40:])
+    if counting:
+        stats = client.info("commandstats")
+        assert stats["cmdstat_evalsha"]["calls"] == 2  # the two writes, nothing else
+    assert bits_of(client, prefix, member) == {h: 1 for h in hashes[:40]}
+    live = {"mix-main": reg, **{f"mix-{i}": other for i, other in enumerate(others)}}
+    check_agreement(client, prefix, live, [hashes, hashes[:7]], hybrid=True)
+
+
 # -- 2. a fenced owner never counts ------------------------------------------------------
 
 
