@@ -56,9 +56,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from registry.keys import (
@@ -108,32 +110,32 @@ class FleetKeys:
     def __post_init__(self) -> None:
         validate_key_prefix(self.key_prefix)
 
-    @property
+    @functools.cached_property
     def nodes(self) -> str:
         """The node index (ZSET namespace -> lease end), ``pcr:nodes``."""
         return node_index_key(self.key_prefix)
 
-    @property
+    @functools.cached_property
     def members(self) -> str:
         """HASH ``ns:<namespace>`` -> id, ``id:<id>`` -> namespace, ``next``."""
         return f"{{{self.nodes}}}:members"
 
-    @property
+    @functools.cached_property
     def live(self) -> str:
         """ZSET ``"<id> <namespace>"`` of current members -> lease end (server ms)."""
         return f"{{{self.nodes}}}:live"
 
-    @property
+    @functools.cached_property
     def retired(self) -> str:
         """SET of retired ids whose bits may still be in the shards."""
         return f"{{{self.nodes}}}:retired"
 
-    @property
+    @functools.cached_property
     def free(self) -> str:
         """SET of ids scrubbed from the shards, handed out again first."""
         return f"{{{self.nodes}}}:free"
 
-    @property
+    @functools.cached_property
     def member_keys(self) -> tuple[str, str, str, str, str]:
         """The KEYS of ``lua/fleet_members.lua``."""
         return (self.nodes, self.members, self.live, self.retired, self.free)
@@ -365,25 +367,115 @@ def group_masks(ids: Iterable[int]) -> dict[int, int]:
     return masks
 
 
+FEW_VALUES = 8
+"""A group's prompt values with at most this many distinct values are worked out from
+those values alone (``few_value_prefix_ends``); more, by the walk over runs."""
+
+
+def few_value_prefix_ends(
+    start: int, values: Sequence[Any], *, hybrid: bool
+) -> tuple[dict[int, int], dict[int, int]] | None:
+    """``prefix_ends`` for one group's values (its default parse) by their distinct
+    values, when there are at most ``FEW_VALUES``: the KV prefixes end at the first
+    places of the values that lack a member's KV bit, and each member's farthest Mamba
+    checkpoint is the last place of some value that has its Mamba bit, found by C-level
+    scans of the list rather than a Python step per run (a chain held by the same
+    members, with a Mamba checkpoint every few blocks, is two values in 2 * 64 runs).
+    None where that does not settle it (more values; a value with a member's Mamba bit
+    found both inside and past that member's prefix, as a hole in its blocks makes):
+    the caller walks the runs."""
+    distinct = set(values)
+    if len(distinct) > FEW_VALUES:
+        return None
+    listed = values if isinstance(values, list) else list(values)
+    bits = {value: bitmap(value) for value in distinct}
+    # Where the members still holding every KV block so far change: at the first place
+    # of each value lacking one of them, in order.
+    drops = sorted((listed.index(v), v) for v in distinct if start & ~bits[v])
+    kv_end: dict[int, int] = {}
+    places: list[int] = []  # where `alive` changed ...
+    alives: list[int] = []  # ... and what it became
+    alive = start
+    for place, value in drops:
+        still = alive & bits[value]
+        if still != alive:
+            _record(alive ^ still, place, kv_end)
+            alive = still
+            places.append(place)
+            alives.append(alive)
+            if not alive:
+                break
+    if not hybrid:
+        return kv_end, {}
+
+    def alive_at(place: int) -> int:
+        """The members whose KV prefix runs past ``place``."""
+        at = bisect_right(places, place)
+        return alives[at - 1] if at else start
+
+    backwards = listed[::-1]
+    last = len(listed) - 1
+    held_by = []  # (last place of a value, members whose Mamba bit it has, the value)
+    for value in distinct:
+        held = (bits[value] >> 1) & start
+        if held:
+            held_by.append((last - backwards.index(value), held, value))
+    held_by.sort(key=itemgetter(0), reverse=True)
+    mamba_end: dict[int, int] = {}
+    found = 0
+    for place, held, value in held_by:
+        inside = alive_at(place)
+        fresh = held & inside & ~found
+        if fresh:
+            found |= fresh
+            _record(fresh, place + 1, mamba_end)
+        if held & ~inside & ~found & alive_at(listed.index(value)):
+            return None  # also inside some prefix, but not at its last place
+    return kv_end, mamba_end
+
+
 def group_prefixes(
     masks: Mapping[int, int], values: Mapping[int, Sequence[Any]], *, hybrid: bool
 ) -> tuple[dict[int, int], dict[int, int]]:
     """``prefix_ends`` over several groups: for the members whose KV bits are in
     ``masks`` (group -> local KV bits) and whose group's shard answered ``values``
     (group -> one value per prompt position), ({member id: where its KV prefix ends},
-    {member id: one past its farthest Mamba checkpoint inside it}). Several groups are
+    {member id: one past its farthest Mamba checkpoint inside it}). A group of few
+    distinct values is worked out from them (``few_value_prefix_ends``); the others are
     walked at once: each position's values side by side, each group's bits (its live
     members' only) moved to a range of its own in one bitmap."""
-    groups = [g for g in sorted(masks) if masks[g] and g in values]
-    if not groups:
-        return {}, {}
-    if len(groups) == 1:
-        (group,) = groups
+    kv_end: dict[int, int] = {}
+    mamba_end: dict[int, int] = {}
+    walked = []
+    for g in sorted(masks):
+        if not masks[g] or g not in values:
+            continue
+        few = few_value_prefix_ends(masks[g], values[g], hybrid=hybrid)
+        if few is None:
+            walked.append(g)
+            continue
+        kv_end.update({local * GROUPS + g: end for local, end in few[0].items()})
+        mamba_end.update({local * GROUPS + g: end for local, end in few[1].items()})
+    if len(walked) == 1:
+        (group,) = walked
         kv, mamba = prefix_ends(masks[group], values[group], hybrid=hybrid)
-        return (
-            {local * GROUPS + group: end for local, end in kv.items()},
-            {local * GROUPS + group: end for local, end in mamba.items()},
-        )
+        kv_end.update({local * GROUPS + group: end for local, end in kv.items()})
+        mamba_end.update({local * GROUPS + group: end for local, end in mamba.items()})
+    elif walked:
+        _walk_groups(masks, values, walked, hybrid, kv_end, mamba_end)
+    return kv_end, mamba_end
+
+
+def _walk_groups(
+    masks: Mapping[int, int],
+    values: Mapping[int, Sequence[Any]],
+    groups: list[int],
+    hybrid: bool,
+    kv_end: dict[int, int],
+    mamba_end: dict[int, int],
+) -> None:
+    """``prefix_ends`` over several groups' values walked side by side, the results
+    added to ``kv_end`` and ``mamba_end`` by member id."""
     width = max(masks[g].bit_length() for g in groups) + 1  # even: KV and Mamba bits
     width += width % 2
     kept = [masks[g] | masks[g] << 1 for g in groups]  # a live member's two bits
@@ -404,10 +496,8 @@ def group_prefixes(
     def member(index: int) -> int:
         return (index % half) * GROUPS + groups[index // half]
 
-    return (
-        {member(i): end for i, end in kv.items()},
-        {member(i): end for i, end in mamba.items()},
-    )
+    kv_end.update({member(i): end for i, end in kv.items()})
+    mamba_end.update({member(i): end for i, end in mamba.items()})
 
 
 def prefixes(

@@ -11,12 +11,14 @@ from registry.fleet import (
     GROUPS,
     FleetKeys,
     bitmap,
+    few_value_prefix_ends,
     global_id,
     group_masks,
     group_of,
     home_group,
     local_id,
     lookup_calls,
+    prefix_ends,
     prefixes,
     stamp_calls,
     update_calls,
@@ -152,3 +154,43 @@ def test_an_owner_joins_the_group_whose_shard_its_own_node_serves() -> None:
     assert home_group(Cluster({ns: "c"}, "a"), fleet, ns) == 0  # none there: any is right
     assert home_group(Cluster({}, "raise"), fleet, ns) == 0
     assert home_group(object(), fleet, ns) == 0  # a standalone server: one group
+
+
+@settings(deadline=None, max_examples=400)
+@given(
+    pool=st.lists(
+        st.one_of(st.none(), st.just("zz"), st.integers(0, 255).map(lambda b: format(b, "x"))),
+        min_size=1,
+        max_size=5,
+    ),
+    data=st.data(),
+    start=st.integers(1, 0b01010101),
+    hybrid=st.booleans(),
+)
+def test_few_values_give_what_the_walk_gives(
+    pool: list[str | None], data: st.DataObject, start: int, hybrid: bool
+) -> None:
+    """Worked out from a group's few distinct values, the prefixes are the walk's, holes
+    in a member's blocks, missing fields and garbage included; or the walk is asked."""
+    start &= 0b01010101  # KV bits only, as a group's mask has them
+    if not start:
+        start = 1
+    places = data.draw(st.lists(st.integers(0, len(pool) - 1), max_size=60))
+    values = [pool[i] for i in places]
+    walked = prefix_ends(start, values, hybrid=hybrid)
+    few = few_value_prefix_ends(start, values, hybrid=hybrid)
+    if few is not None:
+        assert few == walked
+    if not hybrid:
+        assert few is not None  # only a Mamba answer can need the walk
+
+
+def test_a_chain_the_same_members_hold_is_worked_out_from_its_values() -> None:
+    """The usual shape (every member holds the whole prompt, a Mamba checkpoint every
+    8th block; some members stopping early) takes no walk, and agrees with it."""
+    both, kv_only = "f", "5"  # members 0 and 1: KV and Mamba, KV only
+    chain = [both if p % 8 == 7 else kv_only for p in range(512)]
+    assert few_value_prefix_ends(0b101, chain, hybrid=True) == ({}, {0: 512, 1: 512})
+    short = chain[:100] + ["1"] * 412
+    got = few_value_prefix_ends(0b101, short, hybrid=True)
+    assert got == prefix_ends(0b101, short, hybrid=True) == ({1: 100}, {0: 96, 1: 96})
