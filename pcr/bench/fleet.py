@@ -43,7 +43,8 @@ every member of its group)
 alternates ``evict_kv`` and ``register_kv`` of n = 16 and 64 chain blocks past the prompt,
 and a namespace filled the same way but claimed with ``fleet_index=False`` (under another
 key prefix, so routers never see it) does the same on the same server (on a cluster, a
-namespace of the same primary); p50 of each, and the ratio indexed / unindexed.
+namespace of the same primary), the two writers taking turns call by call; p50 of each,
+and the ratio indexed / unindexed.
 
 **Capacity** (standalone, at the largest N). Several client *processes* each loop
 ``best(prompt)`` over all N live namespaces (the per-request work a router adds; the
@@ -337,23 +338,26 @@ def _measure_writes(
     owner: PrefixCacheRegistry, raw: PrefixCacheRegistry, effort: Effort
 ) -> list[dict[str, Any]]:
     """p50 of evict_kv and register_kv of n chain blocks past the prompt, with the index
-    kept (``owner``) and without (``raw``), interleaved."""
+    kept (``owner``) and without (``raw``), interleaved call by call (the two writers
+    take turns going first), so a stall of the machine weighs on both alike."""
     medians: dict[tuple[str, int, str], list[float]] = {}
+    writers = (("indexed", owner), ("unindexed", raw))
     for _ in range(effort.write_rounds):
         for n in WRITE_SIZES:
             hashes = CHAIN_HASHES[CHAIN - n :]
             ids = list(range(CHAIN - n, CHAIN))
-            for kind, registry in (("indexed", owner), ("unindexed", raw)):
-                samples: dict[str, list[float]] = {"evict_kv": [], "register_kv": []}
-                for _ in range(effort.write_calls):
+            samples: dict[tuple[str, str], list[float]] = {}
+            for call in range(effort.write_calls):
+                for kind, registry in writers if call % 2 == 0 else writers[::-1]:
                     start = time.perf_counter()
                     registry.evict_kv(hashes)
                     middle = time.perf_counter()
                     registry.register_kv(ids, hashes)
-                    samples["evict_kv"].append((middle - start) * 1000)
-                    samples["register_kv"].append((time.perf_counter() - middle) * 1000)
-                for operation, values in samples.items():
-                    medians.setdefault((operation, n, kind), []).append(statistics.median(values))
+                    end = time.perf_counter()
+                    samples.setdefault(("evict_kv", kind), []).append((middle - start) * 1000)
+                    samples.setdefault(("register_kv", kind), []).append((end - middle) * 1000)
+            for (operation, kind), values in samples.items():
+                medians.setdefault((operation, n, kind), []).append(statistics.median(values))
     out = []
     for operation in ("register_kv", "evict_kv"):
         for n in WRITE_SIZES:
