@@ -7,8 +7,8 @@
 --     above 2^53 or over 14 digits (notice numbers, epochs) travel as strings too;
 --   * `unpack` is chunked (CHUNK values at a time): Lua's C stack holds about 8,000;
 --   * every key comes from KEYS; the channel name is not a key and comes from ARGV; one
---     exception: the fleet-index shard register_kv and evict_kv update (index_change),
---     named in ARGV because on a cluster it shares the node, not the slot (register_kv.lua);
+--     exception: the fleet-index shard an owner's write updates (finish_indexed), named
+--     in ARGV because on a cluster it shares the node, not the slot;
 --   * a write script opens with WRITE_ARGV: ARGV[1] the caller's owner epoch ('' for a
 --     caller that owns nothing, such as an operator), ARGV[2] the request id, ARGV[3]
 --     how long (ms) its reply is kept, and KEYS[1] the request's reply key. A re-sent
@@ -342,4 +342,36 @@ local function index_change(shard, id_text, change, epoch, list, from, to)
     count = count + s / 2 + d
   end
   return count
+end
+
+-- The hashes of the hash, block id pairs ARGV[from..]: a list, and its length.
+local function pair_hashes(from)
+  local hashes, count = {}, 0
+  for i = from, #ARGV, 2 do
+    count = count + 1
+    hashes[count] = ARGV[i]
+  end
+  return hashes, count
+end
+
+-- End of an owner's write (register_kv, evict_kv, register_mamba, evict_mamba) that may
+-- keep its fleet-index bits itself: ARGV[at] is the writer's local id in its group, or
+-- '' for none here (the client sends index_update instead, or keeps no index), and
+-- ARGV[at + 1] the group's shard. The shard is named in ARGV, not in KEYS: on a Redis
+-- Cluster it is on the write's node but not in its slot, which a script without flags
+-- may reach undeclared (the client asks for it only where its slot map puts the shard on
+-- that node; index_change returns -2 where it is not). The hashes are ARGV[from..], or
+-- with `pairs` the hashes of the hash, block id pairs there. Records and returns
+-- `reply`, or { reply, index_change's result } with the bits kept here.
+local function finish_indexed(reply, at, change, from, pairs)
+  if ARGV[at] == '' then
+    return finish_write(reply)
+  end
+  local list, last = ARGV, #ARGV
+  if pairs then
+    list, last = pair_hashes(from)
+    from = 1
+  end
+  local result = index_change(ARGV[at + 1], ARGV[at], change, ARGV[1], list, from, last)
+  return finish_write({reply, result})
 end

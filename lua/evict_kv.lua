@@ -13,17 +13,18 @@
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
 -- ARGV[4]  pcr:{node-0}:mamba-evicted           channel for the notice
 -- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
--- ARGV[6]  "17" or ""                           the namespace's local id in its fleet-index
+-- ARGV[6]  "17" or ""                           the writer's local id in its fleet-index
 --                                               group, or '' for no index upkeep here
--- ARGV[7]  pcr:{index-03.2}:blocks or ""        that group's shard, named in ARGV as in
---                                               register_kv.lua (and why)
+-- ARGV[7]  pcr:{index-03.2}:blocks or ""        that group's shard (finish_indexed in
+--                                               _prelude.lua)
 -- ARGV[8..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
 --
 -- Returns: { removed, notice }: removed is the number of hashes removed from KV when
 --          that is all of them (the usual case: nothing to list), else their list;
 --          notice is "" or the text of the one notice for the cascaded Mamba entries,
 --          "<seq>@<incarnation> cascade @<ms> <block_id>:<hash> ..." as published;
---          with index upkeep a third item, index_change's result (as in register_kv.lua);
+--          with index upkeep here, { that reply, index_change's result } (as in
+--          register_kv.lua);
 --          a retried request returns the first copy's reply;
 --          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
 -- Calls:   GET, HGET, HMGET, HDEL, EXISTS, HSET, HINCRBY, TIME, XADD, PUBLISH, SET
@@ -43,7 +44,4 @@ local reply = {removed, notice}
 if removed ~= #ARGV - 7 then
   reply[1] = kv_hashes
 end
-if ARGV[6] ~= '' then
-  reply[3] = index_change(ARGV[7], ARGV[6], 'kv-', ARGV[1], ARGV, 8, #ARGV)
-end
-return finish_write(reply)
+return finish_indexed(reply, 6, 'kv-', 8)

@@ -1,8 +1,9 @@
 -- index_update: add or drop one member's bits in the fleet index, the derived view
 -- routers score from: per block hash, which live namespaces hold it (registry/fleet.py;
--- the layout and the edit are `index_change` in _prelude.lua). register_kv and evict_kv
--- make the same change inside their own script when the shard is on their node; this
--- script is the upkeep of the other writes, and of those whose shard is elsewhere.
+-- the layout and the edit are `index_change` in _prelude.lua). An owner's write makes
+-- the same change inside its own script when the shard is on its node; this script is
+-- the upkeep of the others (shard elsewhere, two ids during a rebuild), of rebuilds, of
+-- the bridge and of a mirror's batches.
 --
 -- KEYS[1..k]  pcr:{index-03.2}:blocks   index shards (HASH block hash -> hex bitmap): the
 --                                      shard of the member's group (registry/fleet.py)

@@ -7,17 +7,15 @@
 -- ARGV[1]  "1796024288853123482" or ""          the caller's owner epoch ('' = not an owner)
 -- ARGV[2]  "5f1c2a9b03e1-7"                     request id
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
--- ARGV[4]  "17" or ""                           the namespace's local id in its fleet-index
+-- ARGV[4]  "17" or ""                           the writer's local id in its fleet-index
 --                                               group, or '' for no index upkeep here
--- ARGV[5]  pcr:{index-03.2}:blocks or ""        that group's shard (index_change in
---          _prelude.lua). Named here, not in KEYS: on a Redis Cluster it is on this node
---          but not in this slot, which a script may reach only undeclared (the client
---          sends the upkeep here only when its slot map puts the shard on this node)
+-- ARGV[5]  pcr:{index-03.2}:blocks or ""        that group's shard: why in ARGV, see
+--                                               finish_indexed in _prelude.lua
 -- ARGV[6..] hash1, block_id1, hash2, block_id2, ...  ("8815920390121", "17", ...)
 --          validated and de-duplicated by the caller (last value wins)
 --
 -- Returns: integer, the number of hashes that were not registered before; with index
---          upkeep, { that number, index_change's result: fields changed, -1 refused
+--          upkeep here, { that number, index_change's result: fields changed, -1 refused
 --          (the writer rebuilds its bits), -2 shard not reachable here (the writer sends
 --          index_update instead) }; a retried request returns the first copy's reply;
 --          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
@@ -29,12 +27,4 @@ local added = 0
 for first = 6, n, CHUNK do
   added = added + redis.call('HSET', KEYS[2], unpack(ARGV, first, math.min(first + CHUNK - 1, n)))
 end
-if ARGV[4] == '' then
-  return finish_write(added)
-end
-local hashes, count = {}, 0
-for i = 6, n, 2 do
-  count = count + 1
-  hashes[count] = ARGV[i]
-end
-return finish_write({added, index_change(ARGV[5], ARGV[4], 'kv+', ARGV[1], hashes, 1, count)})
+return finish_indexed(added, 4, 'kv+', 6, true)

@@ -30,11 +30,10 @@ Layout (``FleetKeys``; the README's data layout shows it with ``redis-cli``):
 
 Consistency rules (ARCHITECTURE.md, "The fleet index"):
 
-* An owner writes its index bits with the write itself: ``register_kv`` and
-  ``evict_kv`` inside their own script when the group's shard is on their node
-  (``index_change`` in ``lua/_prelude.lua``), other writes by ``lua/index_update.lua``
-  sent after the write in the same round trip; evictions clear the bits of every hash
-  asked for.
+* An owner writes its index bits with the write itself: inside the write's own
+  script when the group's shard is on its node (``finish_indexed`` in
+  ``lua/_prelude.lua``), else by ``lua/index_update.lua`` sent after the write in the
+  same round trip; evictions clear the bits of every hash asked for.
 * Member ids are per ownership: ``claim`` retires the namespace's old id, joins with a
   new one and stamps it on its group's shard with its epoch, so the bits of a superseded
   (fenced) owner, even those it sends after it was fenced, belong to an id no router

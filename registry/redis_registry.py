@@ -56,11 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-UPKEEP_IN_SCRIPT = frozenset({"register_kv", "evict_kv"})
-"""Writes whose script keeps the fleet index itself (``index_change`` in
-``lua/_prelude.lua``) when the shard is on their node: one script call instead of two,
-which is most of what the index costs a small write (BENCHMARKS.md)."""
-
 DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
 """Notices kept in a namespace's stream for replay (each at most ~1.1 KiB there)."""
 
@@ -154,7 +149,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self._index_dirty = False
         self._operator_lookup: tuple[float, tuple[int, ...]] = (float("-inf"), ())
         # (member id, its group's shard when that is on the node of this namespace's
-        # keys, else None): where register_kv and evict_kv keep the index in their own
+        # keys, else None): where an owner's write keeps the index in its own
         # script (``_upkeep_here``).
         self._upkeep_shard: tuple[int, str | None] = (-1, None)
 
@@ -231,8 +226,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         return ids
 
     def _upkeep_here(self, ids: tuple[int, ...]) -> tuple[str, str] | None:
-        """(local id, shard) for a write script that keeps the index itself: there is one
-        id, and its group's shard is on the node of this namespace's keys (always, on a
+        """(local id, shard) for a write script that keeps the index itself
+        (``finish_indexed`` in ``lua/_prelude.lua``: one script call instead of two,
+        which is most of what the index costs a small write): there is one id, and its
+        group's shard is on the node of this namespace's keys (always, on a
         standalone server; on a cluster, by the client's slot map, checked once per id).
         None: the upkeep goes as ``index_update`` calls in the write's round trip."""
         if len(ids) != 1:
@@ -296,18 +293,17 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         change: str,
         hashes: list[int],
     ) -> Any:
-        """A write and its index upkeep in one round trip; the write's reply. register_kv
-        and evict_kv keep the index in their own script where the shard is on their
-        node (their reply then ends with the upkeep's outcome, taken off here); other
-        writes send ``index_update`` after the write, on the same connection. An upkeep
-        that failed leaves the bits dirty, rebuilt at the next renewal."""
-        if operation in UPKEEP_IN_SCRIPT:
-            here = self._upkeep_here(self._upkeep_ids())
-            if here is not None:
-                reply = self._write(operation, keys, notices, [*here, *data])
-                self._upkept(operation, reply[-1], change, hashes)
-                return reply[:-1]
-            data = ["", "", *data]
+        """A write and its index upkeep in one round trip; the write's reply. The write
+        script keeps the index itself where the shard is on its node (its reply then
+        comes as { reply, the upkeep's outcome }); else ``index_update`` follows the
+        write on the same connection. An upkeep that failed leaves the bits dirty,
+        rebuilt at the next renewal."""
+        here = self._upkeep_here(self._upkeep_ids())
+        if here is not None:
+            reply, outcome = self._write(operation, keys, notices, [*here, *data])
+            self._upkept(operation, outcome, change, hashes)
+            return reply
+        data = ["", "", *data]
         calls = self._index_calls(change, hashes)
         if not calls:
             return self._write(operation, keys, notices, data)

@@ -298,30 +298,38 @@ def test_evicting_kv_keeps_a_mamba_state_registered_without_its_kv_block(
     assert as_pairs(index_router.score(h)) == {"node-m": (2, 2)}
 
 
-def test_kv_writes_keep_the_index_in_their_own_script(redis_backend: Backend, prefix: str) -> None:
-    """register_kv and evict_kv set and clear their bits inside their own script (one
-    script call per write, no index_update), also where many fields share a value and
-    where the values differ from field to field (other members holding other parts)."""
+def test_owner_writes_keep_the_index_in_their_own_script(
+    redis_backend: Backend, prefix: str
+) -> None:
+    """register_kv, evict_kv, register_mamba and evict_mamba set and clear their bits
+    inside their own script (one script call per write, no index_update), also where
+    many fields share a value and where the values differ from field to field (other
+    members holding other parts)."""
     client = redis_backend.client()
     hashes = list(range(100, 164))
     others = [owner(redis_backend, f"mix-{i}", prefix) for i in range(3)]
     for i, other in enumerate(others):
         other.register_kv(range(len(hashes[i::3])), hashes[i::3])  # a different value per field
+        other.register_mamba([1], hashes[i : i + 1])
     reg = owner(redis_backend, "mix-main", prefix)
     member = member_id(client, prefix, "mix-main")
     assert member is not None
-    reg.evict_kv([1])  # its script loaded
+    reg.evict_kv([1])  # the scripts loaded
+    reg.evict_mamba([1])
     counting = redis_backend.name != "fakeredis" and not hasattr(client, "get_primaries")
     if counting:
         client.config_resetstat()
     reg.register_kv(range(64), hashes)
-    reg.evict_kv(hashes[40:])
+    reg.register_mamba(range(0, 64, 8), hashes[::8])
+    reg.evict_kv(hashes[40:])  # its Mamba entries at 40, 48 and 56 go with it
+    reg.evict_mamba(hashes[:9])  # the one at 0 and at 8
     if counting:
         stats = client.info("commandstats")
-        assert stats["cmdstat_evalsha"]["calls"] == 2  # the two writes, nothing else
-    assert bits_of(client, prefix, member) == {h: 1 for h in hashes[:40]}
+        assert stats["cmdstat_evalsha"]["calls"] == 4  # the four writes, nothing else
+    mamba = {hashes[i] for i in (16, 24, 32)}
+    assert bits_of(client, prefix, member) == {h: 3 if h in mamba else 1 for h in hashes[:40]}
     live = {"mix-main": reg, **{f"mix-{i}": other for i, other in enumerate(others)}}
-    check_agreement(client, prefix, live, [hashes, hashes[:7]], hybrid=True)
+    check_agreement(client, prefix, live, [hashes, hashes[:7], hashes[16:]], hybrid=True)
 
 
 # -- 2. a fenced owner never counts ------------------------------------------------------

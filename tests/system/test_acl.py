@@ -493,7 +493,8 @@ def test_node_a_cannot_reach_node_b(admin: redis.Redis, connect: Connect) -> Non
             node_a.keys.meta,
             node_a.keys.mamba_evictions,
         )
-        forged = (str(node_a.epoch), "f0-1", 30_000, node_b.keys.mamba_evicted_channel, 100, A1)
+        channel = node_b.keys.mamba_evicted_channel
+        forged = (str(node_a.epoch), "f0-1", 30_000, channel, 100, "", "", A1)  # no index here
         seq = node_a.notice_sequence()
         with pytest.raises(ResponseError) as refused:
             client.evalsha(sha, len(own_keys), *own_keys, *forged)
