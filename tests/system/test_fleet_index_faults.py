@@ -26,8 +26,8 @@ from registry import (
     RegistryUnavailable,
     StaleEpochError,
 )
-from registry.fleet import FleetMembers
-from tests.support.servers import RedisServer
+from registry.fleet import GROUPS, FleetKeys, FleetMembers
+from tests.support.servers import RedisClusterServers, RedisServer
 from tests.support.waiting import wait_until
 
 PROMPT = list(range(5001, 5033))
@@ -260,3 +260,68 @@ def test_a_write_cut_off_by_a_frozen_server_and_its_index_update_land_together(
     assert agrees(router_client, prefix, live)
     assert scores(router_client, prefix) == {"node-z": (6, 5)}
     impatient.close()
+
+
+# -- a resharding the owner has not seen -----------------------------------------------------
+
+
+def move_slot(admin: Any, slot: int, source: Any, target: Any) -> None:
+    """Move ``slot`` with its keys from primary ``source`` to ``target``, as a resharding
+    does (IMPORTING / MIGRATING, MIGRATE, then SETSLOT NODE on every primary), without
+    telling any client."""
+    src = admin.get_redis_connection(source)
+    dst = admin.get_redis_connection(target)
+    src_id, dst_id = (_text(c.execute_command("CLUSTER", "MYID")) for c in (src, dst))
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+        src.execute_command("MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *keys)
+    for node in admin.get_primaries():
+        admin.get_redis_connection(node).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def test_a_resharding_the_owner_has_not_seen_keeps_the_index_exact(prefix: str) -> None:
+    """The slot of an owner's group shard moves to another primary behind its back (its
+    client's slot map still puts the shard on the owner's own node). Its writes, KV and
+    Mamba, keep the maps and the index exact: the write script finds the shard gone, the
+    owner sends the upkeep right after, to wherever the shard now is. Routers follow. Its
+    next renewal rebuilds it under a new id in a group its own node serves."""
+    with RedisClusterServers() as cluster:
+        owner_client = cluster.client()
+        reg = PrefixCacheRegistry(owner_client, "moving", key_prefix=prefix)
+        reg.claim(lease_ttl=60)
+        reg.register_kv(range(8), PROMPT[:8])
+        reg.register_mamba([4], PROMPT[4:5])
+        fleet = FleetKeys(prefix)
+        member = FleetMembers(owner_client, prefix).current("moving")
+        assert member is not None
+        shard = fleet.shards[member % GROUPS]
+        admin = cluster.client()
+        home = admin.get_node_from_key(reg.keys.kv)
+        assert admin.get_node_from_key(shard).name == home.name  # its home group
+        target = next(n for n in admin.get_primaries() if n.name != home.name)
+        move_slot(admin, admin.keyslot(shard), home, target)
+
+        reg.register_kv(range(20), PROMPT[:20])
+        reg.evict_kv(PROMPT[16:])
+        reg.register_mamba([12], PROMPT[12:13])
+        reg.evict_mamba(PROMPT[4:5])
+        assert not reg._index_dirty  # every upkeep landed
+        routers = cluster.client()
+        assert routers.get_node_from_key(shard).name == target.name
+        assert routers.hget(shard, PROMPT[12]) is not None  # the bits are on the new node
+        live = {"moving": reg}
+        assert agrees(routers, prefix, live)
+        assert scores(routers, prefix)["moving"] == (16, 13)
+
+        reg.renew()  # rebuilt in a group its own node serves
+        moved = FleetMembers(routers, prefix).current("moving")
+        assert moved is not None and moved != member
+        assert routers.get_node_from_key(fleet.shards[moved % GROUPS]).name == home.name
+        reg.register_kv([30], PROMPT[16:17])
+        assert agrees(routers, prefix, live)
+        assert scores(routers, prefix)["moving"] == (17, 13)
