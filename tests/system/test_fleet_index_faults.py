@@ -320,7 +320,8 @@ def test_a_resharding_the_owner_has_not_seen_keeps_the_index_exact(prefix: str) 
 
         reg.renew()  # rebuilt in a group its own node serves
         moved = FleetMembers(routers, prefix).current("moving")
-        assert moved is not None and moved != member
+        assert moved is not None
+        assert moved != member
         assert routers.get_node_from_key(fleet.shards[moved % GROUPS]).name == home.name
         reg.register_kv([30], PROMPT[16:17])
         assert agrees(routers, prefix, live)
