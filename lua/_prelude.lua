@@ -259,14 +259,18 @@ local INDEX_DIGITS = {
 -- or clearing a clear one changes nothing, so a re-sent copy is harmless; a field left
 -- with no bit is deleted; a value that is not hex is left alone.
 -- Returns the number of fields changed; -1 when the shard refused (the id is not stamped
--- with `epoch`: superseded, or the stamp was lost); -2 when the shard cannot be reached
--- from this script (on a cluster, a write script that names the shard in ARGV found its
--- slot served by another node).
+-- with `epoch`: superseded, or the stamp was lost); -2 when the shard could not be read
+-- or written from this script (on a cluster, a write script that names the shard in
+-- ARGV found its slot served by another node; an ACL that lets the writer read the
+-- shard but not write it; a shard that is not a hash). Every shard command is a pcall:
+-- a write script has written the namespace's maps by then, and an error must not hide
+-- that from its caller (Redis does not roll a script back); the error's text comes
+-- second.
 -- Calls:   HGET, HMGET, HSET, HDEL
 local function index_change(shard, id_text, change, epoch, list, from, to)
   local stamp = redis.pcall('HGET', shard, '@' .. id_text)
   if type(stamp) == 'table' and stamp.err then
-    return -2
+    return -2, stamp.err
   end
   if not stamp or (epoch ~= '' and stamp ~= epoch) then
     return -1
@@ -312,7 +316,10 @@ local function index_change(shard, id_text, change, epoch, list, from, to)
   local count = 0
   for first = from, to, CHUNK do
     local last = math.min(first + CHUNK - 1, to)
-    local values = redis.call('HMGET', shard, unpack(list, first, last))
+    local values = redis.pcall('HMGET', shard, unpack(list, first, last))
+    if values.err then
+      return -2, values.err
+    end
     local sets, dels, s, d = {}, {}, 0, 0
     for j = 1, last - first + 1 do
       local value = values[j]
@@ -334,10 +341,16 @@ local function index_change(shard, id_text, change, epoch, list, from, to)
       end
     end
     for at = 1, s, CHUNK do  -- 2 values per field: unpack stays chunked
-      redis.call('HSET', shard, unpack(sets, at, math.min(at + CHUNK - 1, s)))
+      local done = redis.pcall('HSET', shard, unpack(sets, at, math.min(at + CHUNK - 1, s)))
+      if type(done) == 'table' then
+        return -2, done.err
+      end
     end
     if d > 0 then
-      redis.call('HDEL', shard, unpack(dels, 1, d))
+      local done = redis.pcall('HDEL', shard, unpack(dels, 1, d))
+      if type(done) == 'table' then
+        return -2, done.err
+      end
     end
     count = count + s / 2 + d
   end

@@ -24,7 +24,8 @@
 -- freed its id, or after the id went to another namespace, cannot set bits under it.
 --
 -- Returns: integer, the number of fields changed; an error reply STALE_MEMBER when some
--- shard refused the change (the others applied it): the writer rebuilds its bits.
+-- shard refused the change (the others applied it): the writer rebuilds its bits; the
+-- error a shard command answered (NOPERM, WRONGTYPE, ...), at the first such shard.
 -- Calls:   HGET, HMGET, HSET, HDEL
 local epoch = ARGV[3]
 if ARGV[2] == 'stamp' then
@@ -41,8 +42,10 @@ local count, refused = 0, 0
 local at = 4
 for k = 1, #KEYS do
   local n = tonumber(ARGV[at])
-  local changed = index_change(KEYS[k], ARGV[1], ARGV[2], epoch, ARGV, at + 1, at + n)
-  if changed < 0 then
+  local changed, err = index_change(KEYS[k], ARGV[1], ARGV[2], epoch, ARGV, at + 1, at + n)
+  if changed == -2 then
+    return redis.error_reply(err)  -- as the command itself answered (NOPERM, WRONGTYPE, ...)
+  elseif changed < 0 then
     refused = refused + 1
   else
     count = count + changed

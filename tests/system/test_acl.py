@@ -566,3 +566,43 @@ def test_the_shared_node_index_is_not_isolated(admin: redis.Redis, connect: Conn
     assert "node-b" in live_nodes(node_a.client)
     assert router.score([B1, B2])["node-b"].kv_prefix == 2
     assert node_b.match_kv_prefix([B1, B2]) == ([11, 12], B2)
+
+
+def test_writes_land_and_say_so_when_the_index_shards_turn_read_only(
+    server: RedisServer, admin: redis.Redis
+) -> None:
+    """An ACL that lets a node read the fleet index's shards but not write them (a
+    read-only key selector, ``%R~``), given after its claim: its writes still land in its
+    namespace and return normally (the write script keeps its own keys and reports the
+    refused upkeep instead of failing half-way, since Redis does not roll a script
+    back); its bits are marked for a rebuild; with write access back, its renewal
+    rebuilds them."""
+    user, password = "node-r", "node-r-Pw-3Zt"
+    rules = acl_rules("node-a")[3:]  # node-a's grant, for node-r's own keys below
+    rules = [r.replace("{node-a}", "{node-r}") for r in rules]
+    full = ["reset", "on", f">{password}", *rules]
+    command(admin, "ACL", "SETUSER", user, *full)
+    reg = PrefixCacheRegistry.from_url(f"redis://{user}:{password}@{HOST}:{server.port}/0", user)
+    try:
+        reg.claim(lease_ttl=30.0)
+        reg.register_kv(range(4), [A1, A2, A3, A4])
+        assert not reg._index_dirty
+        shards = f"~{PREFIX}:{{index-*}}:blocks"
+        read_only = [f"%R{r}" if r == shards else r for r in full]
+        command(admin, "ACL", "SETUSER", user, "resetkeys", *[r for r in read_only if r[0] in "~%"])
+        prompt = [A1, A2, A3, A4, 3_000_001, 3_000_002]
+        reg.register_kv(range(4, 6), prompt[4:])  # no exception: the maps took it
+        assert reg._index_dirty
+        assert len(reg.match_kv_prefix(prompt)[0]) == 6
+        assert reg.evict_kv([A3, A4]) == {A3, A4}
+        reg.register_mamba([1], [A2])
+        assert reg.evict_mamba([A2]) == {A2}
+        assert len(reg.match_kv_prefix(prompt)[0]) == 2
+        command(admin, "ACL", "SETUSER", user, "resetkeys", *[r for r in full if r[0] == "~"])
+        reg.renew()
+        assert not reg._index_dirty
+        router = PrefixRouter(admin, PREFIX)
+        assert router.score(prompt)[user].kv_prefix == 2  # rebuilt from the maps
+    finally:
+        raw(reg).close()
+        command(admin, "ACL", "DELUSER", user)
