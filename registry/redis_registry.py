@@ -251,8 +251,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
     def _upkept(self, operation: str, outcome: Any, change: str, hashes: list[int]) -> None:
         """After a write that kept the index in its own script: its ``index_change``
         outcome. -1: the shard refused (the bits are rebuilt at the next renewal); -2:
-        the shard was not on the write's node after all (a cluster resharded): the
-        upkeep goes as ``index_update`` calls now, and so from now on under this id."""
+        the script could not reach the shard (on a cluster, not on the write's node
+        after all; or an ACL, or a key that is not a hash): the upkeep goes as
+        ``index_update`` calls now, and so from now on under this id, which land or
+        leave the bits to be rebuilt."""
         if not isinstance(outcome, int) or outcome >= 0:
             return
         if outcome == -2:
