@@ -12,7 +12,8 @@ namespaces grow from one N to the next; ``setup_s`` is that fill's wall time. Th
 the chain's first 512 block hashes: every namespace must score KV 512 and Mamba 505, and
 the index's scores must equal the exact ones (``agree``), or the run stops with an error.
 
-**Client time** (one connection, interleaved rounds; p50 = median of the per-round medians):
+**Client time** (one connection; rounds of turns, each turn one call of every path, so a
+stall weighs on all alike; p50 = median of the per-round medians):
 ``PrefixRouter(client, prefix).score(prompt)`` over all N (the index path: one
 ``fleet_members`` script and one HMGET of the prompt per members' group shard, a group per
 primary, in one round trip per server) with
@@ -195,13 +196,22 @@ def fill(client: Any, first: int, last: int) -> list[PrefixCacheRegistry]:
         return list(pool.map(lambda i: _filled_owner(client, namespace(i), i), range(first, last)))
 
 
-def _p50(run: Callable[[], object], calls: int, medians: list[float]) -> None:
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        run()
-        samples.append((time.perf_counter() - start) * 1000)
-    medians.append(statistics.median(samples))
+def _round_p50s(
+    runs: dict[str, Callable[[], object]], calls: int, medians: dict[str, list[float]]
+) -> None:
+    """One round: ``calls`` turns, each timing one call of every one of ``runs`` (each
+    turn starting one further along, so none always goes first), then each one's median
+    appended to ``medians``: a stall of the machine weighs on all of them alike."""
+    names = list(runs)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for turn in range(calls):
+        at = turn % len(names)
+        for name in names[at:] + names[:at]:
+            start = time.perf_counter()
+            runs[name]()
+            samples[name].append((time.perf_counter() - start) * 1000)
+    for name, values in samples.items():
+        medians[name].append(statistics.median(values))
 
 
 def server_usec(
@@ -312,8 +322,7 @@ def _measure_routing(client: Any, servers: list[Any], effort: Effort) -> dict[st
     calls["match"] = lambda: one.match_kv_prefix(prompt)
     medians: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(effort.rounds):
-        for name, run in calls.items():
-            _p50(run, effort.calls, medians[name])
+        _round_p50s(calls, effort.calls, medians)
     p50 = {name: statistics.median(values) for name, values in medians.items()}
     row: dict[str, Any] = {
         "scored": len(hybrid),
