@@ -1,10 +1,12 @@
 """The fleet index under server faults (real servers): a restart with an empty Redis, a
-failover that loses writes, a frozen (SIGSTOPped) server.
+failover that loses writes, a frozen (SIGSTOPped) server, a resharding an owner's client
+has not seen.
 
 The index is derived from the namespaces' maps; after each fault the rules say how it
 heals (``registry/fleet.py``): an owner whose namespace was lost is fenced and claims
 again; an owner whose member id was lost rebuilds at its next renewal; a write and its
-index update travel in one pipeline, so a frozen server applies both or neither.
+index update run in one script (or travel in one pipeline where the shard is on another
+node), so a frozen server applies both or neither.
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def test_a_write_cut_off_by_a_frozen_server_and_its_index_update_land_together(
     prefix: str,
 ) -> None:
     """The owner gives up on a write while the server is frozen (no retry): the write
-    and its index update were sent in one pipeline, so once the server runs again the
+    and its index update are one script, so once the server runs again the
     index agrees with the maps, whether the server applied the pair or not."""
     stop, resume = frozen
     impatient = redis.Redis(
