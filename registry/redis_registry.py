@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+NO_UPKEEP = ("", "")
+"""An owner write's fleet-index arguments when its script keeps no bits itself."""
+
 DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
 """Notices kept in a namespace's stream for replay (each at most ~1.1 KiB there)."""
 
@@ -165,9 +168,12 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         data: Any = (),
         *,
         fence: str | None = None,
+        upkeep: tuple[str, str] | tuple[()] = (),
     ) -> Any:
         """Run a write script under a fresh request id (see ``lua/_prelude.lua``)."""
-        all_keys, args = self._write_args(operation, keys, notices, data, fence=fence)
+        all_keys, args = self._write_args(
+            operation, keys, notices, data, fence=fence, upkeep=upkeep
+        )
         try:
             return self._runner.run(
                 operation, all_keys, args, namespace=self.keys.namespace, epoch=self.epoch
@@ -184,10 +190,13 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         data: Any = (),
         *,
         fence: str | None = None,
+        upkeep: tuple[str, str] | tuple[()] = (),
     ) -> tuple[tuple[str, ...], list[Any]]:
         """The (KEYS, ARGV) of one write under a fresh request id: ``_write`` sends them
         at once; a batching caller (the mirror's flusher) keeps them to send, and re-send
-        unchanged, later: the request id makes a re-sent copy a no-op."""
+        unchanged, later: the request id makes a re-sent copy a no-op. ``upkeep``: an
+        owner write's two fleet-index arguments (``finish_indexed`` in
+        ``lua/_prelude.lua``), put before ``data``."""
         number = f"{next(self._requests):x}"
         head: list[Any] = [
             self._fence if fence is None else fence,
@@ -196,6 +205,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         ]
         if notices:
             head += [self.keys.mamba_evicted_channel, self.notice_stream_maxlen]
+        head.extend(upkeep)
         head.extend(data)
         return (self._reply_prefix + number, *keys), head
 
@@ -265,6 +275,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
                 replies = [exc]
             if not any(isinstance(r, Exception) for r in replies):
                 return
+        self._upkeep_failed()
+
+    def _upkeep_failed(self) -> None:
+        """This owner's bits may be wrong: rebuilt at its next renewal."""
         self._index_dirty = True
         log.warning(
             "namespace %r: a fleet-index update failed; rebuilt at the next renewal",
@@ -302,14 +316,13 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         rebuilt at the next renewal."""
         here = self._upkeep_here(self._upkeep_ids())
         if here is not None:
-            reply, outcome = self._write(operation, keys, notices, [*here, *data])
+            reply, outcome = self._write(operation, keys, notices, data, upkeep=here)
             self._upkept(operation, outcome, change, hashes)
             return reply
-        data = ["", "", *data]
         calls = self._index_calls(change, hashes)
         if not calls:
-            return self._write(operation, keys, notices, data)
-        all_keys, args = self._write_args(operation, keys, notices, data)
+            return self._write(operation, keys, notices, data, upkeep=NO_UPKEEP)
+        all_keys, args = self._write_args(operation, keys, notices, data, upkeep=NO_UPKEEP)
         command = ("EVALSHA", script_sha(operation), len(all_keys), *all_keys, *args)
         try:
             replies = self._runner.batch(
@@ -324,11 +337,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             raise
         reply = replies[0]
         if any(isinstance(r, Exception) for r in replies[1:]):
-            self._index_dirty = True
-            log.warning(
-                "namespace %r: a fleet-index update failed; rebuilt at the next renewal",
-                self.namespace,
-            )
+            self._upkeep_failed()
         return reply
 
     def _index_batch(self, operation: str, calls: list[tuple[Any, tuple[Any, ...]]]) -> list[Any]:
