@@ -559,11 +559,7 @@ class MambaSlotPool:
                     recheck.append((slot, occupant.generation, occupant.block_id, occupant.hash))
             self._stored += len(slots)
             for slot in slots:
-                occupant = self._occupants[slot]
-                if occupant is not None and occupant.held:
-                    held, occupant.held = occupant.held, []
-                    for notice in held:
-                        freed.extend(self._apply_locked(notice))
+                freed.extend(self._apply_held(slot))
         self._announce(freed)
         if recheck:  # rare: a reconcile skipped these while they were in flight
             try:
@@ -573,6 +569,22 @@ class MambaSlotPool:
                 return
             with self._lock:
                 self._reconciled += len(reclaimed)
+
+    def _apply_held(self, slot: int) -> list[Pair]:
+        """Apply the notices a just-registered occupant held while in flight, to it alone.
+
+        Each held notice already reached every other occupant when it arrived (the other
+        in-flight ones hold their own copy), so applying it pool-wide again would hand
+        every store still in flight one more copy per commit: the copies would multiply.
+        """
+        occupant = self._occupants[slot]
+        if occupant is None or not occupant.held:
+            return []
+        held, occupant.held = occupant.held, []
+        assert occupant.stamp is not None
+        if any(occupant.stamp < notice.seq for notice in held):
+            return [self._release(slot)]
+        return []
 
     def _abandon(self, slots: list[int]) -> None:
         """A store failed: its in-flight slots hold nothing registered; free them."""
@@ -618,7 +630,8 @@ class MambaSlotPool:
             occupant = self._occupants[slot]
             assert occupant is not None
             if occupant.stamp is None:
-                occupant.held.append(notice)
+                if notice not in occupant.held:  # the hook and a listener both deliver it
+                    occupant.held.append(notice)
             elif occupant.stamp < notice.seq:
                 freed.append(self._release(slot))
         return freed
