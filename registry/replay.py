@@ -22,7 +22,8 @@ class StreamReader(Protocol):
 def notices_after(
     registry: StreamReader, seq: int, *, incarnation: str | None = None, page: int = 500
 ) -> list[EvictionNotice] | None:
-    """Every notice numbered above ``seq``, oldest first, read back from the stream.
+    """Every notice numbered above ``seq``, oldest first, read back from the stream. A
+    ``seq`` below the current history's first number (``0``, say) asks for all of it.
 
     ``None`` when the stream cannot give all of them: it was trimmed, a notice was kept
     without its pairs (too long), or the namespace's history restarted (its incarnation
@@ -31,6 +32,9 @@ def notices_after(
     current, newest = registry.notice_position()
     if incarnation is not None and current != incarnation:
         return None
+    start = history_start(current)
+    if start is not None and seq < start:
+        seq = start  # below the history's first number: the whole history is asked for
     if newest <= seq:
         return [] if newest == seq else None
     found: list[EvictionNotice] = []
@@ -43,7 +47,7 @@ def notices_after(
         )
         for _entry_id, fields in entries:
             notice = parse_stream_entry(fields)
-            if notice.seq <= seq:
+            if notice.seq <= seq or notice.incarnation != current:  # older: all found
                 reached = True
                 break
             found.append(notice)
@@ -57,6 +61,14 @@ def notices_after(
     if any(n.truncated or n.incarnation != current for n in found):
         return None
     return found if numbers[-1] >= newest else None
+
+
+def history_start(incarnation: str) -> int | None:
+    """The number a history's notices count from: its incarnation is that number (the
+    server's clock in microseconds) followed by three random digits. None for ""."""
+    if len(incarnation) > 3 and incarnation.isdigit() and incarnation.isascii():
+        return int(incarnation[:-3])
+    return None
 
 
 def _text(value: Any) -> str:

@@ -209,3 +209,48 @@ def test_notices_after_reads_the_stream_back(redis_backend: Backend) -> None:
     reg.client.xtrim(reg.keys.mamba_evictions, maxlen=2, approximate=False)
     assert reg.notices_after(b + 5) == everything[5:]
     assert reg.notices_after(b + 4) is None  # notice 5 was trimmed away: reconcile instead
+
+
+def test_notices_after_zero_gives_the_whole_history(redis_backend: Backend) -> None:
+    """A number below the history's first one (0, say) asks for every notice of the
+    current history, also when the stream still holds an older history's notices."""
+    reg = redis_backend.registry()
+    assert isinstance(reg, PrefixCacheRegistry)
+    assert reg.notices_after(0) == []
+    reg.register_mamba([1], [H[0]])  # the history begins: nothing published yet
+    assert reg.notices_after(0) == []
+    reg.evict_mamba([H[0]])
+    reg.register_mamba([2, 3], H[1:3])
+    reg.register_mamba([4], [H[1]])  # replaces block 2: a notice
+    everything = stream_notices(reg)
+    assert len(everything) == 2
+    assert reg.notices_after(0) == everything
+    assert reg.notices_after(0, page=1) == everything
+    assert reg.notices_after(notice_base(reg) - 5) == everything
+    incarnation = everything[0].incarnation
+    assert reg.notices_after(0, incarnation=incarnation) == everything
+    assert reg.notices_after(0, incarnation="123") is None
+    reg.client.hdel(reg.keys.meta, "incarnation", "notice_seq")  # meta lost: a new history
+    reg.evict_mamba([H[2]])
+    newer = stream_notices(reg)[-1]
+    assert newer.incarnation != incarnation
+    assert reg.notices_after(0) == [newer]  # the older history's notices are not part of it
+    reg.client.xtrim(reg.keys.mamba_evictions, maxlen=0, approximate=False)
+    assert reg.notices_after(0) is None  # trimmed: reconcile instead
+
+
+def test_notice_sequence_is_zero_before_any_write_then_the_history_start(
+    redis_backend: Backend,
+) -> None:
+    """0 before the first write; then the number the history counts from (no notice yet);
+    each notice one above the last."""
+    reg = redis_backend.registry()
+    assert isinstance(reg, PrefixCacheRegistry)
+    assert reg.notice_sequence() == 0
+    reg.register_mamba([1], [H[0]])
+    start = reg.notice_sequence()
+    assert start == notice_base(reg) > 0
+    assert reg.notices_after(start) == []
+    reg.evict_mamba([H[0]])
+    assert reg.notice_sequence() == start + 1
+    assert [n.seq for n in stream_notices(reg)] == [start + 1]
