@@ -197,7 +197,12 @@ class RegistryBase(ABC):
         return self._mamba_block_ids(wanted) if wanted else []
 
     def notice_sequence(self) -> int:
-        """The number of the last eviction notice of this namespace (0 if none yet)."""
+        """The number of the last eviction notice of this namespace's history.
+
+        0 before the namespace's first write. A history's numbers start from the server's
+        clock, so before its first notice this is that starting number (its notices are
+        numbered above it): compare numbers only within one ``notice_position`` incarnation.
+        """
         return self._notice_sequence()
 
     # -- reset ------------------------------------------------------------------
