@@ -260,7 +260,7 @@ class EvictionListener:
             # The registry is read after ``newest``, so it reflects every notice <= newest.
             self.pool.reconcile(self.registry)
             with self._lock:
-                if self._incarnation is not None and not same_history:
+                if self._incarnation and not same_history:  # "": no history had begun
                     self._restarts += 1
                 self._reconciles += 1
                 self._last_seq = newest

@@ -77,6 +77,25 @@ def test_start_catches_up_with_what_happened_before(redis_backend: Backend) -> N
         assert listener.counts().reconciles == 1
 
 
+def test_a_namespaces_first_history_is_not_a_restart(redis_backend: Backend) -> None:
+    """A listener started before the namespace's first write counts no restart when that
+    write begins its history; a history begun again (meta lost) counts one."""
+    reg, pool = node(redis_backend)
+    with listen(redis_backend, reg, pool) as listener:
+        assert listener.incarnation == ""
+        pool.store([1, 2], [A, B], *states(2))  # the first write: its history begins
+        reg.evict_mamba([A])  # a notice of that history
+        wait_until(lambda: listener.incarnation != "", what="the listener saw the history")
+        wait_until(lambda: pool.pairs() == {(2, B)}, what="the eviction applied")
+        assert listener.counts().restarts == 0
+        first = listener.incarnation
+        reg.client.delete(reg.keys.meta)  # meta lost: the next write begins a new history
+        redis_backend.registry(reg.namespace).evict_mamba([B])
+        wait_until(lambda: listener.incarnation not in ("", first), what="the new history")
+        wait_until(lambda: pool.pairs() == set(), what="the eviction applied")
+        assert listener.counts().restarts == 1
+
+
 def test_block_id_reuse_race(redis_backend: Backend) -> None:
     """Block 5 is evicted (hash A), then stored again with hash B, and again with A,
     before the listener handles the old notices: the newer states stay."""
