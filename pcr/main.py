@@ -47,6 +47,7 @@ from pcr.common import (
     EXIT_USAGE,
     MAX_BLOCK_SIZE,
     MAX_CURSOR,
+    MAX_NOTICES,
     MAX_PAGE,
     MAX_WATCH_SECONDS,
     CommandError,
@@ -263,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     watch = commands.add_parser("watch", help="follow a namespace's eviction notices")
     redis_options(watch, env_url or DEFAULT_URL)
     watch.add_argument("namespace_name", metavar="NAMESPACE", type=_namespace)
-    watch.add_argument("--count", type=_notices, help="stop after this many notices")
+    watch.add_argument(
+        "--count", type=_notices, help=f"stop after this many notices (1 to {MAX_NOTICES:,})"
+    )
     watch.add_argument(
         "--timeout",
         type=_seconds,

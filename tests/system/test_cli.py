@@ -411,6 +411,16 @@ def test_every_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--redis-url" in done.stdout
 
 
+def test_watch_help_gives_the_count_range(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["watch", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "stop after this many notices (1 to 2,147,483,647)" in text
+    assert main(["watch", "x", "--count", "2147483648"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert "[1, 2147483647]" in error
+
+
 def test_compose_commands_exist() -> None:
     """Every pcr command and flag docker-compose.yml runs is one the parser accepts."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
