@@ -38,7 +38,8 @@ def client_from_url(url: str, *, cluster: bool | None = None, **options: Any) ->
     ``redis://``, ``rediss://`` and ``unix://`` give ``redis.Redis``;
     ``redis+cluster://`` and ``rediss+cluster://`` (or ``cluster=True``) give
     ``redis.cluster.RedisCluster``; ``redis+sentinel://host:port[,host:port...]/service[/db]``
-    gives the master that Sentinel names (found again after a failover). ``options``
+    gives the master that Sentinel names, checked to be one (``registry.sentinel``: found
+    again after a failover, never an old primary that came back). ``options``
     go to the client's ``from_url`` (to the master's connections for Sentinel).
     """
     if not isinstance(url, str):
@@ -69,7 +70,7 @@ def client_from_url(url: str, *, cluster: bool | None = None, **options: Any) ->
 
 def _sentinel_master(url: str, tls: bool, options: dict[str, Any]) -> Any:
     """A client for the master of ``redis+sentinel://[user:pw@]h1:p1,h2:p2/service[/db]``."""
-    from redis.sentinel import Sentinel
+    from registry.sentinel import VerifiedSentinel
 
     parts = urlsplit(url)
     path = [p for p in parts.path.split("/") if p]
@@ -98,5 +99,5 @@ def _sentinel_master(url: str, tls: bool, options: dict[str, Any]) -> Any:
         for k in ("socket_timeout", "socket_connect_timeout", "retry")
         if k in master_options
     }
-    sentinel = Sentinel(sentinels, sentinel_kwargs=bounded)  # type: ignore[no-untyped-call]
-    return sentinel.master_for(path[0], **master_options)  # type: ignore[no-untyped-call]
+    sentinel = VerifiedSentinel(sentinels, sentinel_kwargs=bounded)  # type: ignore[no-untyped-call]
+    return sentinel.master_for(path[0], **master_options)

@@ -1,11 +1,14 @@
 """Sentinel-managed standalone Redis through ``redis+sentinel://``: the registry follows
-the master across a failover (RegistryUnavailable meanwhile, then it carries on)."""
+the master across a failover (RegistryUnavailable meanwhile, then it carries on), and a
+read is never answered by a server that is not the master any more."""
 
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +17,7 @@ import pytest
 import redis
 
 from registry import PrefixCacheRegistry, RegistryUnavailable
+from registry.sentinel import VerifiedSentinel, hello_role
 from tests.support.servers import RedisServer, find_redis_server, free_port, require_redis_server
 from tests.support.waiting import wait_until
 
@@ -94,6 +98,172 @@ def test_registry_follows_the_master_across_a_sentinel_failover(
     assert reg.match_kv_prefix(H) == ([1, 2, 3], H[2])  # and kept the replicated entries
     assert replica_client.hget(reg.keys.kv, "4444") == b"4"
     replica_client.close()
+
+
+def _flags(sentinel: redis.Redis) -> set[str]:
+    try:
+        state = sentinel.execute_command("SENTINEL MASTER", "mymaster")
+    except redis.ConnectionError:
+        return set()
+    flags = state["flags"]
+    return set(flags.split(",")) if isinstance(flags, str) else set(flags)
+
+
+def _named_port(sentinel: redis.Redis) -> int:
+    return int(sentinel.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", "mymaster")[1])
+
+
+class Reads:
+    """Reader threads asking for the prompt's prefixes until stopped: each answer is
+    recorded as right (the full entries), unavailable (raised), or wrong."""
+
+    def __init__(self, reg: PrefixCacheRegistry, expected: tuple[object, int]) -> None:
+        self.reg = reg
+        self.expected = expected
+        self.right = self.unavailable = 0
+        self.wrong: list[tuple[float, object]] = []
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.run, name=f"reader-{i}") for i in range(2)]
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                answer = (self.reg.match_kv_prefix(H), self.reg.find_mamba_backoff(H, 3))
+            except RegistryUnavailable:
+                with self.lock:
+                    self.unavailable += 1
+                self.stop.wait(0.01)  # pacing only
+                continue
+            with self.lock:
+                if answer == self.expected:
+                    self.right += 1
+                else:
+                    self.wrong.append((time.monotonic(), answer))
+
+    def __enter__(self) -> Reads:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(30)
+        assert not any(t.is_alive() for t in self.threads)
+
+
+def test_reads_never_answer_from_an_old_primary_back_empty_at_its_address(
+    sentinel_setup: tuple[RedisServer, RedisServer, int],
+) -> None:
+    """The master is killed with reads in flight; once the failover is under way an empty
+    redis-server starts at its old address (it says it is a master until Sentinel turns
+    it into a replica). Every read raises ``RegistryUnavailable`` or answers the promoted
+    replica's entries: never the empty server's nothing."""
+    master, replica, sentinel_port = sentinel_setup
+    url = f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster"
+    owner = PrefixCacheRegistry.from_url(url, "node-e", socket_timeout=1)
+    owner.claim()
+    owner.register_kv([1, 2, 3], H)
+    owner.register_mamba([2], [H[1]])
+    reader = PrefixCacheRegistry.from_url(url, "node-e", socket_timeout=1)
+    expected = (([1, 2, 3], H[2]), 2)
+    replica_client = replica.client()
+    sentinel = redis.Redis(port=sentinel_port, decode_responses=True, socket_timeout=2)
+    old_port = master.port
+    try:
+        wait_until(lambda: replica_client.hlen(owner.keys.mamba) == 1, what="replicated")
+        with Reads(reader, expected) as reads:
+            wait_until(lambda: reads.right >= 20, what="reads before the kill")
+            master.kill()
+            wait_until(lambda: "failover_in_progress" in _flags(sentinel), what="failover started")
+            with RedisServer(port=old_port) as back_empty:
+                wait_until(lambda: _named_port(sentinel) == replica.port, what="switch-master")
+                before = reads.right
+                wait_until(lambda: reads.right >= before + 50, what="reads after the failover")
+                reads_on_empty = back_empty.client()
+                role = reads_on_empty.execute_command("ROLE")[0]
+                reads_on_empty.close()
+        assert reads.wrong == [], f"{len(reads.wrong)} wrong reads, first {reads.wrong[:3]}"
+        assert reads.unavailable >= 1
+        print(f"\nold primary back as a {role!r}: {reads.right} right reads, "
+              f"{reads.unavailable} unavailable, 0 wrong")  # fmt: skip
+    finally:
+        replica_client.close()
+        sentinel.close()
+        owner.client.close()
+        reader.client.close()
+
+
+def test_an_idle_connection_to_a_primary_failed_over_while_stalled_is_not_used(
+    sentinel_setup: tuple[RedisServer, RedisServer, int],
+) -> None:
+    """A reader's pooled connection sits idle while its primary is stopped (SIGSTOP) and
+    failed over, and a write lands on the promoted replica; the old primary resumes still
+    saying it is a master. The reader's next reads raise ``RegistryUnavailable`` or see
+    the write: the pooled connection to the old primary is dropped, not used."""
+    master, replica, sentinel_port = sentinel_setup
+    url = f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster"
+    owner = PrefixCacheRegistry.from_url(url, "node-p", socket_timeout=1)
+    reader = PrefixCacheRegistry.from_url(url, "node-p", socket_timeout=1)
+    sentinel = redis.Redis(port=sentinel_port, decode_responses=True, socket_timeout=2)
+    assert master.process is not None
+    try:
+        owner.register_kv([1], [H[0]])
+        assert reader.match_kv_prefix(H) == ([1], H[0])  # the reader's pooled connection
+        master.process.send_signal(signal.SIGSTOP)
+        wait_until(lambda: _named_port(sentinel) == replica.port, what="switch-master")
+        wait_until(lambda: _lands(owner), what="a write on the promoted replica")
+        master.process.send_signal(signal.SIGCONT)
+        answers = []
+        for _ in range(50):
+            try:
+                answers.append(reader.match_kv_prefix(H))
+            except RegistryUnavailable:
+                answers.append(None)
+        wrong = [a for a in answers if a not in (None, ([1, 2], H[1]))]
+        assert wrong == [], f"{len(wrong)} of {len(answers)} reads answered {wrong[0]}"
+        assert answers[-1] == ([1, 2], H[1])
+    finally:
+        if master.running:
+            master.process.send_signal(signal.SIGCONT)
+        owner.client.close()
+        reader.client.close()
+        sentinel.close()
+
+
+def _lands(owner: PrefixCacheRegistry) -> bool:
+    try:
+        owner.register_kv([2], [H[1]])
+        return True
+    except RegistryUnavailable:
+        return False
+
+
+def test_a_connection_to_a_server_that_is_not_the_master_is_refused(
+    sentinel_setup: tuple[RedisServer, RedisServer, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every new connection asks the server its role: one that says replica is refused
+    (``RegistryUnavailable`` naming the failover), even where the sentinels name it."""
+    _master, replica, sentinel_port = sentinel_setup
+    reg = PrefixCacheRegistry.from_url(
+        f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster", "node-r", socket_timeout=1
+    )
+    monkeypatch.setattr(
+        VerifiedSentinel, "discover_master", lambda _self, _name: ("127.0.0.1", replica.port)
+    )
+    try:
+        with pytest.raises(RegistryUnavailable, match=r"is a (slave|replica)"):
+            reg.match_kv_prefix(H)
+    finally:
+        reg.client.close()
+
+
+def test_hello_role_reads_both_protocols() -> None:
+    assert hello_role([b"server", b"redis", b"role", b"replica", b"modules", []]) == "replica"
+    assert hello_role({"role": "master", "proto": 3}) == "master"
+    with pytest.raises(redis.ConnectionError, match="role"):
+        hello_role([b"server", b"redis"])
 
 
 def test_bad_sentinel_urls() -> None:

@@ -1,0 +1,204 @@
+"""A Sentinel-managed master that reads never reach once it is no longer the master.
+
+redis-py's Sentinel pool takes the master's address from ``SENTINEL MASTERS``, which
+keeps naming the old primary until the failover is over (while
+``SENTINEL GET-MASTER-ADDR-BY-NAME`` already names the promoted replica), and it never
+asks a server its role after connecting: an old primary that came back empty at its old
+address answered reads with an empty namespace and no error. Here:
+
+* the master is the address ``SENTINEL GET-MASTER-ADDR-BY-NAME`` gives, every sentinel
+  that answers must give the same one, and none may see it objectively down or failing
+  over (``SENTINEL MASTER``'s flags): until then there is no master to use, and calls
+  raise ``RegistryUnavailable``;
+* a new connection asks the server its role (``HELLO``, which needs no ACL grant) and is
+  refused unless it says ``master``;
+* a call asks the sentinels again when nobody asked for ``MASTER_RECHECK_S`` seconds or
+  its pooled connection sat idle that long, so a connection to a primary that was failed
+  over while it sat idle (a stalled server that resumed, still saying it is a master) is
+  dropped instead of used. A failover takes at least Sentinel's
+  ``down-after-milliseconds``, and a connection used meanwhile fails and reconnects, so
+  keep that setting at or above ``MASTER_RECHECK_S``.
+
+So a read is answered by the server the sentinels currently name, and that server says it
+is a master, or the call raises. (A server the sentinels still name that restarted empty
+before any failover began has lost the data for everyone: that is an empty restart.)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from redis.connection import SSLConnection
+from redis.exceptions import ConnectionError, ResponseError, TimeoutError
+from redis.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+)
+
+log = logging.getLogger(__name__)
+
+MASTER_RECHECK_S = 0.5
+"""A call asks the sentinels whether the master moved when nobody has for this long, or
+when its connection sat idle this long."""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def hello_role(reply: Any) -> str:
+    """The ``role`` field of a ``HELLO`` reply (a RESP2 flat list or a RESP3 map)."""
+    if isinstance(reply, dict):
+        fields = {_text(k): v for k, v in reply.items()}
+    elif isinstance(reply, (list, tuple)):
+        fields = {_text(reply[i]): reply[i + 1] for i in range(0, len(reply) - 1, 2)}
+    else:
+        raise ConnectionError(f"HELLO answered a {type(reply).__name__}, not the server's info")
+    if "role" not in fields:
+        raise ConnectionError("HELLO's answer does not say the server's role")
+    return _text(fields["role"])
+
+
+class VerifiedMasterConnection(SentinelManagedConnection):
+    """A connection to the master Sentinel names that checks, once connected, that the
+    server says it is a master."""
+
+    def connect_to(self, address: Any) -> None:
+        super().connect_to(address)  # type: ignore[no-untyped-call]
+        if not self.connection_pool.is_master:
+            return
+        try:
+            self.send_command("HELLO")  # type: ignore[no-untyped-call]
+            role = hello_role(self.read_response())
+        except BaseException:
+            self.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        if role != "master":
+            self.disconnect()  # type: ignore[no-untyped-call]
+            raise ConnectionError(
+                f"{self.host}:{self.port}, which Sentinel names the master of "
+                f"{self.connection_pool.service_name!r}, is a {role}: a failover is under way"
+            )
+
+
+class VerifiedMasterSSLConnection(VerifiedMasterConnection, SSLConnection):
+    """``VerifiedMasterConnection`` over TLS."""
+
+
+class VerifiedSentinelPool(SentinelConnectionPool):
+    """redis-py's Sentinel pool, asking the sentinels again before it hands out a
+    connection when it has not asked for ``MASTER_RECHECK_S`` seconds or the connection
+    sat idle that long: one idle through a whole failover is then dropped, not used."""
+
+    def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
+        tls = bool(kwargs.pop("ssl", False))
+        kwargs.setdefault(
+            "connection_class", VerifiedMasterSSLConnection if tls else VerifiedMasterConnection
+        )
+        super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
+        self._checked_at = time.monotonic()
+        self._check_lock = threading.Lock()
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        connection = super().get_connection(*args, **kwargs)
+        if not self.is_master:
+            return connection
+        now = time.monotonic()
+        idle = now - getattr(connection, "_pcr_released_at", now)
+        if idle < MASTER_RECHECK_S and now - self._checked_at < MASTER_RECHECK_S:
+            return connection
+        try:
+            self._recheck()
+            if (connection.host, connection.port) != self.master_address:
+                connection.disconnect()  # type: ignore[no-untyped-call]  # the old master
+                connection.connect()  # type: ignore[no-untyped-call]  # to the new one
+        except BaseException:
+            self.release(connection)
+            raise
+        return connection
+
+    def release(self, connection: Any) -> None:
+        connection._pcr_released_at = time.monotonic()
+        super().release(connection)
+
+    def _recheck(self) -> None:
+        """Ask the sentinels for the master; a moved master drops the idle connections
+        (redis-py's proxy does it) and in-use ones are dropped as they come back."""
+        with self._check_lock:
+            try:
+                self.get_master_address()  # type: ignore[no-untyped-call]
+            except MasterNotFoundError as exc:
+                if "failover is under way" in str(exc):
+                    raise  # no master to use yet
+                log.warning("cannot ask the sentinels whether the master moved: %s", exc)
+            finally:
+                self._checked_at = time.monotonic()
+
+
+class VerifiedSentinel(Sentinel):
+    """``redis.sentinel.Sentinel`` whose master is what ``GET-MASTER-ADDR-BY-NAME`` gives,
+    agreed by every sentinel that answers, and never while one of them sees the master
+    objectively down or a failover in progress."""
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        named: set[tuple[str, int]] = set()
+        errors: list[str] = []
+        for sentinel in self.sentinels:
+            try:
+                address, flags = _ask(sentinel, service_name)
+            except (ConnectionError, TimeoutError, ResponseError) as exc:
+                errors.append(f"{_where(sentinel)}: {exc}")
+                continue
+            if address is None:
+                continue
+            if flags & FAILING_OVER:
+                shown = ",".join(sorted(flags & FAILING_OVER))
+                raise MasterNotFoundError(
+                    f"a sentinel sees the master of {service_name!r} {shown}: "
+                    "a failover is under way"
+                )
+            host = address[0] if self._force_master_ip is None else self._force_master_ip
+            named.add((host, address[1]))
+        if len(named) == 1:
+            return named.pop()
+        if named:
+            shown = ", ".join(f"{h}:{p}" for h, p in sorted(named))
+            raise MasterNotFoundError(
+                f"the sentinels disagree on the master of {service_name!r} ({shown}): "
+                "a failover is under way"
+            )
+        why = f": {'; '.join(errors)}" if errors else ""
+        raise MasterNotFoundError(f"no sentinel names a master for {service_name!r}{why}")
+
+    def master_for(self, service_name: str, **kwargs: Any) -> Any:  # type: ignore[override]
+        return super().master_for(  # type: ignore[no-untyped-call]
+            service_name, connection_pool_class=VerifiedSentinelPool, **kwargs
+        )
+
+
+FAILING_OVER = frozenset({"o_down", "failover_in_progress"})
+"""Master flags under which a sentinel's answer is not a master to use yet."""
+
+
+def _ask(sentinel: Any, service_name: str) -> tuple[tuple[str, int] | None, set[str]]:
+    """One sentinel's address for the master and its flags, in one round trip."""
+    pipe = sentinel.pipeline(transaction=False)
+    pipe.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", service_name)
+    pipe.execute_command("SENTINEL MASTER", service_name)
+    address, state = pipe.execute()
+    if not address:
+        return None, set()
+    flags = state.get("flags", "") if isinstance(state, dict) else ""
+    if isinstance(flags, (bytes, bytearray, str)):
+        flags = set(_text(flags).split(","))
+    return (_text(address[0]), int(address[1])), {_text(f) for f in flags}
+
+
+def _where(sentinel: Any) -> str:
+    options = sentinel.connection_pool.connection_kwargs
+    return f"{options.get('host')}:{options.get('port')}"
