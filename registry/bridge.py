@@ -75,6 +75,7 @@ from registry.bridge_events import (
     EventBatch,
     decode_batch,
     split_frames,
+    split_replay_reply,
 )
 from registry.errors import RegistryError, RegistryUnavailable, StaleEpochError, translate
 from registry.hashing import ZERO_PARENT, chain_digests, digest_hash
@@ -102,8 +103,6 @@ WINDOW_LIMIT = 100_000
 """Replayed seqs remembered to recognise the subscription's copies of them."""
 DEFAULT_MEDIUM = "GPU"
 """The medium of an event that names none."""
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-"""The replay socket's end marker."""
 SEQ_LIMIT = 2**64
 DEFAULT_SILENCE_TIMEOUT = 30.0
 DEFAULT_REPLAY_TIMEOUT = 2.0
@@ -961,16 +960,22 @@ class Bridge:
         endpoint = source.replay_endpoint
 
         def replay(start: int) -> list[tuple[int, bytes]] | None:
-            return self._replay(endpoint, start, timeout=timeout)
+            return self._replay(endpoint, start, timeout=timeout, name=source.namespace)
 
         return replay
 
     def _replay(
-        self, endpoint: str, start: int, limit: int = 1_000_000, timeout: float | None = None
+        self,
+        endpoint: str,
+        start: int,
+        limit: int = 1_000_000,
+        timeout: float | None = None,
+        name: str = "",
     ) -> list[tuple[int, bytes]] | None:
         """Ask ``endpoint`` for every buffered batch from ``start`` on; None when it does
         not answer within ``timeout`` (default ``replay_timeout``; per message) or answers
-        out of protocol."""
+        out of protocol (logged, naming the engine's namespace). Both reply forms are
+        taken (``split_replay_reply``)."""
         wait = self.replay_timeout if timeout is None else timeout
         zmq = self._zmq
         sock = self._context.socket(zmq.DEALER)
@@ -983,13 +988,16 @@ class Bridge:
                 if not sock.poll(round(wait * 1000), zmq.POLLIN):
                     log.info("replay from %s: no answer in %.2f s", endpoint, wait)
                     return None
-                frames = sock.recv_multipart()
-                if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
-                    log.warning("replay from %s: a reply out of protocol", endpoint)
+                try:
+                    reply = split_replay_reply(sock.recv_multipart())
+                except BadEvent as exc:
+                    log.warning(
+                        "%s: replay from %s answered out of protocol: %s", name, endpoint, exc
+                    )
                     return None
-                if frames[1] == END_SEQ:
+                if reply is None:
                     return batches
-                batches.append((int.from_bytes(frames[1], "big"), frames[2]))
+                batches.append(reply)
             return batches
         except zmq.ZMQError as exc:
             log.warning("replay from %s failed: %s", endpoint, exc)

@@ -346,6 +346,36 @@ def split_frames(frames: Sequence[bytes]) -> tuple[str, int, bytes]:
     return topic, int.from_bytes(bytes(seq_raw), "big", signed=False), bytes(payload)
 
 
+REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+"""The seq frame of a replay's end marker."""
+
+
+def split_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
+    """One message from an engine's replay socket, as a DEALER receives it: (seq,
+    payload), or None for the end marker. Both forms in use are accepted: vLLM up to
+    0.25 sends ``[b"", seq, payload]`` and ends with ``[b"", END, b""]``; vLLM 0.26 and
+    later send ``[b"", topic, seq, payload]`` and end with ``[b"", b"", END, b""]``.
+    Anything else raises :class:`BadEvent` saying what came."""
+    given: object = frames
+    if isinstance(given, (bytes, bytearray, str)) or not isinstance(given, Sequence):
+        raise BadEvent(f"replay reply must be a list of frames, not {type(given).__name__}")
+    if not all(isinstance(f, (bytes, bytearray, memoryview)) for f in frames):
+        raise BadEvent("replay reply frames must be bytes")
+    parts = [bytes(f) for f in frames]
+    if len(parts) not in (3, 4) or parts[0] != b"":
+        raise BadEvent(
+            f"replay reply has {len(parts)} frames"
+            + ("" if parts and parts[0] == b"" else " without the empty delimiter")
+            + '; expected [b"", seq, payload] or [b"", topic, seq, payload]'
+        )
+    seq_raw, payload = parts[-2], parts[-1]
+    if len(seq_raw) != SEQ_BYTES:
+        raise BadEvent(f"replay reply's seq frame is {len(seq_raw)} bytes long, not {SEQ_BYTES}")
+    if seq_raw == REPLAY_END:
+        return None
+    return int.from_bytes(seq_raw, "big", signed=False), payload
+
+
 def decode_frames(frames: Sequence[bytes]) -> tuple[str, int, EventBatch]:
     """Decode one published ZeroMQ message ``[topic, seq, payload]`` into (topic, seq,
     batch); see :func:`split_frames`."""

@@ -1,7 +1,10 @@
 """A stand-in for a vLLM / SGLang engine's KV-event publisher, written from the wire
 format (vLLM's ``kv_events`` publisher, SGLang's copy of it): an XPUB socket sending
 ``[topic, seq, payload]`` and a ROUTER replay socket answering ``[b"", start_seq]`` with
-every buffered batch from ``start_seq`` on, then the end marker. XPUB behaves as the
+every buffered batch from ``start_seq`` on, then the end marker, in either form in use
+(``replay_frames``: 4 as vLLM 0.26 and later, ``[b"", topic, seq, payload]`` ending with
+``[b"", b"", END, b""]``; 3 as vLLM up to 0.25, ``[b"", seq, payload]`` ending with
+``[b"", END, b""]``). XPUB behaves as the
 engines' PUB and also lets a caller wait until the bridge has subscribed. The simulation's
 bridged mode, ``pcr bench``'s bridge rows and the bridge tests publish through it.
 
@@ -90,7 +93,11 @@ class EnginePublisher:
         buffer_steps: int = 10_000,
         topic: bytes = b"",
         context: Any = None,
+        replay_frames: int = 4,
     ) -> None:
+        if replay_frames not in (3, 4):
+            raise ValueError(f"replay_frames must be 3 or 4, not {replay_frames!r}")
+        self.replay_frames = replay_frames
         # A shared ``context`` (many engines in one process) is the caller's to end.
         self._own_context = context is None
         self.context = zmq.Context() if context is None else context
@@ -165,9 +172,11 @@ class EnginePublisher:
                     continue
                 with self.lock:
                     found = [(s, p) for s, p in self.buffer if s >= start]
+                head = [client, b""] if self.replay_frames == 3 else [client, b"", self.topic]
                 for s, p in found:
-                    sock.send_multipart([client, b"", s.to_bytes(8, "big"), p])
-                sock.send_multipart([client, b"", END_SEQ, b""])
+                    sock.send_multipart([*head, s.to_bytes(8, "big"), p])
+                end = [b""] if self.replay_frames == 3 else [b"", b""]
+                sock.send_multipart([client, *end, END_SEQ, b""])
         finally:
             sock.close(0)
 

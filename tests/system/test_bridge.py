@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -592,8 +593,9 @@ def test_keyed_blocks_and_orphans_are_skipped_never_rerooted(rig: Rig, client: A
 # == 6. gaps ================================================================================
 
 
-def test_a_gap_is_replayed(rig: Rig, client: Any) -> None:
-    engine = rig.engine()
+@pytest.mark.parametrize("frames", [3, 4], ids=["vllm<=0.25", "vllm>=0.26"])
+def test_a_gap_is_replayed(rig: Rig, client: Any, frames: int) -> None:
+    engine = rig.engine(replay_frames=frames)
     source = rig.source(engine)
     ns = source.namespace
     bridge = rig.bridge([source], [engine])
@@ -1065,11 +1067,52 @@ def test_a_topic_is_followed_and_other_topics_are_not_seen(rig: Rig, client: Any
     assert (c["bad_messages"], c["clears"], c["gaps"], c["restarts"]) == (0, 0, 1, 0), c
 
 
+def test_a_replay_out_of_protocol_is_reported_naming_the_engine(
+    rig: Rig, client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replay socket that answers neither form (here five frames) is a replay failure,
+    logged with the engine's namespace and what came; the bridge goes on without it."""
+    engine = rig.engine(replay=False)
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def answer_garbage() -> None:
+        while not stop.is_set():
+            if router.poll(50, zmq.POLLIN):
+                client_id, *_request = router.recv_multipart()
+                router.send_multipart([client_id, b"", b"t", b"x", (0).to_bytes(8, "big"), b""])
+
+    server = threading.Thread(target=answer_garbage, daemon=True)
+    server.start()
+    try:
+        source = rig.source(engine, replay_endpoint=f"tcp://127.0.0.1:{port}")
+        with caplog.at_level("WARNING", logger="registry.bridge"):
+            bridge = rig.bridge([source], [engine], replay_timeout=2.0)
+            wait_count(bridge, source.namespace, "replay_failures", 1)
+        tokens = prompt(30, 2, BS)
+        seq = engine.publish([stored(engine_chain(tokens, BS), None, tokens, BS)])
+        wait_applied(client, source.namespace, seq, bridge)
+    finally:
+        stop.set()
+        server.join(10)
+        router.close(0)
+    said = [r.getMessage() for r in caplog.records if "out of protocol" in r.getMessage()]
+    assert said, caplog.text
+    assert source.namespace in said[0]
+    assert "5 frames" in said[0]
+
+
 # == 11. a restarted bridge =================================================================
 
 
-def test_a_restarted_bridge_resumes_and_replays_what_it_missed(rig: Rig, client: Any) -> None:
-    engine = rig.engine()
+@pytest.mark.parametrize("frames", [3, 4], ids=["vllm<=0.25", "vllm>=0.26"])
+def test_a_restarted_bridge_resumes_and_replays_what_it_missed(
+    rig: Rig, client: Any, frames: int
+) -> None:
+    engine = rig.engine(replay_frames=frames)
     source = rig.source(engine)
     ns = source.namespace
     first = rig.bridge([source], [engine])
@@ -1208,10 +1251,12 @@ def test_the_lease_lapses_while_the_engine_is_silent(rig: Rig, client: Any) -> N
     alive(bridge)
 
 
-def test_probes_keep_an_idle_engine_live(rig: Rig, client: Any) -> None:
+@pytest.mark.parametrize("frames", [3, 4], ids=["vllm<=0.25", "vllm>=0.26"])
+def test_probes_keep_an_idle_engine_live(rig: Rig, client: Any, frames: int) -> None:
     """With a replay socket, an idle engine that answers probes keeps its lease, also
-    with a silence timeout shorter than a third of the lease (probes come sooner)."""
-    engine = rig.engine()
+    with a silence timeout shorter than a third of the lease (probes come sooner); in
+    either reply form."""
+    engine = rig.engine(replay_frames=frames)
     source = rig.source(engine)
     ns = source.namespace
     bridge = rig.bridge([source], [engine], lease_ttl=3.6, silence_timeout=1.0)

@@ -22,6 +22,7 @@ from registry.bridge_events import (
     decode_batch,
     decode_frames,
     engine_hash,
+    split_replay_reply,
 )
 
 msgpack = pytest.importorskip("msgpack")
@@ -595,3 +596,47 @@ def test_token_ids_must_be_int64(tokens: list[Any], says: str) -> None:
     with pytest.raises(BadEvent) as raised:
         decode_batch(payload)
     assert says in str(raised.value)
+
+
+# --- the replay socket's replies: both forms in use -----------------------------------------
+
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def test_replay_replies_in_both_forms() -> None:
+    seq = (7).to_bytes(8, "big")
+    assert split_replay_reply([b"", seq, b"payload"]) == (7, b"payload")  # vLLM <= 0.25
+    assert split_replay_reply([b"", b"kv", seq, b"payload"]) == (7, b"payload")  # >= 0.26
+    assert split_replay_reply([b"", b"", seq, b"p"]) == (7, b"p")  # an empty topic
+    assert split_replay_reply([b"", END, b""]) is None
+    assert split_replay_reply([b"", b"", END, b""]) is None
+    big = (2**64 - 2).to_bytes(8, "big")
+    assert split_replay_reply([b"", b"", big, b""]) == (2**64 - 2, b"")
+    assert split_replay_reply([memoryview(b""), bytearray(seq), b"x"]) == (7, b"x")
+
+
+@pytest.mark.parametrize(
+    ("frames", "says"),
+    [
+        ([], "0 frames"),
+        ([b""], "1 frames"),
+        ([b"", b"x"], "2 frames"),
+        ([b"", b"t", b"x", (1).to_bytes(8, "big"), b"p"], "5 frames"),
+        ([b"x", (1).to_bytes(8, "big"), b"p"], "without the empty delimiter"),
+        ([b"", b"1234", b"p"], "4 bytes long"),
+        ([b"", b"t", b"123456789", b"p"], "9 bytes long"),
+        ([b"", "text", b"p"], "must be bytes"),
+        (b"not frames", "list of frames"),
+        (None, "list of frames"),
+    ],
+)
+def test_replay_replies_out_of_protocol_say_what_came(frames: Any, says: str) -> None:
+    with pytest.raises(BadEvent, match=says):
+        split_replay_reply(frames)
+
+
+@given(st.lists(st.binary(max_size=12), max_size=6))
+def test_any_replay_reply_is_parsed_or_refused_with_bad_event(frames: list[bytes]) -> None:
+    with contextlib.suppress(BadEvent):
+        reply = split_replay_reply(frames)
+        assert reply is None or (0 <= reply[0] < 2**64 and reply[1] == frames[-1])
