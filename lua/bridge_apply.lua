@@ -1,14 +1,22 @@
 -- bridge_apply: apply one or more engine event batches (decoded and hashed by
 -- `pcr bridge`) to a bridged namespace, atomically and in order, and record the last
--- engine sequence number applied. Idempotent: applying the same batch twice leaves the
--- same state, so a batch whose outcome is unknown may be sent again.
+-- engine sequence number applied. A call whose outcome is unknown may be sent again: it
+-- applies once (see "Exactly once" below).
 --
 -- Each engine block is held by some (group, medium) slots of the engine; the holders
 -- are one character per slot in `engine-blocks` ('0' not held, 'k' held by an
--- attention group, 'm' held by a Mamba group). The KV map lists a block while any
--- attention slot holds it; the Mamba map while a Mamba slot holds it and the KV map
--- lists it (Mamba state is usable only with its KV prefix). The block id stored is the
--- block's position in its prefix (0 for the first block).
+-- attention group, 'm' held by a Mamba group), then, where a slot holds more than one
+-- copy of the block (vLLM does not de-duplicate: a fully cached prompt resent stores
+-- its last block again under the same hash, and each copy gets its own BlockRemoved),
+-- "<slot>=<copies>" for each such slot, comma-separated. A slot holds the block until
+-- its last copy is removed. The KV map lists a block while any attention slot holds
+-- it; the Mamba map while a Mamba slot holds it and the KV map lists it (Mamba state
+-- is usable only with its KV prefix). The block id stored is the block's position in
+-- its prefix (0 for the first block).
+--
+-- Exactly once: a call whose last engine seq (ARGV[4]) is not above meta's bridge_seq
+-- was applied already (a resend after a lost reply) and changes nothing; a claim
+-- drops bridge_seq, so an engine that restarted (seq from 0 again) starts afresh.
 --
 -- KEYS[1]  pcr:{node-0}:reply:5f1c2a9b03e1-7   this request's reply record
 -- KEYS[2]  pcr:{node-0}:kv                      HASH own hash -> block id
@@ -16,6 +24,7 @@
 -- KEYS[4]  pcr:{node-0}:meta                    HASH epoch, bridge_* fields
 -- KEYS[5]  pcr:{node-0}:engine-blocks           HASH engine hash ->
 --                                                    "<own> <block id> <digest> <holders>"
+--                                                    [" <slot>=<copies>,..."]
 -- ARGV[1]  "1796024288853123482"                the bridge's owner epoch
 -- ARGV[2]  "5f1c2a9b03e1-7"                     request id
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
@@ -39,6 +48,18 @@
 -- Calls:   GET, HGET, HSET, HMGET, HDEL, UNLINK, SET
 local early = begin_write(KEYS[4])
 if early then return early end
+
+-- True if the engine seq `a` is not above `b` (both decimal text below 2^64, no
+-- leading zeros: compared as text, Lua's doubles would round them).
+local function not_above(a, b)
+  return #a < #b or (#a == #b and a <= b)
+end
+if ARGV[4] ~= '' then
+  local applied = redis.call('HGET', KEYS[4], 'bridge_seq')
+  if applied and not_above(ARGV[4], applied) then
+    return finish_write({0, 0, 0, 0, {}, {}, {}, {}})
+  end
+end
 local meta = {'bridge_engine', ARGV[5], 'bridge_endpoint', ARGV[6]}
 if ARGV[4] ~= '' then
   meta[#meta + 1] = 'bridge_seq'
@@ -104,6 +125,62 @@ local function engine_hashes(packed, n)
   return list
 end
 
+-- An engine-blocks entry's fields: own hash, block id, digest, holders, and the copies
+-- of the slots that hold more than one (slot -> copies).
+local function parse_entry(text)
+  local own, block_id, digest, holders, extra =
+    string.match(text, '^(%S+) (%S+) (%S+) (%S*) ?(%S*)$')
+  local copies = {}
+  for slot, count in string.gmatch(extra or '', '(%d+)=(%d+)') do
+    copies[tonumber(slot)] = tonumber(count)
+  end
+  return own, block_id, digest, holders, copies
+end
+
+local function entry_text(own, block_id, digest, holders, copies)
+  local text = own .. ' ' .. block_id .. ' ' .. digest .. ' ' .. holders
+  local extra = {}
+  for slot, count in pairs(copies) do
+    if count > 1 then
+      extra[#extra + 1] = slot .. '=' .. count
+    end
+  end
+  if #extra > 0 then
+    table.sort(extra)
+    text = text .. ' ' .. table.concat(extra, ',')
+  end
+  return text
+end
+
+-- Write an operation's final entries: HSET the kept ones, HDEL the dropped ones.
+local function write_entries(state)
+  local kept, dropped = {}, {}
+  for engine, text in pairs(state) do
+    if text then
+      kept[#kept + 1] = engine
+      kept[#kept + 1] = text
+    else
+      dropped[#dropped + 1] = engine
+    end
+  end
+  flush('HSET', blocks, kept)
+  flush('HDEL', blocks, dropped)
+end
+
+-- The entry of `engine` as this operation left it so far (a hash may repeat in one
+-- event): its text, or false when it is gone.
+local function current(state, olds, engine, j)
+  local text = state[engine]
+  if text == nil then
+    text = olds[j] or false
+  end
+  return text
+end
+
+local function held(holders, slot)
+  return holders ~= nil and #holders >= slot and string.sub(holders, slot, slot) ~= '0'
+end
+
 local i, n_args = 8, #ARGV
 while i <= n_args do
   local op = ARGV[i]
@@ -112,18 +189,24 @@ while i <= n_args do
       tonumber(ARGV[i + 4])
     local engines, owns, digests = engine_hashes(ARGV[i + 5], n), ARGV[i + 6], ARGV[i + 7]
     local olds = hmget(blocks, engines)
-    local entries, kv_sets, mamba_sets = {}, {}, {}
+    local state, kv_sets, mamba_sets = {}, {}, {}
     for j = 1, n do
-      local old, holders = olds[j], ''
+      local old, holders, copies = current(state, olds, engines[j], j), '', {}
       if old then
-        holders = string.match(old, '^%S+ %S+ %S+ (%S*)$') or ''
+        local _
+        _, _, _, holders, copies = parse_entry(old)
+        holders = holders or ''
       end
       local had_k = listed(holders)
-      holders = with_char(holders, slot, kind)
+      if held(holders, slot) then
+        copies[slot] = (copies[slot] or 1) + 1  -- another copy of a block it holds
+      else
+        holders = with_char(holders, slot, kind)
+        copies[slot] = nil
+      end
       local own, block_id = number_at(owns, 19, j), tostring(first_id + j - 1)
-      entries[#entries + 1] = engines[j]
-      entries[#entries + 1] = own .. ' ' .. block_id .. ' '
-        .. string.sub(digests, (j - 1) * 64 + 1, j * 64) .. ' ' .. holders
+      state[engines[j]] = entry_text(own, block_id,
+        string.sub(digests, (j - 1) * 64 + 1, j * 64), holders, copies)
       local has_k, has_m = listed(holders)
       if has_k then
         in_kv[own] = true
@@ -139,7 +222,7 @@ while i <= n_args do
         mamba_sets[#mamba_sets + 1] = block_id
       end
     end
-    flush('HSET', blocks, entries)
+    write_entries(state)
     flush('HSET', kv, kv_sets)
     flush('HSET', mamba, mamba_sets)
     i = i + 8
@@ -147,26 +230,28 @@ while i <= n_args do
     local slot, n = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
     local engines = engine_hashes(ARGV[i + 3], n)
     local olds = hmget(blocks, engines)
-    local kept, dropped, kv_dels, mamba_dels = {}, {}, {}, {}
-    local seen = {}
+    local state, kv_dels, mamba_dels = {}, {}, {}
     for j = 1, n do
-      local engine, old = engines[j], olds[j]
-      local own, block_id, digest, holders
-      if old and not seen[engine] then
-        own, block_id, digest, holders = string.match(old, '^(%S+) (%S+) (%S+) (%S*)$')
+      local engine = engines[j]
+      local old = current(state, olds, engine, j)
+      local own, block_id, digest, holders, copies
+      if old then
+        own, block_id, digest, holders, copies = parse_entry(old)
       end
-      seen[engine] = true
-      if not own or #holders < slot or string.sub(holders, slot, slot) == '0' then
+      if not own or not held(holders, slot) then
         unknown = unknown + 1
+      elseif (copies[slot] or 1) > 1 then
+        copies[slot] = copies[slot] - 1  -- another copy still holds it
+        state[engine] = entry_text(own, block_id, digest, holders, copies)
       else
         local had_k, had_m = listed(holders)
         holders = with_char(holders, slot, '0')
+        copies[slot] = nil
         local has_k, has_m = listed(holders)
         if string.find(holders, '[km]') then
-          kept[#kept + 1] = engine
-          kept[#kept + 1] = own .. ' ' .. block_id .. ' ' .. digest .. ' ' .. holders
+          state[engine] = entry_text(own, block_id, digest, holders, copies)
         else
-          dropped[#dropped + 1] = engine
+          state[engine] = false
         end
         if had_k and not has_k then
           in_kv[own] = false
@@ -179,8 +264,7 @@ while i <= n_args do
         end
       end
     end
-    flush('HSET', blocks, kept)
-    flush('HDEL', blocks, dropped)
+    write_entries(state)
     flush('HDEL', kv, kv_dels)
     flush('HDEL', mamba, mamba_dels)
     i = i + 4

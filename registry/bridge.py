@@ -13,7 +13,9 @@ atomic, in order, never partial. What a bridged namespace holds:
   router finds an engine's blocks with ``match_kv_prefix(block_hashes(tokens, bs))``.
   The engine hash -> (own hash, digest, holders) map is kept in Redis
   (``pcr:{NS}:engine-blocks``) so that ``BlockRemoved`` applies and a restarted bridge
-  continues.
+  continues. It counts copies: vLLM does not de-duplicate (a fully cached prompt sent
+  again stores its last block a second time under the same hash, and each copy gets
+  its own ``BlockRemoved``), so a block stays listed until its last copy is removed.
 - **Block ids** are positions: a block's id is its index in its prefix (0 for a
   prompt's first block). Events carry no block ids; a bridged namespace serves routing,
   not block tables.
@@ -45,7 +47,8 @@ atomic, in order, never partial. What a bridged namespace holds:
   skipped; its sequence number still counts as seen when it is the one expected next.
   Out of sequence it moves nothing (no gap, no restart): its seq may be as broken as
   its payload. While Redis is away the bridge keeps the batch and retries it
-  (``bridge_apply`` is idempotent), reading nothing more; the engine's socket buffers
+  (``bridge_apply`` applies a call once: one whose last engine seq is not above the
+  namespace's ``bridge_seq`` changes nothing), reading nothing more; the engine's socket buffers
   meanwhile, and what it drops shows up as a gap. An unexpected error in one engine's
   follower (a bug) restarts that namespace only (``internal_errors``).
 

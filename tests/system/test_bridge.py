@@ -32,6 +32,7 @@ zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
 from registry.bridge import Bridge, EngineSource  # noqa: E402  (needs the bridge extra)
+from registry.bridge_events import decode_batch  # noqa: E402
 from sim.engine_events import (  # noqa: E402
     EnginePublisher,
     batch,
@@ -391,6 +392,89 @@ def test_removed_removes_exactly_those_prefixes_and_cleared_empties(rig: Rig, cl
     assert kv(client, ns) == listed((p, 1))
     assert_quiet(bridge, ns, "orphans")
     alive(bridge)
+
+
+def test_a_block_held_twice_stays_listed_until_its_last_copy_goes(rig: Rig, client: Any) -> None:
+    """vLLM stores a second copy of a block under the same hash (a fully cached prompt
+    sent again recomputes its last block) and removes each copy on its own: the block is
+    listed until the last removal; a removal beyond the copies is an unknown removal."""
+    engine = rig.engine()
+    source = rig.source(engine)
+    ns = source.namespace
+    bridge = rig.bridge([source], [engine])
+    tokens = prompt(11, 3, BS)
+    hashes = engine_chain(tokens, BS)
+    engine.publish([stored(hashes, None, tokens, BS)])
+    again = [stored(hashes[2:], hashes[1], tokens[2 * BS :], BS)]
+    engine.publish(again)  # the last block's second copy
+    seq = engine.publish(again)  # and a third
+    wait_applied(client, ns, seq, bridge)
+    assert kv(client, ns) == listed((tokens, 3))
+    for left in (2, 1):
+        seq = engine.publish([removed(hashes[2:])])
+        wait_applied(client, ns, seq, bridge)
+        assert kv(client, ns) == listed((tokens, 3)), f"{left} copies left"
+    seq = engine.publish([removed(hashes[2:])])  # the last copy
+    wait_applied(client, ns, seq, bridge)
+    assert kv(client, ns) == listed((tokens, 2))
+    seq = engine.publish([removed(hashes[2:])])  # no copy is left
+    wait_applied(client, ns, seq, bridge)
+    c = counts(bridge, ns)
+    assert (c["blocks_stored"], c["blocks_removed"], c["unknown_removals"]) == (3, 1, 1)
+
+
+def test_copies_in_one_event_and_across_slots(rig: Rig, client: Any) -> None:
+    """A hash twice in one event counts twice; copies count per slot (a CPU copy is not
+    a GPU copy); a clear forgets every copy."""
+    engine = rig.engine()
+    source = rig.source(engine, media=("GPU", "CPU"))
+    ns = source.namespace
+    bridge = rig.bridge([source], [engine])
+    tokens = prompt(12, 1, BS)
+    hashes = engine_chain(tokens, BS)
+    engine.publish([stored(hashes, None, tokens, BS), stored(hashes, None, tokens, BS)])
+    seq = engine.publish([stored(hashes, None, tokens, BS, medium="CPU")])
+    wait_applied(client, ns, seq, bridge)
+    seq = engine.publish([removed(hashes + hashes)])  # both GPU copies, in one event
+    wait_applied(client, ns, seq, bridge)
+    assert kv(client, ns) == listed((tokens, 1))  # the CPU copy holds it
+    seq = engine.publish([removed(hashes, medium="CPU")])
+    wait_applied(client, ns, seq, bridge)
+    assert kv(client, ns) == {}
+    engine.publish([stored(hashes, None, tokens, BS), stored(hashes, None, tokens, BS)])
+    engine.publish([cleared()])
+    engine.publish([stored(hashes, None, tokens, BS)])
+    seq = engine.publish([removed(hashes)])
+    wait_applied(client, ns, seq, bridge)
+    assert kv(client, ns) == {}  # the clear forgot the copies before it
+    assert counts(bridge, ns)["unknown_removals"] == 0
+
+
+def test_a_resent_call_applies_once(rig: Rig, client: Any) -> None:
+    """A ``bridge_apply`` call sent again after its reply was lost (its last engine seq
+    is not above ``bridge_seq``) changes nothing: copies are not counted twice."""
+    engine = rig.engine()
+    source = rig.source(engine)
+    ns = source.namespace
+    bridge = rig.bridge([source], [engine])
+    tokens = prompt(13, 2, BS)
+    hashes = engine_chain(tokens, BS)
+    seq = engine.publish([stored(hashes, None, tokens, BS)])
+    wait_applied(client, ns, seq, bridge)
+    follower = next(f for f in bridge.followers if f.source.namespace == ns)
+    registry = PrefixCacheRegistry(client, ns)
+    data = [k for k in registry.keys.all_keys() if k != registry.keys.meta]  # renewals move meta
+    before = {k: client.dump(k) for k in data}
+    ops = follower._operations(decode_batch(batch([stored(hashes, None, tokens, BS)])))
+    reply = follower.registry._write(
+        "bridge_apply", follower._keys, False, (str(seq), "vllm", source.endpoint, str(BS), *ops)
+    )
+    assert [int(x) for x in reply[:4]] == [0, 0, 0, 0]
+    assert {k: client.dump(k) for k in data} == before
+    assert applied(client, ns, seq)
+    seq = engine.publish([removed(hashes)])
+    wait_applied(client, ns, seq, bridge)
+    assert kv(client, ns) == {}
 
 
 # == 3. Mamba and other groups ==============================================================
