@@ -119,8 +119,12 @@ class EngineNode:
         publisher: EnginePublisher,
         *,
         drop_every: int = 0,
+        duplicate_blocks: bool = False,
     ) -> None:
         self.namespace = namespace
+        self.duplicate_blocks = duplicate_blocks
+        self.copies: dict[int, list[int]] = {}  # engine hash -> its blocks besides block_of's
+        self.copied = 0  # second copies stored
         self.config = config
         self.timings = timings
         self.publisher = publisher
@@ -159,7 +163,12 @@ class EngineNode:
         while matched < n and hashes[matched] in self.block_of:
             matched += 1
         cached = [self.block_of[h] for h in hashes[:matched]]
-        usable = next((i + 1 for i in range(matched - 1, -1, -1) if self.mamba.holds(cached[i])), 0)
+        recomputed = 0  # vLLM computes a fully cached prompt's last block again
+        if self.duplicate_blocks and matched == n and len(tokens) == n * size:
+            self._copy_last(hashes, tokens, cached, events)
+            recomputed = 1
+        hits = matched - recomputed
+        usable = next((i + 1 for i in range(hits - 1, -1, -1) if self.mamba.holds(cached[i])), 0)
         allocated: list[int] = []
         for block in cached:
             self.kv.acquire(block)
@@ -193,7 +202,7 @@ class EngineNode:
             self.mamba.restore(cached[usable - 1])
             totals.mamba_restores += 1
         totals.prompt_blocks += n
-        totals.kv_hit_blocks += matched
+        totals.kv_hit_blocks += hits
         totals.usable_hit_blocks += usable
         totals.prefill_tokens_saved += usable * size
         # Checkpoint the Mamba state at the prompt's last block (a later turn restores it).
@@ -213,6 +222,45 @@ class EngineNode:
                 )
             )
 
+    def _copy_last(
+        self, hashes: list[int], tokens: list[int], cached: list[int], events: list[Any]
+    ) -> None:
+        """A second copy of a fully cached prompt's last block, as vLLM stores one (when
+        a block is free: the copy is what vLLM computes into a newly allocated block)."""
+        if not self.kv.free:
+            return
+        size, h = self.config.block_size, hashes[-1]
+        parent = cached[-2] if len(cached) > 1 else None
+        copy = self.kv.allocate(h, parent)
+        self.tokens[copy] = tuple(tokens[-size:])
+        self.copies.setdefault(h, []).append(copy)
+        self.kv.release(copy)
+        self.copied += 1
+        events.append(
+            stored(
+                [h],
+                hashes[-2] if len(hashes) > 1 else None,
+                tokens[-size:],
+                size,
+                group_idx=ATTENTION,
+                kind="full_attention",
+            )
+        )
+
+    def _forget(self, block: int, h: int) -> None:
+        """An evicted block leaves the engine's map; another copy takes its place."""
+        copies = self.copies.get(h)
+        if self.block_of.get(h) == block:
+            if copies:
+                self.block_of[h] = copies.pop()
+            else:
+                del self.block_of[h]
+        elif copies is not None:
+            copies.remove(block)
+        if copies == []:
+            del self.copies[h]
+        del self.tokens[block]
+
     def _evict(self, count: int, totals: Totals, events: list[Any]) -> bool:
         """Free ``count`` KV blocks, leaves first, with their Mamba checkpoints; False
         when not enough are evictable."""
@@ -226,7 +274,7 @@ class EngineNode:
                 events.append(removed(checkpoints, group_idx=MAMBA))
             events.append(removed(hashes, group_idx=ATTENTION))
             for block, h in zip(victims, hashes, strict=True):
-                del self.block_of[h], self.tokens[block]
+                self._forget(block, h)
                 self.kv.drop(block)
             totals.kv_evictions += len(victims)
             count -= len(victims)
@@ -277,7 +325,12 @@ def simulate_bridged(
     context = zmq.Context()  # one for all the engines' sockets
     with contextlib.ExitStack() as stack:
         stack.callback(context.term)  # last: after every socket closed
-        publishers = [stack.enter_context(EnginePublisher(context=context)) for _ in names]
+        publishers = [
+            stack.enter_context(
+                EnginePublisher(context=context, replay_frames=bridge_config.replay_frames)
+            )
+            for _ in names
+        ]
         sources = [
             EngineSource(name, p.endpoint, p.replay_endpoint, block_size=config.block_size)
             for name, p in zip(names, publishers, strict=True)
@@ -290,7 +343,14 @@ def simulate_bridged(
         stack.callback(bridge.stop)
         _wait_started(bridge, publishers)
         nodes = [
-            EngineNode(name, config, timings, p, drop_every=bridge_config.drop_every)
+            EngineNode(
+                name,
+                config,
+                timings,
+                p,
+                drop_every=bridge_config.drop_every,
+                duplicate_blocks=bridge_config.duplicate_blocks,
+            )
             for name, p in zip(names, publishers, strict=True)
         ]
         registries = [PrefixCacheRegistry(client, n, key_prefix=config.key_prefix) for n in names]
@@ -326,6 +386,7 @@ def simulate_bridged(
         "bridge": {
             "batches_published": sum(n.published for n in nodes),
             "batches_dropped": sum(n.dropped for n in nodes),
+            "copies_stored": sum(n.copied for n in nodes),
             "catch_up_seconds": round(catch_up, 3),
             **bridge_counts,
         },

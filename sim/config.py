@@ -59,6 +59,13 @@ class BridgeConfig:
     catch_up_timeout: float = 300.0
     """How long the audit waits for the bridge to apply every batch published; only a
     bridge that never catches up (a bug, or Redis away for that long) reaches it."""
+    duplicate_blocks: bool = False
+    """Store blocks twice as vLLM does: a fully cached prompt whose length is a multiple
+    of the block size has its last block computed again into a second copy under the
+    same hash (announced by ``BlockStored``; each copy later gets its own
+    ``BlockRemoved``)."""
+    replay_frames: int = 4
+    """The engines' replay reply form: 4 frames as vLLM 0.26 and later, 3 as earlier."""
 
 
 class BridgeStalled(RuntimeError):

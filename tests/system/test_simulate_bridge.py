@@ -97,6 +97,29 @@ def test_lost_batches_are_replayed_and_only_the_bridge_writes() -> None:
         assert client.hlen(registry.keys.engine_blocks) == info.kv_entries > 0
 
 
+@pytest.mark.parametrize("frames", [3, 4], ids=["vllm<=0.25 replies", "vllm>=0.26 replies"])
+def test_engines_that_store_blocks_twice_as_vllm_does(frames: int) -> None:
+    """Prompts sent again (retries, regenerations) make the engines store a fully cached
+    prompt's last block a second time, as vLLM does; with batches lost and replayed in
+    either reply form, every engine's cache still equals its namespace."""
+    config = FleetConfig(
+        nodes=3,
+        kv_blocks=256,
+        mamba_slots=16,
+        workload=WorkloadConfig(requests=120, seed=0, resend=0.3),
+    )
+    bridge = BridgeConfig(drop_every=7, lease_ttl=1.5, duplicate_blocks=True, replay_frames=frames)
+    run = simulate(fakeredis.FakeRedis(), config, "prefix", bridge=bridge)
+    assert set(run["consistency"].values()) == {0}, run["consistency"]
+    counts = run["bridge"]
+    assert counts["copies_stored"] >= 1
+    assert counts["gaps"] > 0
+    assert counts["replays"] > 0
+    assert (counts["unknown_removals"], counts["replay_failures"], counts["restarts"]) == (0, 0, 0)
+    # A copy's removal unlists nothing: more evictions than unlisted blocks.
+    assert counts["blocks_removed"] < run["totals"]["kv_evictions"]
+
+
 def test_lockstep_routing_gives_the_direct_modes_figures() -> None:
     """With the router waiting for the bridge, the bridged namespaces (own hashes from
     the events' token ids, block ids as positions) route exactly as the registry the
