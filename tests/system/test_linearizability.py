@@ -1,0 +1,583 @@
+"""Concurrent histories of one namespace on a real server, under faults, checked for
+linearizability against the sequential model (``tests/support/linearizability.py``).
+
+Writer threads share the namespace's owner (one registry object per claim, so an
+object's epoch never changes under a running call; a writer fenced with
+``StaleEpochError`` claims again); reader threads read through registries of their own.
+Faults: the server stopped (SIGSTOP) for less and for more than the clients' read
+timeout, a client process of its own killed (SIGKILL) with a write in flight, and an
+empty restart of the server. Each fault is held until every client has met it (an
+event, not a sleep), and a client that failed waits until the fault is over, so each
+fault costs each client at most one call of unknown outcome.
+
+A deliberately broken owner, whose ``register_kv`` is one HSET per pair, must be
+caught: a reader is let in between its HSETs (threading events), so its history is
+not linearizable on every run; the same gate around the real, atomic script is the
+control.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+from registry import PrefixCacheRegistry
+from tests.support import REPO_ROOT
+from tests.support.backends import new_namespace
+from tests.support.histories import (
+    HistoryRecorder,
+    random_read,
+    random_write,
+)
+from tests.support.linearizability import (
+    Call,
+    Operation,
+    OpName,
+    PrefixMatch,
+    Status,
+    Verdict,
+    assert_linearizable,
+    check,
+    explain,
+)
+from tests.support.servers import RedisServer
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.redis_server
+
+READ_TIMEOUT = 0.5
+"""The clients' socket timeouts: a long stop outlasts it, a short one does not."""
+SHORT_STOP_NS = round(READ_TIMEOUT * 1e9 / 10)
+"""A short stop lasts at least this long (a tenth of the timeout), and until every
+client has a call out; what it costs is recorded, nothing depends on its length."""
+PHASE_OPS = 60
+"""Operations recorded between two faults (and before the first, after the last)."""
+STEP_BUDGET = 200_000
+"""Search steps each check may take (a few seconds; the histories here need a few
+thousand); running out fails the test."""
+DEADLINE = 60.0
+"""Seconds any one wait may take: only reached when something is broken."""
+
+Factory = Callable[[Any, str], PrefixCacheRegistry]
+
+
+class Harness:
+    """The clients of one history: writer threads sharing the owner, reader threads,
+    the recorder, and the events that hold clients while a fault lasts."""
+
+    def __init__(self, server: RedisServer, make_owner: Factory = PrefixCacheRegistry) -> None:
+        self.server = server
+        self.namespace = new_namespace()
+        self.recorder = HistoryRecorder()
+        self.make_owner = make_owner
+        self.clears = True  # whether writers clear maps too
+        self.healthy = threading.Event()  # cleared while a fault lasts
+        self.claims_allowed = threading.Event()  # cleared while another process owns
+        self.stop = threading.Event()
+        self.healthy.set()
+        self.claims_allowed.set()
+        self.owner: PrefixCacheRegistry | None = None
+        self.claims = 0
+        self.troubled: set[str] = set()  # clients that failed since the fault began
+        self.fenced: set[str] = set()  # writers waiting to claim again
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._claim_lock = threading.Lock()
+        self._registries: list[PrefixCacheRegistry] = []
+        self._threads: list[threading.Thread] = []
+        self.owner_client = self.connect().client
+
+    # -- clients ----------------------------------------------------------------------
+
+    def connect(self) -> PrefixCacheRegistry:
+        """A registry with a client of its own and short timeouts (from_url's retry)."""
+        registry = PrefixCacheRegistry.from_url(
+            self.server.url,
+            self.namespace,
+            socket_timeout=READ_TIMEOUT,
+            socket_connect_timeout=READ_TIMEOUT,
+        )
+        self._registries.append(registry)
+        return registry
+
+    def reclaim(self, process: str, stale: PrefixCacheRegistry | None) -> bool:
+        """Claim the namespace with a new owner object, unless another writer already
+        replaced ``stale``; False when the claim failed (its object is never used)."""
+        with self._lock:
+            self.fenced.add(process)
+        self.claims_allowed.wait()
+        with self._lock:
+            self.fenced.discard(process)
+        with self._claim_lock:
+            if self.owner is not stale or self.stop.is_set():
+                return True
+            fresh = self.make_owner(self.owner_client, self.namespace)
+            claimed = self.recorder.run(process, fresh, Call(OpName.CLAIM))
+            if claimed is None or claimed.status is not Status.OK:
+                return False
+            self.owner = fresh
+            self.claims += 1
+            return True
+
+    def _trouble(self, process: str) -> None:
+        """A call failed: note it, and wait until the fault is over."""
+        with self._lock:
+            self.troubled.add(process)
+        self.healthy.wait()
+
+    def _write_loop(self, process: str, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self.stop.is_set():
+            owner = self.owner
+            if owner is None or owner.epoch is None:
+                raise AssertionError("writers start after the first claim")
+            op = self.recorder.run(
+                process, owner, random_write(rng, owner.epoch, clears=self.clears)
+            )
+            failed = op is None or op.status is Status.UNKNOWN
+            if not failed and op is not None and op.status is Status.STALE:
+                failed = not self.reclaim(process, owner)  # fenced: claim again
+            if failed:
+                self._trouble(process)
+
+    def _read_loop(self, process: str, seed: int) -> None:
+        rng = random.Random(seed)
+        registry = self.connect()
+        while not self.stop.is_set():
+            if self.recorder.run(process, registry, random_read(rng)) is None:
+                self._trouble(process)
+
+    def spawn(self, process: str, target: Callable[[], None]) -> None:
+        """Run ``target`` in a thread whose error stops the history and fails the test."""
+
+        def guarded() -> None:
+            try:
+                target()
+            except BaseException as exc:
+                self.errors.append(exc)
+                self.stop.set()
+
+        thread = threading.Thread(target=guarded, name=process, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def start(self, writers: int, readers: int, seed: int) -> None:
+        """Claim the namespace, then start the writer and reader threads."""
+        assert self.reclaim("owner", None), "the first claim failed"
+        for i in range(writers):
+            self.spawn(f"writer-{i}", functools.partial(self._write_loop, f"writer-{i}", seed + i))
+        for i in range(readers):
+            name = f"reader-{i}"
+            self.spawn(name, functools.partial(self._read_loop, name, seed + 100 + i))
+
+    @property
+    def clients(self) -> set[str]:
+        return {thread.name for thread in self._threads}
+
+    # -- waiting, faults ------------------------------------------------------------------
+
+    def wait(self, condition: Callable[[], bool], what: str) -> None:
+        """Wait for ``condition``; a client thread's error ends the wait at once."""
+        wait_until(lambda: bool(self.errors) or condition(), DEADLINE, what)
+        if self.errors:
+            raise self.errors[0]
+
+    def run_on(self, more: int) -> None:
+        """Let the clients record ``more`` operations."""
+        target = self.recorder.completed() + more
+        self.wait(lambda: self.recorder.completed() >= target, f"{target} operations")
+
+    @contextlib.contextmanager
+    def fault(self) -> Iterator[None]:
+        """While the block runs, a client that fails waits instead of retrying."""
+        with self._lock:
+            self.troubled.clear()
+        self.healthy.clear()
+        try:
+            yield
+        finally:
+            self.healthy.set()
+
+    def all_troubled(self) -> bool:
+        with self._lock:
+            return self.troubled >= self.clients
+
+    def all_waiting(self) -> bool:
+        """Whether every client has a call out right now."""
+        return {f.process for f in self.recorder.in_flight()} >= self.clients
+
+    def failures(self) -> int:
+        """Calls so far that failed: unknown outcomes and dropped calls."""
+        return self.recorder.completed(status=Status.UNKNOWN) + self.recorder.dropped
+
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[int]:
+        """The server SIGSTOPped for the block (always resumed). Yields a time by which it
+        had stopped: a call sent after it cannot be answered before it resumes."""
+        process = self.server.process
+        assert process is not None
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: process_state(process.pid) == "T", DEADLINE, "server stopped")
+            yield time.monotonic_ns()
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+
+    def finish(self) -> list[Operation]:
+        """Stop every client thread, close every client; the history recorded."""
+        self.stop.set()
+        self.healthy.set()
+        self.claims_allowed.set()
+        for thread in self._threads:
+            thread.join(DEADLINE)
+        alive = [thread.name for thread in self._threads if thread.is_alive()]
+        for registry in self._registries:
+            registry.client.close()
+        assert not alive, f"client threads did not stop: {alive}"
+        if self.errors:
+            raise self.errors[0]
+        return self.recorder.history()
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` in ``/proc`` ("T": stopped by a signal)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()[0]
+
+
+@pytest.fixture
+def harness(own_server: RedisServer) -> Iterator[Harness]:
+    """A harness on a server of this test's own; every thread stopped at the end."""
+    made = Harness(own_server)
+    try:
+        yield made
+    finally:
+        if own_server.process is not None and own_server.running:
+            os.kill(own_server.process.pid, signal.SIGCONT)
+        with contextlib.suppress(BaseException):
+            made.finish()
+
+
+# -- what a history saw -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Counts of one history, for the assertions and the log."""
+
+    operations: int
+    ok: int
+    unknown: int
+    stale: int
+    claims: int
+    restarts: int
+    dropped: int
+    processes: int
+
+    @classmethod
+    def of(cls, history: list[Operation], recorder: HistoryRecorder) -> Summary:
+        statuses = [op.status for op in history]
+        names = [op.call.name for op in history]
+        return cls(
+            operations=len(history),
+            ok=statuses.count(Status.OK),
+            unknown=statuses.count(Status.UNKNOWN),
+            stale=statuses.count(Status.STALE),
+            claims=names.count(OpName.CLAIM),
+            restarts=names.count(OpName.RESTART),
+            dropped=recorder.dropped,
+            processes=len({op.process for op in history}),
+        )
+
+
+def checked(history: list[Operation], recorder: HistoryRecorder, what: str) -> Summary:
+    """Check ``history`` (failing on a violation or an exhausted budget) and log it."""
+    started = time.monotonic()
+    result = assert_linearizable(history, budget=STEP_BUDGET)
+    summary = Summary.of(history, recorder)
+    took = time.monotonic() - started
+    print(f"{what}: {summary}; linearizable in {result.steps} steps, {took:.2f} s")
+    return summary
+
+
+# -- (a) the server stopped, shorter and longer than the read timeout ---------------------
+
+
+def test_histories_across_a_short_and_a_long_sigstop_are_linearizable(harness: Harness) -> None:
+    """A short stop lasts a tenth of the timeout and until every client has a call out
+    (those calls only take longer; on a stalled machine one may time out, which is
+    recorded like any other); a long stop lasts until every client timed out: each writer leaves
+    one write of unknown outcome, run or not once the server resumes."""
+    harness.start(writers=3, readers=2, seed=10)
+    harness.run_on(PHASE_OPS)
+    failed = harness.failures()
+    with harness.stopped() as since:
+        harness.wait(
+            lambda: harness.all_waiting() and time.monotonic_ns() - since >= SHORT_STOP_NS,
+            "every client held by the stopped server",
+        )
+    held_ms = (time.monotonic_ns() - since) / 1e6
+    print(f"short stop: {held_ms:.1f} ms, {harness.failures() - failed} calls failed")
+    harness.run_on(PHASE_OPS)
+    with harness.fault(), harness.stopped():
+        harness.wait(harness.all_troubled, "every client timed out")
+    harness.run_on(PHASE_OPS)
+    summary = checked(harness.finish(), harness.recorder, "SIGSTOP short and long")
+    assert summary.unknown >= 3  # every writer's timed-out write
+    assert summary.dropped >= 2  # every reader's timed-out read
+
+
+# -- (b) a client process killed with a write in flight -----------------------------------
+
+
+@dataclass
+class Child:
+    """A client process of its own (``child_main``), its events fed to the recorder."""
+
+    process: subprocess.Popen[str]
+    ready: threading.Event
+    reader: threading.Thread | None = None
+    name: str = "child"
+
+    def go(self) -> None:
+        """Let it claim the namespace and start writing."""
+        assert self.process.stdin is not None
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def kill(self) -> None:
+        """SIGKILL it, reap it, and take its last events (its stdout ends)."""
+        self.process.kill()
+        self.process.wait(DEADLINE)
+        if self.reader is not None:
+            self.reader.join(DEADLINE)
+
+
+@contextlib.contextmanager
+def child_client(harness: Harness, seed: int, log: Path) -> Iterator[Child]:
+    """Start a child process (it waits for ``go`` to claim the namespace and write until
+    killed); on leaving, it is dead and its calls still out are recorded as unknown
+    (writes) or dropped (reads)."""
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.histories", harness.server.url,
+             harness.namespace, str(seed), "--timeout", str(READ_TIMEOUT)],
+            cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+            text=True,
+        )  # fmt: skip
+    assert process.stdout is not None
+    child = Child(process, threading.Event())
+    child.reader = threading.Thread(
+        target=absorb_lines, args=(process.stdout, harness.recorder, child.ready), daemon=True
+    )
+    child.reader.start()
+    try:
+        yield child
+    finally:
+        if process.poll() is None:
+            child.kill()
+        child.reader.join(DEADLINE)
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                pipe.close()
+        harness.recorder.abandon(child.name)
+
+
+def absorb_lines(stdout: IO[str], recorder: HistoryRecorder, ready: threading.Event) -> None:
+    """Feed a child's JSON lines to the recorder until its stdout ends."""
+    for line in stdout:
+        if not line.endswith("\n"):
+            continue  # a line cut off by the kill is no event
+        event = json.loads(line)
+        if event["event"] == "ready":
+            ready.set()
+        else:
+            recorder.absorb(event)
+
+
+def test_a_client_process_killed_mid_write_leaves_a_linearizable_history(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """A second owner process takes the namespace over (the first owner's writers are
+    fenced and wait), writes, and is killed while the server is stopped with a write it
+    sent after the stop: unknown, then run or dropped when the server resumes. The
+    first owner's writers claim the namespace back."""
+    with child_client(harness, seed=29, log=tmp_path / "child.err") as child:
+        harness.wait(child.ready.is_set, "the child process started")
+        harness.start(writers=2, readers=2, seed=20)
+        harness.run_on(PHASE_OPS)
+        harness.claims_allowed.clear()
+        child.go()
+        harness.wait(
+            lambda: (
+                harness.recorder.completed(child.name) >= 40
+                and harness.fenced >= {"writer-0", "writer-1"}
+            ),
+            "the child writing and every writer fenced",
+        )
+        with harness.fault(), harness.stopped() as since:
+            # A write sent after the stop cannot be answered: the child's last write is of
+            # unknown outcome, in flight at the kill (or timed out just before it).
+            harness.wait(
+                lambda: any(
+                    f.process == child.name and f.invoked_ns >= since
+                    for f in harness.recorder.in_flight()
+                ),
+                "a write of the child's held by the stopped server",
+            )
+            child.kill()
+    harness.claims_allowed.set()
+    harness.run_on(PHASE_OPS)
+    history = harness.finish()
+    summary = checked(history, harness.recorder, "client process killed")
+    by_child = [op for op in history if op.process == "child"]
+    assert by_child[0].call.name is OpName.CLAIM
+    assert by_child[0].status is Status.OK
+    assert by_child[-1].status is Status.UNKNOWN
+    assert by_child[-1].invoked_ns >= since  # sent to the stopped server: never answered
+    assert summary.stale >= 2  # both writers were fenced by the child's claim
+    assert summary.claims >= 3  # the first owner, the child, the first owner again
+
+
+# -- (c) an empty restart of the server ---------------------------------------------------
+
+
+def test_a_history_across_an_empty_restart_is_linearizable_with_the_restart_in_it(
+    harness: Harness,
+) -> None:
+    """The server is killed and a fresh, empty one started on the same port: the
+    restart is an operation of the history; the owner's writes after it are fenced
+    until a writer claims again."""
+    harness.start(writers=3, readers=2, seed=30)
+    harness.run_on(PHASE_OPS)
+    with harness.fault(), harness.recorder.span("harness", Call(OpName.RESTART)):
+        harness.server.kill()
+        harness.wait(harness.all_troubled, "every client refused")
+        harness.server.restart()
+    harness.wait(lambda: harness.claims >= 2, "a claim on the new server")
+    harness.run_on(PHASE_OPS)
+    summary = checked(harness.finish(), harness.recorder, "empty restart")
+    assert summary.restarts == 1
+    assert summary.stale >= 1  # the old epoch was refused by the new server
+    assert summary.claims >= 2
+
+
+# -- a broken client must be caught -------------------------------------------------------
+
+GATED = (201, 202)
+"""Hashes only the gated write registers (no other operation touches them)."""
+GATED_IDS = (901, 902)
+
+
+@dataclass
+class Gate:
+    """Lets one reader in while the gated write is half done (or, atomic, under way)."""
+
+    half: threading.Event
+    looked: threading.Event
+
+    def hold(self) -> None:
+        self.half.set()
+        if not self.looked.wait(DEADLINE):
+            raise AssertionError("the gated reader never looked")
+
+
+class SplitRegisterRegistry(PrefixCacheRegistry):
+    """A broken owner: ``register_kv`` as one HSET per pair, yielding between them (not
+    atomic, and not fenced); the gated write waits between its first two HSETs."""
+
+    gate: Gate
+
+    def _register_kv(self, entries: dict[int, int]) -> None:
+        for i, (h, block_id) in enumerate(entries.items()):
+            if i == 1 and GATED[0] in entries:
+                self.gate.hold()
+            elif i:
+                time.sleep(0)  # a yield: other threads may see half a write
+            self.client.hset(self.keys.kv, str(h), str(block_id))
+
+
+class GatedAtomicRegistry(PrefixCacheRegistry):
+    """The control: the real, atomic ``register_kv``; the gated write waits just before
+    its one script runs."""
+
+    gate: Gate
+
+    def _register_kv(self, entries: dict[int, int]) -> None:
+        if GATED[0] in entries:
+            self.gate.hold()
+        super()._register_kv(entries)
+
+
+@pytest.mark.parametrize(
+    ("owner_class", "verdict"),
+    [
+        pytest.param(SplitRegisterRegistry, Verdict.NOT_LINEARIZABLE, id="split-hsets"),
+        pytest.param(GatedAtomicRegistry, Verdict.LINEARIZABLE, id="atomic-control"),
+    ],
+)
+def test_a_register_kv_done_as_separate_hsets_is_caught(
+    harness: Harness, owner_class: type[PrefixCacheRegistry], verdict: Verdict
+) -> None:
+    """Background writers and a reader run; one write of two dedicated hashes stops at
+    its gate, a reader reads them and lets it go on. Split into HSETs, the reader sees
+    the first hash only, which no order explains; atomic, it sees neither."""
+    gate = Gate(threading.Event(), threading.Event())
+
+    def make_owner(client: Any, namespace: str) -> PrefixCacheRegistry:
+        owner = owner_class(client, namespace)
+        owner.gate = gate  # type: ignore[attr-defined]
+        return owner
+
+    def write() -> None:
+        owner = harness.owner
+        assert owner is not None
+        call = Call(OpName.REGISTER_KV, GATED, GATED_IDS, epoch=owner.epoch)
+        harness.recorder.run("gated-writer", owner, call)
+
+    def read() -> None:
+        if not gate.half.wait(DEADLINE):
+            raise AssertionError("the gated write never reached its gate")
+        reader = harness.connect()
+        harness.recorder.run("gated-reader", reader, Call(OpName.MATCH_KV_PREFIX, GATED))
+        gate.looked.set()
+
+    harness.make_owner = make_owner
+    harness.clears = False  # a clear between the HSETs would hide the half-written state
+    harness.start(writers=2, readers=1, seed=40)
+    harness.run_on(PHASE_OPS // 2)
+    harness.spawn("gated-reader", read)
+    harness.spawn("gated-writer", write)
+    harness.wait(gate.looked.is_set, "the gated read")
+    harness.run_on(PHASE_OPS // 2)
+    history = harness.finish()
+    seen = next(op for op in history if op.process == "gated-reader")
+    half = PrefixMatch(GATED_IDS[:1], GATED[0])
+    assert seen.value == (half if verdict is Verdict.NOT_LINEARIZABLE else PrefixMatch((), 0))
+    result = check(history, budget=STEP_BUDGET)
+    print(f"{owner_class.__name__}: {len(history)} operations, {result.verdict.value}")
+    if result.verdict is not Verdict.LINEARIZABLE:
+        print(explain(history, result))
+    assert result.verdict is verdict, explain(history, result)
+    # Without clears, only the gated pair touches its hashes: its own history (after the
+    # first claim) is judged alike, and a rejection names the gated read.
+    pair = [op for op in history if op.process in ("owner", "gated-writer", "gated-reader")]
+    alone = check(pair, budget=STEP_BUDGET)
+    assert alone.verdict is verdict, explain(pair, alone)
+    if verdict is Verdict.NOT_LINEARIZABLE:
+        assert "cannot place #2: " in explain(pair, alone)
+        assert "gated-reader: match_kv_prefix(hashes=[201, 202])" in explain(pair, alone)
