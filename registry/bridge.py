@@ -40,7 +40,10 @@ atomic, in order, never partial. What a bridged namespace holds:
   a message, or an answer to a replay probe (sent when the engine has been quiet for a
   third of the lease or of ``silence_timeout``, whichever is shorter; it waits
   ``PROBE_TIMEOUT`` for the answer, and an engine that does not answer is probed at
-  doubling intervals, up to once per ``silence_timeout``). Once the engine is silent
+  doubling intervals, up to once per ``silence_timeout``). A probe asks from the batch
+  applied last: a replay that no longer holds it (or holds another payload under its
+  seq) comes from a restarted engine, and the namespace restarts at once, before the
+  new process has said anything. Once the engine is silent
   for ``silence_timeout`` seconds the lease is left to run out, so routers stop
   scoring it.
 - **Faults.** A batch that does not decode is counted (by kind, logged once) and
@@ -280,6 +283,9 @@ class Follower:
         self.counts = FollowerCounts()
         self.block_size = source.block_size
         self.last: int | None = None  # last engine seq applied (or skipped as bad)
+        # Its payload's fingerprint (None after a resume): a probe checks the engine's
+        # replay still holds that very batch, else the engine restarted.
+        self.last_fingerprint: bytes | None = None
         # Seqs applied from a replay that the subscription may deliver again, with their
         # payloads' fingerprints; emptied once the subscription passes the last of them.
         self.window: dict[int, bytes] = {}
@@ -426,7 +432,7 @@ class Follower:
             self.counts.messages += 1
             self._bad("payload", exc)
             if last is not None and seq == last + 1:
-                self._advance(seq)
+                self._advance(seq, payload)
             return
         if last is not None and seq != last + 1:
             self._flush()
@@ -453,11 +459,12 @@ class Follower:
             self.window = {}  # the subscription went past the replay: no copies to come
         self.counts.messages += 1
         self.pending.extend(self._operations(batch))
-        self._advance(seq)
+        self._advance(seq, payload)
         self.counts.batches += 1
 
-    def _advance(self, seq: int) -> None:
+    def _advance(self, seq: int, payload: bytes) -> None:
         self.last = seq
+        self.last_fingerprint = _fingerprint(payload)
         self.pending_seq = seq
 
     def _recover(self, start: int, *, initial: bool = False) -> list[Frames]:
@@ -743,24 +750,11 @@ class Follower:
                 return
         quiet = now - self.last_heard
         if self.probe is not None and quiet >= self.probe_interval and now >= self.next_probe:
-            self.counts.probes += 1
-            start = SEQ_LIMIT // 2 - 1 if self.last is None else self._next_seq()
-            batches = self.probe(start)
-            # An engine that does not answer is probed less and less often (up to once per
-            # silence_timeout), so dead engines cannot stall the loop that serves the others.
-            self.probe_failures = self.probe_failures + 1 if batches is None else 0
-            backoff = min(
-                2 ** min(self.probe_failures, 16), self.silence_timeout / self.probe_interval
-            )
-            self.next_probe = self.clock() + self.probe_interval * max(1.0, backoff)
-            if batches is not None:
-                self.last_heard = self.clock()
-                run = _contiguous(batches)
-                if run and run[0][0] == start:  # published, and the subscription lost it
-                    self.offer(self._replayed(run))
-                elif run:  # a gap the replay does not reach back to: handled as one
-                    topic = self.source.topic.encode()
-                    self.offer([topic, s.to_bytes(8, "big"), p] for s, p in run)
+            try:
+                self._probe()
+            except _Blocked:
+                self.blocked_until = self.clock() + 0.5
+                return
             quiet = self.clock() - self.last_heard
         if quiet >= self.silence_timeout:
             if "silent" not in self._logged:
@@ -782,6 +776,53 @@ class Follower:
                 self.counts.redis_errors += 1
                 self._once(f"renew:{type(exc).__name__}", f"lease renewal failed: {exc}")
                 self.next_renewal = now + 0.5
+
+    def _probe(self) -> None:
+        """Ask a quiet engine's replay socket for its batches from the last one applied
+        on: the answer proves it is alive, brings what the subscription lost, and shows
+        a restart the engine has not spoken of yet (its replay no longer holds that
+        batch: the namespace restarts and takes what the new process published)."""
+        self.counts.probes += 1
+        last = self.last
+        start = SEQ_LIMIT // 2 - 1 if last is None else last
+        batches = self.probe(start) if self.probe is not None else None
+        # An engine that does not answer is probed less and less often (up to once per
+        # silence_timeout), so dead engines cannot stall the loop that serves the others.
+        self.probe_failures = self.probe_failures + 1 if batches is None else 0
+        backoff = min(2 ** min(self.probe_failures, 16), self.silence_timeout / self.probe_interval)
+        self.next_probe = self.clock() + self.probe_interval * max(1.0, backoff)
+        if batches is None:
+            return
+        self.last_heard = self.clock()
+        run = _contiguous(batches)
+        if last is not None:
+            known = self.last_fingerprint
+            if not run or (
+                run[0][0] == last and known is not None and _fingerprint(run[0][1]) != known
+            ):
+                self._quiet_restart(last)
+                return
+            if run[0][0] == last:
+                run = run[1:]  # the batch applied last: the same engine
+        if run and run[0][0] == self._next_seq():  # published, and the subscription lost it
+            self.offer(self._replayed(run))
+        elif run:  # a gap the replay does not reach back to: handled as one
+            topic = self.source.topic.encode()
+            self.offer([topic, s.to_bytes(8, "big"), p] for s, p in run)
+
+    def _quiet_restart(self, last: int) -> None:
+        """The engine's replay no longer holds batch ``last`` (or holds another one under
+        that seq): a new process. Restart the namespace and take what it published."""
+        log.warning(
+            "%s: the engine's replay no longer holds seq %d: the engine restarted", self._name, last
+        )
+        self._restart(f"the engine restarted (its replay no longer holds seq {last})")
+        self.counts.engine_restarts += 1
+        self.window, self.window_end = {}, -1  # the old engine's messages
+        self.last_fingerprint = None
+        replayed = self._recover(0, initial=True)
+        if replayed:
+            self.offer(replayed)
 
     # -- logging -----------------------------------------------------------------------------
 

@@ -1356,7 +1356,8 @@ def test_probes_keep_an_idle_engine_live(rig: Rig, client: Any, frames: int) -> 
     assert (c["silent"], c["gaps"], c["restarts"], c["replay_failures"]) == (0, 0, 0, 0), c
     assert registry.info().state == "live"
     assert engine.replay_requests[0] == 0
-    assert engine.replay_requests[1:] == [seq + 1] * (len(engine.replay_requests) - 1)
+    # Probes ask from the batch applied last: its being there proves the same engine.
+    assert engine.replay_requests[1:] == [seq] * (len(engine.replay_requests) - 1)
     # A probe finds what the subscription lost, and applies it.
     seq = engine.publish([removed(hashes[1:])], send=False)
     wait_applied(client, ns, seq, bridge)

@@ -539,3 +539,58 @@ def test_unanswered_probes_back_off_and_answered_ones_reset(client: Any) -> None
         f.tick()
     assert len(probes) - before >= 4
     assert engine.requests[: len(engine.requests) - len(probes)] == [0]  # only the start replay
+
+
+def test_a_probe_finds_an_engine_that_restarted_without_a_word(client: Any) -> None:
+    """The engine restarted and has published nothing since (or its first batches were
+    lost): the probe, asking from the batch applied last, gets nothing back, so the
+    namespace restarts empty at once instead of listing the old process's blocks."""
+    engine, clock = FakeEngine(), Clock()
+    a, ha = chain(31, 3)
+    f = follower(client, engine, clock, lease_ttl=3.0, silence_timeout=30.0)
+    f.start()
+    f.offer([engine.publish([stored(ha, None, a, BS)])])
+    assert kv(client) == listed((a, 3))
+    engine.restart()
+    clock.now += 1.5
+    f.tick()
+    assert kv(client) == {}
+    assert (f.counts.engine_restarts, f.counts.restarts) == (1, 1)
+    assert engine.requests[-2:] == [0, 0]  # the probe from seq 0, then the replay from 0
+    b, hb = chain(32, 2, b"engine-2")
+    f.offer([engine.publish([stored(hb, None, b, BS)])])  # the new engine's seq 0
+    assert kv(client) == listed((b, 2))
+    assert f.counts.engine_restarts == 1
+
+
+def test_a_probe_tells_a_new_engines_batch_from_the_old_one_under_one_seq(client: Any) -> None:
+    """A restarted engine whose lost batches already reach past the old seq: its batch
+    under that seq is another payload, so the namespace restarts and takes the new
+    engine's batches from 0."""
+    engine, clock = FakeEngine(), Clock()
+    a, ha = chain(33, 2)
+    f = follower(client, engine, clock, lease_ttl=3.0, silence_timeout=30.0)
+    f.start()
+    f.offer([engine.publish([stored(ha, None, a, BS)])])  # seq 0
+    engine.restart()
+    b, hb = chain(34, 2, b"engine-2")
+    engine.publish([stored(hb, None, b, BS)])  # seq 0 again, lost
+    engine.publish([removed(hb[1:])])  # seq 1, lost
+    clock.now += 1.5
+    f.tick()
+    assert kv(client) == listed((b, 1))
+    assert (f.counts.engine_restarts, f.counts.restarts) == (1, 1)
+
+
+def test_a_probe_of_the_same_quiet_engine_changes_nothing(client: Any) -> None:
+    engine, clock = FakeEngine(), Clock()
+    a, ha = chain(35, 2)
+    f = follower(client, engine, clock, lease_ttl=3.0, silence_timeout=30.0)
+    f.start()
+    f.offer([engine.publish([stored(ha, None, a, BS)])])
+    for _ in range(3):
+        clock.now += 1.5
+        f.tick()
+    assert kv(client) == listed((a, 2))
+    assert (f.counts.probes, f.counts.engine_restarts, f.counts.restarts) == (3, 0, 0)
+    assert engine.requests[1:] == [0, 0, 0]
