@@ -214,10 +214,21 @@ local function well_formed(name)
   return true
 end
 
+-- A namespace that ever held Mamba state in its history (since its owner's claim) is a
+-- hybrid model's node: routers rank it by its Mamba-aware prefix (lua/score.lua), the
+-- others by their KV prefix. Meta's `mamba_seen` says so; set with the first entry.
+local function mamba_seen(meta_key)
+  redis.call('HSET', meta_key, 'mamba_seen', '1')
+end
+
 -- Set the hash -> block id pairs ARGV[first..last] in the Mamba map `key` (in chunks of
 -- CHUNK arguments, an even number: pairs stay whole); returns "<old id>:<hash>" for each
--- hash that moved to another block id (register_mamba's 'replace' notice).
-local function set_mamba_pairs(key, first, last)
+-- hash that moved to another block id (register_mamba's 'replace' notice). Marks the
+-- namespace's `meta_key` (mamba_seen).
+local function set_mamba_pairs(key, meta_key, first, last)
+  if last >= first then
+    mamba_seen(meta_key)
+  end
   local moved = {}
   for from = first, last, CHUNK do
     local to = math.min(from + CHUNK - 1, last)
@@ -240,7 +251,9 @@ end
 -- The fleet index (registry/fleet.py): a shard is a HASH block hash -> bitmap in hex,
 -- most significant digit first, without leading zeros; bit 2*id says the member of local
 -- id `id` holds the block's KV, bit 2*id+1 its Mamba state; "@<id>" -> the epoch the id
--- is stamped with. What one hex digit becomes under each change, for each of the 16 it
+-- is stamped with. The field "0" (no block has hash 0) has the Mamba bit of every member
+-- that ever held Mamba state under its id (a hybrid model's node, as meta's mamba_seen):
+-- every 'mamba+' sets it there too, and nothing but the id's retirement clears it. What one hex digit becomes under each change, for each of the 16 it
 -- can be (in the order 0-9a-f), when the member's KV bit in it is 1 (even ids) or 4 (odd
 -- ids). kv- also clears the Mamba bit, but only where the KV bit was set: evict_kv
 -- cascades only to the Mamba entries of KV entries it removed (a Mamba state registered
@@ -353,6 +366,22 @@ local function index_change(shard, id_text, change, epoch, list, from, to)
       end
     end
     count = count + s / 2 + d
+  end
+  if change == 'mamba+' and to >= from then  -- a hybrid model's node (field "0")
+    local value = redis.pcall('HGET', shard, '0')
+    if type(value) == 'table' then
+      return -2, value.err
+    end
+    local new = fresh
+    if value then
+      new = edited(value)
+    end
+    if new then
+      local done = redis.pcall('HSET', shard, '0', new)
+      if type(done) == 'table' then
+        return -2, done.err
+      end
+    end
   end
   return count
 end

@@ -225,6 +225,9 @@ while i <= n_args do
     write_entries(state)
     flush('HSET', kv, kv_sets)
     flush('HSET', mamba, mamba_sets)
+    if #mamba_sets > 0 then
+      mamba_seen(KEYS[4])
+    end
     i = i + 8
   elseif op == 'R' then
     local slot, n = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])

@@ -35,7 +35,8 @@ local lease_until = digits(now_ms() + tonumber(ARGV[6]))
 redis.call('HSET', KEYS[4], 'epoch', epoch, 'lease_until', lease_until)
 redis.call('UNLINK', KEYS[2], KEYS[3], KEYS[6])
 -- A new owner starts a new history: it is not following an engine until it says so.
-redis.call('HDEL', KEYS[4], 'bridge_seq', 'bridge_engine', 'bridge_endpoint', 'bridge_block_size')
+redis.call('HDEL', KEYS[4], 'bridge_seq', 'bridge_engine', 'bridge_endpoint', 'bridge_block_size',
+  'mamba_seen')
 if ARGV[7] and ARGV[7] ~= '' then
   redis.call('HSET', KEYS[4], 'mirror_epoch', epoch, 'mirror_owner', ARGV[7])
 else

@@ -90,7 +90,7 @@ end
 -- register_mamba.lua: a hash moved to another block id is a 'replace' notice.
 local function register_mamba(first, last)
   history(KEYS[4])
-  local pair_texts = set_mamba_pairs(KEYS[3], first, last)
+  local pair_texts = set_mamba_pairs(KEYS[3], KEYS[4], first, last)
   if #pair_texts > 0 then
     publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'replace', table.concat(pair_texts, ' '))
   end

@@ -26,10 +26,11 @@
 --          register_kv.lua); a retried request returns the first copy's reply;
 --          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
 -- Calls:   GET, HGET, HMGET, HSET, HINCRBY, TIME, XADD, PUBLISH, SET; with upkeep HDEL
+--          (HSET also marks meta's mamba_seen: a hybrid model's node, lua/score.lua)
 local early = begin_write(KEYS[3])
 if early then return early end
 history(KEYS[3])  -- stamps count in the current history's numbers
-local pair_texts = set_mamba_pairs(KEYS[2], 8, #ARGV)
+local pair_texts = set_mamba_pairs(KEYS[2], KEYS[3], 8, #ARGV)
 local notice = ''
 if #pair_texts > 0 then
   notice = publish_notice(KEYS[3], KEYS[4], ARGV[4], ARGV[5], 'replace',

@@ -14,12 +14,16 @@
 --
 -- KEYS[1]  pcr:{node-0}:kv       HASH hash -> KV block id
 -- KEYS[2]  pcr:{node-0}:mamba    HASH hash -> block id with Mamba state
--- KEYS[3]  pcr:{node-0}:meta     HASH lease_until
+-- KEYS[3]  pcr:{node-0}:meta     HASH lease_until, mamba_seen
 -- ARGV[1]  "0008815920390121000..."  the prompt's block hashes, 19 digits each
 -- ARGV[2]  "1" or "0"                  hybrid: "0" skips the Mamba lookup (reports 0)
 --
 -- Returns: -1 when the namespace has no live lease (dead nodes are never scored), else
---          { KV prefix length, Mamba-aware prefix length (<= the KV prefix) }.
+--          { KV prefix length, Mamba-aware prefix length (<= the KV prefix) }, and with
+--          hybrid "1" and a KV prefix, a third value: 1 if the namespace held Mamba
+--          state since its owner's claim (meta's mamba_seen: a hybrid model's node, which
+--          can reuse the Mamba-aware prefix), 0 if never (an attention-only node: it
+--          reuses its KV prefix).
 -- Calls:   TIME, HGET, HEXISTS, HLEN, HKEYS, HMGET
 local WIDTH = 19
 local FEW_MAMBA = 16  -- up to this many Mamba entries, look each up in the prompt
@@ -32,10 +36,12 @@ local function hash_at(i)
   return string.sub(packed, first, last)
 end
 
-local lease_until = redis.call('HGET', KEYS[3], 'lease_until')
+local meta = redis.call('HMGET', KEYS[3], 'lease_until', 'mamba_seen')
+local lease_until = meta[1]
 if not lease_until or tonumber(lease_until) <= now_ms() then
   return -1
 end
+local hybrid_node = meta[2] and 1 or 0  -- it held Mamba state: a hybrid model's node
 local low, high = 0, math.floor(#packed / WIDTH)  -- hashes 1..low cached; high+1.. not
 while low < high do
   local middle = math.floor((low + high + 1) / 2)
@@ -50,7 +56,7 @@ if ARGV[2] == '0' or low == 0 then
 end
 local entries = redis.call('HLEN', KEYS[2])
 if entries == 0 then
-  return {low, 0}
+  return {low, 0, hybrid_node}
 end
 
 -- HMGET of the hashes first..last; the farthest position with Mamba state, or nil.
@@ -72,10 +78,10 @@ end
 local last = math.max(0, low - 8)
 local found = farthest_in(last + 1, low)
 if found then
-  return {low, found}
+  return {low, found, hybrid_node}
 end
 if last == 0 then
-  return {low, 0}
+  return {low, 0, hybrid_node}
 end
 if entries <= FEW_MAMBA then
   -- Few entries, none near the end: find each of them in the packed prompt instead of
@@ -94,16 +100,16 @@ if entries <= FEW_MAMBA then
       at = string.find(packed, padded, at + 1, true)
     end
   end
-  return {low, farthest}
+  return {low, farthest, hybrid_node}
 end
 local size = 32
 while last >= 1 do
   local first = math.max(1, last - size + 1)
   found = farthest_in(first, last)
   if found then
-    return {low, found}
+    return {low, found, hybrid_node}
   end
   last = first - 1
   size = math.min(size * 4, CHUNK)
 end
-return {low, 0}
+return {low, 0, hybrid_node}

@@ -362,7 +362,12 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             try:
                 kv, mamba = self.entries()
                 calls = stamp_calls(self._fleet, fresh, self._fence)
-                for change, hashes in (("kv+", list(kv)), ("mamba+", list(mamba))):
+                mamba_hashes = list(mamba)
+                if not mamba_hashes and self._read(
+                    "reindex", self.client.hget, self.keys.meta, "mamba_seen"
+                ):
+                    mamba_hashes = [0]  # a hybrid model's node without an entry now: field 0
+                for change, hashes in (("kv+", list(kv)), ("mamba+", mamba_hashes)):
                     for first in range(0, len(hashes), REBUILD_CHUNK):
                         part = hashes[first : first + REBUILD_CHUNK]
                         calls += update_calls(

@@ -48,7 +48,7 @@ class NodeScore:
     kv_prefix: int  # leading blocks with KV cached
     mamba_prefix: int  # leading blocks usable with Mamba state (farthest checkpoint <= kv_prefix);
     # 0 from a router built with hybrid=False, which skips the Mamba lookup
-    usable: int  # what routing ranks by: mamba_prefix for hybrid models, else kv_prefix
+    usable: int  # what routing ranks by: what this node's engine can reuse (see Hybrid)
 
     @classmethod
     def of(cls, namespace: str, kv_prefix: int, mamba_prefix: int, usable: int) -> NodeScore:
@@ -71,7 +71,7 @@ class PrefixRouter:
         client: Any,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         *,
-        hybrid: bool = True,
+        hybrid: bool | None = None,
         live_cache_ttl: float = 1.0,
         exact: bool = False,
     ) -> None:
@@ -79,7 +79,7 @@ class PrefixRouter:
             raise TypeError("exact must be True or False")
         self.client = client
         self.key_prefix = key_prefix
-        self.hybrid = hybrid
+        self.hybrid = checked_hybrid(hybrid)
         self.live_cache_ttl = live_cache_ttl
         self.exact = exact
         self._index = NodeIndex(client, key_prefix)
@@ -208,7 +208,7 @@ class IndexPlan:
         key_prefix: str,
         keys_cache: dict[str, NamespaceKeys],
         *,
-        hybrid: bool,
+        hybrid: bool | None,
         cluster: bool,
         known: MemberList,
         ttl: float,
@@ -230,7 +230,11 @@ class IndexPlan:
             ids = known.members
             self.groups = sorted({ids[n] % GROUPS for n in chosen if n in ids})
         self.unread: list[str] = []
-        lookups = lookup_calls(fleet, wanted, self.groups)
+        # hybrid=None also reads each shard's field "0": its members' Mamba bits say which
+        # are hybrid models' nodes (ranked by the Mamba-aware prefix, the others by KV).
+        lookups = lookup_calls(
+            fleet, [*wanted, 0] if wanted and hybrid is None else wanted, self.groups
+        )
         self._exact = sorted(bare if chosen is None else bare & chosen)
         exact: list[tuple[Any, tuple[Any, ...]]] = []
         if self._exact:
@@ -255,18 +259,28 @@ class IndexPlan:
             wanted = {n: members[n] for n in chosen if n in members}
         read = len(self.groups) if self.wanted else 0
         values = dict(zip(self.groups, replies[1 : 1 + read], strict=False))
+        hybrid_bits: dict[int, int] = {}
+        if hybrid is None and values:
+            hybrid_bits = {g: _bits(v[-1]) for g, v in values.items()}
+            values = {g: v[:-1] for g, v in values.items()}
         known = self.known
         masks = known.masks if wanted is known.members else group_masks(wanted.values())
-        kv_end, mamba_end = group_prefixes(masks, values, hybrid=hybrid)
+        kv_end, mamba_end = group_prefixes(masks, values, hybrid=hybrid is not False)
         everything = len(self.wanted)
         result: dict[str, NodeScore] = {}
         for name, member in wanted.items():
-            if everything and member % GROUPS not in values:
+            group = member % GROUPS
+            if everything and group not in values:
                 self.unread.append(name)
                 continue
             kv = kv_end.get(member, everything)
             mamba = mamba_end.get(member, 0)
-            result[name] = NodeScore.of(name, kv, mamba, mamba if hybrid else kv)
+            if hybrid is None:
+                reuses_mamba = hybrid_bits.get(group, 0) >> (2 * (member // GROUPS) + 1) & 1
+                usable = mamba if reuses_mamba else kv
+            else:
+                usable = mamba if hybrid else kv
+            result[name] = NodeScore.of(name, kv, mamba, usable)
         exact_replies = replies[1 + read :]
         result.update(scores_from_replies(self._exact, exact_replies, hybrid=hybrid))
         return result
@@ -322,11 +336,11 @@ def score_calls(
     key_prefix: str,
     keys_cache: dict[str, NamespaceKeys],
     *,
-    hybrid: bool,
+    hybrid: bool | None,
 ) -> list[tuple[tuple[str, str, str], tuple[bytes, str]]]:
     """The (keys, args) of one ``score`` script call per namespace (``keys_cache`` keeps
     each namespace's key names between calls)."""
-    mode = "1" if hybrid else "0"
+    mode = "0" if hybrid is False else "1"
     calls = []
     for name in names:
         keys = keys_cache.get(name)
@@ -341,16 +355,44 @@ def routing_context(names: Sequence[str]) -> str:
     return f"routing over {len(names)} namespaces"
 
 
+def _bits(value: Any) -> int:
+    """An index value (hex, or None) as its bitmap; anything else as none."""
+    if value is None:
+        return 0
+    try:
+        return int(value, 16)
+    except (TypeError, ValueError):
+        return 0
+
+
+def checked_hybrid(hybrid: object) -> bool | None:
+    """``hybrid`` as a router takes it: None (the default) ranks each namespace by what
+    its engine can reuse: the Mamba-aware prefix where the namespace holds Mamba state
+    (a hybrid model's node: meta's ``mamba_seen``, set by its first Mamba entry since
+    its owner's claim), the KV prefix where it never held any (an attention-only node).
+    True ranks every namespace by the Mamba-aware prefix, False by the KV prefix (and
+    skips the Mamba lookup)."""
+    if hybrid is not None and not isinstance(hybrid, bool):
+        raise TypeError(f"hybrid must be True, False or None, not {type(hybrid).__name__}")
+    return hybrid
+
+
 def scores_from_replies(
-    names: Sequence[str], replies: Sequence[Any], *, hybrid: bool
+    names: Sequence[str], replies: Sequence[Any], *, hybrid: bool | None
 ) -> dict[str, NodeScore]:
-    """The scripts' replies as scores; a namespace without a live lease (-1) is left out."""
+    """The scripts' replies as scores; a namespace without a live lease (-1) is left out.
+    With ``hybrid=None`` each reply's third value says whether its namespace is a hybrid
+    model's node, and so which prefix its engine can reuse."""
     scores = {}
     for name, reply in zip(names, replies, strict=True):
         if reply == -1:
             continue  # no live lease: never scored
         kv_prefix, mamba_prefix = int(reply[0]), int(reply[1])
-        usable = mamba_prefix if hybrid else kv_prefix
+        if hybrid is None:
+            reuses_mamba = len(reply) > 2 and int(reply[2]) == 1
+            usable = mamba_prefix if reuses_mamba else kv_prefix
+        else:
+            usable = mamba_prefix if hybrid else kv_prefix
         scores[name] = NodeScore(name, kv_prefix, mamba_prefix, usable)
     return scores
 

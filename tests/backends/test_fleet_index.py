@@ -113,11 +113,12 @@ def routers(client: Any, prefix: str, *, hybrid: bool) -> tuple[PrefixRouter, Pr
 
 
 def index_bits(client: Any, shard: str) -> dict[int, int]:
-    """Every field of an index shard: block hash -> bitmap."""
+    """Every block field of an index shard: block hash -> bitmap (not the stamps, not
+    field "0": the hybrid models' nodes)."""
     found: dict[int, int] = {}
     for field, value in client.hgetall(shard).items():
         name = field.decode() if isinstance(field, bytes) else field
-        if not name.startswith("@"):  # member ids' stamps
+        if not name.startswith("@") and name != "0":  # member ids' stamps, hybrid nodes
             found[int(name)] = bitmap(value)
     return found
 

@@ -56,8 +56,9 @@ def index_view(mirror: MirroredRegistry) -> tuple[set[int], set[int]]:
     shard = FleetKeys(mirror.inner.keys.key_prefix).shards[member % GROUPS]
     local = member // GROUPS  # its bits in its group's shard
     for field, value in mirror.inner.client.hgetall(shard).items():
-        if (field.decode() if isinstance(field, bytes) else field).startswith("@"):
-            continue  # a member id's stamp (lua/index_update.lua, "Fencing")
+        name = field.decode() if isinstance(field, bytes) else field
+        if name.startswith("@") or name == "0":
+            continue  # a member id's stamp (lua/index_update.lua, "Fencing"); hybrid nodes
         bits = bitmap(value)
         if bits >> (2 * local) & 1:
             kv.add(int(field))

@@ -1482,7 +1482,9 @@ def test_a_bridged_namespace_on_a_real_cluster(redis_cluster: Any) -> None:
         assert kv(cluster, s2.namespace) == listed((tokens, 5))
         assert mamba(cluster, s2.namespace) == {own(tokens)[2]: 2}
         scores = PrefixRouter(cluster, live_cache_ttl=0).score(own(tokens))
-        assert scores[s1.namespace] == NodeScore(s1.namespace, 4, 0, 0)
+        # The default router ranks each by what its engine reuses: the attention-only
+        # engine by its KV prefix, the hybrid one by its Mamba-aware prefix.
+        assert scores[s1.namespace] == NodeScore(s1.namespace, 4, 0, 4)
         assert scores[s2.namespace] == NodeScore(s2.namespace, 5, 3, 3)
         assert counts(bridge, s1.namespace)["gaps"] == 1
         for ns in (s1.namespace, s2.namespace):
