@@ -867,7 +867,8 @@ def test_a_sentinel_url_to_a_dead_port_is_one_line(
 ) -> None:
     url = f"redis+sentinel://127.0.0.1:{targets.dead_port}/mymaster"
     line = one_line(capsys, 1, "stats", "--redis-url", url)
-    assert "No master found" in line
+    assert "no sentinel names a master" in line, line
+    assert f"127.0.0.1:{targets.dead_port}" in line, line
 
 
 def test_a_redis_error_escaping_every_handler_is_translated(
