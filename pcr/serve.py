@@ -3,23 +3,69 @@
 FastAPI and uvicorn (the ``serve`` extra) are imported only when the command runs, so
 the rest of ``pcr`` works without them. The port is bound here, before uvicorn starts,
 so a port in use is the usual one-line error.
+
+uvicorn runs with deadlines of its own protocol class (``uvicorn_config``): a request's
+headers must arrive within ``--header-timeout`` seconds of the connection opening (or of
+the request's first byte on a kept-alive connection), its body within
+``--body-timeout`` seconds of its headers, so a slow client cannot hold a connection;
+malformed HTTP, and a request too slow, get the service's JSON error shape, not
+uvicorn's text.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import importlib
+import math
 import signal
 import socket
 from collections.abc import Iterator
 from typing import Any
 
-from pcr.common import CommandError, UsageError, _port, _scheme, _where
+from pcr.common import CommandError, UsageError, _int_in, _port, _scheme, _where
 from registry.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
 
 SERVE_SCHEMES = (*PLAIN_SCHEMES, *CLUSTER_SCHEMES)
 NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn"}  # module: package
+
+DEFAULT_MAX_CONNECTIONS = 64
+"""Requests using Redis at once, and connections per Redis node: one event loop's worth
+(each request holds a connection for a round trip of ~0.1 ms; the loop, not Redis, is
+what runs out first)."""
+DEFAULT_POOL_TIMEOUT = 5.0
+"""Seconds a request waits for its turn before 503: past Redis' own bounds (1 s connect,
+2 s read, one retry), so only a Redis that hangs or a service overloaded for seconds
+reaches it."""
+HEADER_TIMEOUT = 10.0
+"""Seconds for a request's headers, from the connection's start or the request's first byte."""
+BODY_TIMEOUT = 20.0
+"""Seconds for a request's body, from its headers: a 1M-token body (~8 MB of JSON) needs
+~4 Mbit/s, the 32 MiB limit ~14 Mbit/s; a slow client holds a connection 30 s at most."""
+KEEP_ALIVE_TIMEOUT = 5
+"""Seconds an idle keep-alive connection stays open (uvicorn's default)."""
+LINGER = 2.0
+"""Seconds a connection stays half-open after its last answer, for the answer to arrive."""
+MAX_TIMEOUT = 3600.0
+MAX_CONNECTIONS = 10_000
+"""The largest ``--max-connections`` (Redis' own default ``maxclients``)."""
+
+_connections = _int_in(1, MAX_CONNECTIONS, "connection count")
+_keep_alive = _int_in(1, int(MAX_TIMEOUT), "keep-alive timeout")
+
+
+def _timeout(text: str) -> float:
+    """An argparse type: a finite number of seconds in (0, MAX_TIMEOUT]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r:.60}") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"seconds must be a finite number in (0, {MAX_TIMEOUT:.0f}], not {text!r:.60}"
+        )
+    return value
 
 
 def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
@@ -38,10 +84,50 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     serve.add_argument(
         "--hybrid",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="rank by the Mamba-usable prefix (default); --no-hybrid ranks by the KV prefix",
+        default=None,
+        help="rank every node by the Mamba-usable prefix (--hybrid) or by the KV prefix "
+        "(--no-hybrid); default: each by what its engine reuses (the Mamba-usable prefix "
+        "where the namespace held Mamba state, else the KV prefix)",
     )
+    _limit_options(serve)
     serve.set_defaults(handler=command_serve, command_parser=serve)
+
+
+def _limit_options(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--max-connections",
+        type=_connections,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="requests using Redis at once, and Redis connections (per node of a cluster); "
+        f"the others wait their turn (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    serve.add_argument(
+        "--pool-timeout",
+        type=_timeout,
+        default=DEFAULT_POOL_TIMEOUT,
+        help="seconds a request waits for a free connection before 503 "
+        f"(default {DEFAULT_POOL_TIMEOUT:g})",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=_timeout,
+        default=HEADER_TIMEOUT,
+        help="seconds for a request's headers to arrive; then 408 and the connection "
+        f"closes (default {HEADER_TIMEOUT:g})",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=_timeout,
+        default=BODY_TIMEOUT,
+        help="seconds for a request's body to arrive after its headers; then 408 and the "
+        f"connection closes (default {BODY_TIMEOUT:g})",
+    )
+    serve.add_argument(
+        "--keep-alive-timeout",
+        type=_keep_alive,
+        default=KEEP_ALIVE_TIMEOUT,
+        help=f"seconds an idle keep-alive connection stays open (default {KEEP_ALIVE_TIMEOUT})",
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -82,6 +168,182 @@ def _server_class() -> Any:
     return Server
 
 
+def _protocol_class(header_timeout: float, body_timeout: float) -> type[Any]:
+    """uvicorn's h11 protocol with the request deadlines, and JSON for what uvicorn
+    answers itself (malformed HTTP: 400, headers over h11's limit: 431)."""
+    from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE as h11_limit
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        """A connection whose client must send each request's headers within
+        ``header_timeout`` seconds (of the connection opening, or of the request's first
+        byte on a kept-alive connection) and its body within ``body_timeout`` seconds of
+        its headers. Past a deadline the client gets 408 JSON (a new connection that sent
+        nothing is only closed, as an idle keep-alive one is) and the connection closes."""
+
+        _deadline: asyncio.TimerHandle | None = None
+        _waiting_for: str | None = None
+        _lingering = False
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            self._watch()
+
+        def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return  # after the last answer: read and drop until the client closes
+            super().data_received(data)
+            self._watch()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._watch()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop()
+            super().connection_lost(exc)
+
+        def _watch(self) -> None:
+            """Arm the deadline of what the connection now waits for from the client."""
+            waiting = _awaited(self)
+            if waiting == self._waiting_for:
+                return  # the same wait goes on: its deadline stands
+            self._stop()
+            self._waiting_for = waiting
+            if waiting is not None:
+                self._unset_keepalive_if_required()  # a request has begun: not idle
+                seconds = header_timeout if waiting == "headers" else body_timeout
+                self._deadline = self.loop.call_later(seconds, self._expired, seconds)
+
+        def _stop(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self, seconds: float) -> None:
+            self._deadline = None
+            if not self.transport.is_closing():
+                what = self._waiting_for
+                _time_out(self, f"the request's {what} did not arrive within {seconds:g} s")
+
+        def linger(self) -> None:
+            """Half-close after a last answer (``_linger``)."""
+            self._stop()
+            self._unset_keepalive_if_required()
+            self._lingering = _linger(self.transport)
+
+        def send_400_response(self, msg: str) -> None:
+            _malformed(self, self.config.h11_max_incomplete_event_size or h11_limit)
+
+    return Protocol
+
+
+def _linger(transport: Any) -> bool:
+    """End a connection after its last answer: send FIN at once and close only when the
+    client does (or after ``LINGER`` seconds), what it still sends read and dropped, so
+    closing with unread data cannot reset the connection and lose the answer on its way
+    (a lingering close, as nginx and Apache do). Whether it lingers (else: closed)."""
+    if not transport.can_write_eof():
+        transport.close()
+        return False
+    transport.write_eof()
+    asyncio.get_running_loop().call_later(LINGER, transport.close)
+    return True
+
+
+def _malformed(protocol: Any, limit: int) -> None:
+    """What uvicorn answers in text (h11 could not parse the request), in JSON: 431 for
+    headers over h11's limit, else 400."""
+    if len(protocol.conn.trailing_data[0]) > limit:
+        _answer(protocol, 431, f"request headers are limited to {limit:,} bytes")
+    else:
+        _answer(protocol, 400, "the request is not valid HTTP/1.1")
+
+
+def _awaited(protocol: Any) -> str | None:
+    """What a connection waits for from its client, under a deadline: a request's
+    ``headers`` (on a new connection, or once a next request has begun), its ``body``, or
+    nothing (the request is in; the connection is idle between requests, which uvicorn's
+    keep-alive timer bounds; or it is closing)."""
+    import h11
+
+    state = protocol.conn.their_state
+    if protocol.transport.is_closing():
+        return None
+    if state is h11.SEND_BODY:
+        return "body"
+    if state is h11.IDLE and (protocol.cycle is None or protocol.conn.trailing_data[0]):
+        return "headers"
+    return None
+
+
+def _time_out(protocol: Any, detail: str) -> None:
+    """A deadline passed: 408 and close, or only close a connection that holds nothing
+    of a next request (as an idle keep-alive connection is closed)."""
+    import h11
+
+    if protocol.conn.their_state is h11.IDLE and not protocol.conn.trailing_data[0]:
+        with contextlib.suppress(h11.LocalProtocolError):
+            protocol.conn.send(h11.ConnectionClosed())
+        protocol.transport.close()
+    else:
+        _answer(protocol, 408, detail)
+
+
+def _answer(protocol: Any, status: int, detail: str) -> None:
+    """Answer ``status`` in the service's JSON shape and close the connection; an answer
+    of the app under way is dropped (only closing is left then)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import STATUS_PHRASES
+
+    from pcr.serve_app import ERROR_KINDS, error_body
+
+    body = error_body(ERROR_KINDS[status], detail)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    events = (
+        h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]),
+        h11.Data(data=body),
+        h11.EndOfMessage(),
+    )
+    with contextlib.suppress(h11.LocalProtocolError):  # a response had started
+        for event in events:
+            protocol.transport.write(protocol.conn.send(event) or b"")
+    cycle = protocol.cycle
+    if cycle is not None and not cycle.response_complete:
+        cycle.disconnected = True  # the app reads a disconnect and sends nothing
+        cycle.message_event.set()
+    protocol.linger()
+
+
+def uvicorn_config(
+    app: Any,
+    *,
+    header_timeout: float = HEADER_TIMEOUT,
+    body_timeout: float = BODY_TIMEOUT,
+    keep_alive_timeout: int = KEEP_ALIVE_TIMEOUT,
+    **options: Any,
+) -> Any:
+    """The ``uvicorn.Config`` ``pcr serve`` runs ``app`` with: its deadlines, no
+    WebSocket upgrades (the app has none), no access log; ``options`` (host, port,
+    log_level, ...) go to ``uvicorn.Config``."""
+    import uvicorn
+
+    options.setdefault("log_level", "warning")
+    return uvicorn.Config(
+        app,
+        http=_protocol_class(header_timeout, body_timeout),
+        ws="none",
+        timeout_keep_alive=keep_alive_timeout,
+        access_log=False,
+        lifespan="on",
+        **options,
+    )
+
+
 def _enable_metrics() -> None:
     """The registry's Prometheus metrics on ``/metrics`` (routing decisions, score
     times), when prometheus-client is installed."""
@@ -107,13 +369,17 @@ def command_serve(args: argparse.Namespace) -> int:
         raise CommandError(
             f"pcr serve needs {' and '.join(missing)}: pip install 'prefix-cache-registry[serve]'"
         )
-    import uvicorn
-
     from pcr.serve_app import create_app
 
     server_class = _server_class()
     _enable_metrics()
-    app = create_app(args.redis_url, key_prefix=args.key_prefix, hybrid=args.hybrid)
+    app = create_app(
+        args.redis_url,
+        key_prefix=args.key_prefix,
+        hybrid=args.hybrid,
+        max_connections=args.max_connections,
+        pool_timeout=args.pool_timeout,
+    )
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(
@@ -121,7 +387,12 @@ def command_serve(args: argparse.Namespace) -> int:
         f"{_where(args.redis_url)}",
         flush=True,
     )
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    config = uvicorn_config(
+        app,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+    )
     server = server_class(config)
     try:
         server.run(sockets=[sock])

@@ -3,36 +3,56 @@
 ``create_app`` builds the application: ``POST /v1/score`` (an ``AsyncPrefixRouter`` on
 ``redis.asyncio``), ``GET /v1/nodes``, ``GET /metrics``, ``GET /health``, ``GET /live``,
 and FastAPI's own ``/docs`` and ``/openapi.json``. Every error is a JSON object
-``{"error": KIND, "detail": ...}``, never a traceback: 422 for a body that breaks the
-schema or the limits (``MAX_HASHES``, ``MAX_TOKENS``, ...), 413 for a body over
-``MAX_BODY_BYTES``, 503 when Redis is unavailable, 500 for other registry faults.
+``{"error": KIND, "detail": ...}`` whose detail never repeats the request: 400 for a
+malformed request, 404 and 405 for a wrong path or method, 413 for a body over
+``MAX_BODY_BYTES``, 422 for a body that is not JSON or breaks the schema or the limits
+(``MAX_HASHES``, ``MAX_TOKENS``, ...), 503 when Redis is unavailable, 500 for other
+registry faults. At most ``max_connections`` requests use Redis at once (each holds at
+most one connection per Redis node, so the pools never run out); the others wait up to
+``pool_timeout`` seconds for their turn. ``/openapi.json`` states every rule the server
+checks: exact integer bounds, the one-of rule of the prompt, the namespace rule.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import decimal
+import functools
 import importlib
+import json
 import logging
 import math
+import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+import unicodedata
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping, Sequence
+from http import HTTPStatus
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.exceptions import HTTPException
 
+from pcr.serve import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
+from registry import metrics as registry_metrics
 from registry.aio_routing import AsyncPrefixRouter, async_client_from_url, bounded_async_options
 from registry.client import CLUSTER_SCHEMES, client_from_url
 from registry.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
 from registry.hashing import block_hashes
-from registry.keys import DEFAULT_KEY_PREFIX, validate_namespace
+from registry.keys import DEFAULT_KEY_PREFIX, MAX_NAME_LENGTH, validate_namespace
 from registry.membership import NodeIndex
 from registry.redis_registry import bounded_options, namespace_infos
 from registry.types import MAX_HASH, NO_HASH
 from registry.validation import prefix_hashes
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _deadline
+else:  # pragma: no cover - redis-py depends on async-timeout there
+    from async_timeout import timeout as _deadline
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +67,114 @@ MAX_SALT = 1_024
 MAX_BODY_BYTES = 32 << 20
 """Larger request bodies are refused with 413 before they are parsed."""
 MAX_ERRORS_SHOWN = 10
+WHOLE_DIGITS = 30
+"""A whole number written with a fraction or an exponent becomes an int up to 10^30 (every
+bound here is below 2^63); larger ones stay floats, refused where an integer belongs."""
 HASH_IN_LOOP = 16_384
 """Token lists longer than this are hashed in a worker thread, not on the event loop."""
 INT64 = 2**63
 
 Hash = Annotated[int, Field(ge=NO_HASH, le=MAX_HASH)]
 Token = Annotated[int, Field(ge=-INT64, le=INT64 - 1)]
+Namespace = Annotated[str, Field(min_length=1, max_length=MAX_NAME_LENGTH)]
+
+NAMESPACE_RULE = (
+    f"1 to {MAX_NAME_LENGTH} characters, none of them whitespace, a control or other "
+    "non-printing character, '{' or '}'"
+)
+
+
+def _refused_by_namespace_rule(char: str) -> bool:
+    """What ``registry.keys.validate_namespace`` refuses in a namespace."""
+    return char in "{}" or char.isspace() or unicodedata.category(char)[0] == "C"
+
+
+@functools.cache
+def namespace_pattern() -> str:
+    """``validate_namespace``'s character rule as a JSON Schema (ECMA-262) pattern: only
+    characters it accepts, from start to end (computed from this Python's Unicode
+    database, as the rule is). A class of what is accepted, not a negated class of what
+    is refused: generators such as Hypothesis' expand a class character by character, and
+    the refused ones are seven times as many. No range touches a surrogate."""
+    ranges: list[list[int]] = []
+    for code in range(sys.maxunicode + 1):
+        if _refused_by_namespace_rule(chr(code)):
+            continue
+        if ranges and ranges[-1][1] == code - 1:
+            ranges[-1][1] = code
+        else:
+            ranges.append([code, code])
+
+    def spelled(code: int) -> str:  # BMP as \uXXXX; above it the character itself
+        return f"\\u{code:04X}" if code <= 0xFFFF else chr(code)
+
+    accepted = "".join(
+        spelled(low) if low == high else f"{spelled(low)}-{spelled(high)}" for low, high in ranges
+    )
+    return f"^[{accepted}]*$"
+
+
+def namespace_schema() -> dict[str, Any]:
+    """The JSON schema of one namespace (an item of ``namespaces``, a key of ``load``)."""
+    return {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_NAME_LENGTH,
+        "pattern": namespace_pattern(),
+        "description": f"a namespace: {NAMESPACE_RULE}",
+    }
+
+
+def _score_request_schema(schema: dict[str, Any]) -> None:
+    """The rules the validators check, stated in ``ScoreRequest``'s JSON schema."""
+    fields = schema["properties"]
+    fields["namespaces"]["anyOf"][0]["items"] = namespace_schema()
+    fields["load"]["anyOf"][0] = {
+        "type": "object",
+        "maxProperties": MAX_NAMESPACES,
+        "propertyNames": namespace_schema(),
+        "additionalProperties": {
+            "type": "number",
+            "minimum": -sys.float_info.max,
+            "maximum": sys.float_info.max,
+        },
+    }
+    absent = {"type": "null"}  # missing or null
+    schema["oneOf"] = [
+        {
+            "title": "block_hashes",
+            "required": ["block_hashes"],
+            "properties": {
+                "block_hashes": {"type": "array"},
+                "token_ids": absent,
+                "block_size": absent,
+                "salt": absent,
+            },
+        },
+        {
+            "title": "token_ids with block_size",
+            "required": ["token_ids", "block_size"],
+            "properties": {
+                "token_ids": {"type": "array"},
+                "block_size": {"type": "integer"},
+                "block_hashes": absent,
+            },
+        },
+    ]
+
+
+def _check_namespace(name: str) -> None:
+    try:
+        validate_namespace(name)
+    except (TypeError, ValueError):
+        raise ValueError(f"a namespace is {NAMESPACE_RULE}") from None  # not the name itself
 
 
 class ScoreRequest(BaseModel):
     """A prompt as block hashes, or as token ids to hash; optionally the namespaces to
     score (default: every live node) and each node's load (ties go to the lowest)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_score_request_schema)
 
     block_hashes: Annotated[list[Hash], Field(max_length=MAX_HASHES)] | None = Field(
         default=None,
@@ -76,10 +191,10 @@ class ScoreRequest(BaseModel):
     salt: Annotated[str, Field(max_length=MAX_SALT)] | None = Field(
         default=None, description="the engines' cache salt, with token_ids"
     )
-    namespaces: Annotated[list[str], Field(max_length=MAX_NAMESPACES)] | None = Field(
+    namespaces: Annotated[list[Namespace], Field(max_length=MAX_NAMESPACES)] | None = Field(
         default=None, description="score only these namespaces (default: every live node)"
     )
-    load: Annotated[dict[str, float], Field(max_length=MAX_NAMESPACES)] | None = Field(
+    load: Annotated[dict[Namespace, float], Field(max_length=MAX_NAMESPACES)] | None = Field(
         default=None, description="namespace -> load; among equal prefixes the lowest wins"
     )
 
@@ -87,16 +202,16 @@ class ScoreRequest(BaseModel):
     @classmethod
     def _namespaces(cls, value: list[str] | None) -> list[str] | None:
         for name in value or ():
-            validate_namespace(name)
+            _check_namespace(name)
         return value
 
     @field_validator("load")
     @classmethod
     def _load(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for name, figure in (value or {}).items():
-            validate_namespace(name)
+            _check_namespace(name)
             if not math.isfinite(figure):
-                raise ValueError(f"load of {name!r} is not a finite number")
+                raise ValueError("a load is a finite number")
         return value
 
     @model_validator(mode="after")
@@ -134,21 +249,104 @@ class NodesReply(BaseModel):
     nodes: list[NodeOut]
 
 
+class HealthReply(BaseModel):
+    status: str
+    redis: str
+    scripts: str
+
+
+class LiveReply(BaseModel):
+    status: str
+
+
 class ErrorReply(BaseModel):
-    error: str
-    detail: Any = None
+    error: str = Field(description="the kind of error")
+    detail: Any = Field(default=None, description="what was wrong; never the request's data")
 
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    413: {"model": ErrorReply, "description": "request body too large"},
-    422: {"model": ErrorReply, "description": "the body breaks the schema or the limits"},
-    500: {"model": ErrorReply, "description": "a registry fault an operator must fix"},
-    503: {"model": ErrorReply, "description": "Redis is unavailable (retry)"},
+ERROR_KINDS = {
+    400: "bad request",
+    404: "not found",
+    405: "method not allowed",
+    408: "request timeout",
+    413: "request too large",
+    422: "invalid request",
+    431: "request headers too large",
+    503: "unavailable",
+}
+"""The ``error`` of each status; a 500 is ``registry fault`` (an operator must act) or
+``internal error`` (a fault of the service), a 503 of ``/health`` is ``unhealthy``."""
+
+ERROR_MEANINGS = {
+    400: "a malformed HTTP request",
+    404: "no endpoint at this path",
+    405: "the endpoint does not take this method (see the Allow header)",
+    408: "the request did not arrive in time",
+    413: f"a body over {MAX_BODY_BYTES:,} bytes",
+    422: "a body that is not JSON, or breaks the schema or the limits",
+    431: "request headers over h11's limit (16 KiB)",
+    500: "a registry fault an operator must fix",
+    503: "Redis is unavailable, or no connection was free in time (retry)",
 }
 
 
-def _error(status: int, kind: str, detail: Any) -> JSONResponse:
-    return JSONResponse({"error": kind, "detail": detail}, status_code=status)
+def _documented(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorReply, "description": ERROR_MEANINGS[code]} for code in codes}
+
+
+SCORE_ERRORS = _documented(400, 408, 413, 422, 500, 503)
+READ_ERRORS = _documented(500, 503)
+
+
+def exact_json(body: bytes) -> Any:
+    """A request body read as JSON Schema reads JSON: a number whose value is whole
+    (``2.0``, ``1e3``, ``9007199254740993.0``) is that integer, exactly (not through a
+    float, which would round it past 2^53); other numbers are floats. ``NaN`` and
+    ``Infinity``, which are not JSON, are refused."""
+
+    def number(text: str) -> int | float:
+        value = decimal.Decimal(text)
+        if value.adjusted() <= WHOLE_DIGITS and value == value.to_integral_value():
+            return int(value)
+        return float(text)  # a fraction, or too large for any bound here
+
+    def constant(text: str) -> Any:
+        raise ValueError(f"{text} is not JSON")
+
+    return json.loads(body, parse_float=number, parse_constant=constant)
+
+
+class ExactRequest(Request):
+    """A request whose ``json()`` is ``exact_json``."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_exact"):
+            self._exact = exact_json(await self.body())
+        return self._exact
+
+
+class ExactRoute(APIRoute):
+    """A route that reads its JSON body with ``exact_json``: the schema's ``integer``
+    admits ``2.0``, so the server must too (FastAPI's ``json.loads`` gives a float)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def read_exactly(request: Request) -> Response:
+            return await handler(ExactRequest(request.scope, request.receive))
+
+        return read_exactly
+
+
+def error_body(kind: str, detail: Any) -> bytes:
+    """The one error shape, encoded (also for ``pcr serve``'s protocol-level answers)."""
+    return json.dumps({"error": kind, "detail": detail}, separators=(",", ":")).encode()
+
+
+def _error(
+    status: int, kind: str, detail: Any, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": kind, "detail": detail}, status_code=status, headers=headers)
 
 
 def _registry_error(exc: RegistryError) -> JSONResponse:
@@ -158,26 +356,87 @@ def _registry_error(exc: RegistryError) -> JSONResponse:
     return _error(500, "registry fault", message)
 
 
-class State:
-    """What the application holds: the clients and the router, made in its loop."""
+class Gate:
+    """At most ``limit`` requests use Redis at once, each holding at most one connection
+    per Redis node, so pools of ``limit`` connections (per node) never run out; the others
+    wait their turn up to ``timeout`` seconds, then get ``RegistryUnavailable`` (503)."""
 
-    def __init__(self, url: str, key_prefix: str, hybrid: bool) -> None:
+    def __init__(self, limit: int, timeout: float) -> None:
+        self.limit = limit
+        self.timeout = timeout
+        self._turns = asyncio.Semaphore(limit)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, operation: str | None = None) -> AsyncIterator[None]:
+        """Hold a turn; ``operation`` names what a refused turn counts as in the metrics."""
+        try:
+            if self._turns.locked():  # no timer (one per request) while turns are free
+                async with _deadline(self.timeout):
+                    await self._turns.acquire()
+            else:
+                await self._turns.acquire()
+        except (TimeoutError, asyncio.TimeoutError):
+            observer = registry_metrics.active
+            if observer is not None and operation is not None:
+                observer.record(operation, "unavailable", None)
+            raise RegistryUnavailable(
+                f"no free Redis connection within {self.timeout:g} s: all {self.limit} "
+                "are busy (retry)"
+            ) from None
+        try:
+            yield
+        finally:
+            self._turns.release()
+
+
+class State:
+    """What the application holds: the clients, the router and the gate, made in its loop."""
+
+    def __init__(
+        self,
+        url: str,
+        key_prefix: str,
+        hybrid: bool | None,
+        max_connections: int,
+        pool_timeout: float,
+    ) -> None:
         self.url = url
         self.key_prefix = key_prefix
         self.hybrid = hybrid
+        self.max_connections = max_connections
+        self.pool_timeout = pool_timeout
         self.cluster = url.partition("://")[0].lower() in CLUSTER_SCHEMES
         self.client: Any = None
         self.router: AsyncPrefixRouter | None = None
+        self.gate: Gate | None = None
         self.sync_client: Any = None
         self._sync_lock = threading.Lock()
 
-    async def open(self) -> None:
-        self.client = async_client_from_url(self.url, **bounded_async_options(self.cluster))
-        self.router = AsyncPrefixRouter(self.client, self.key_prefix, hybrid=self.hybrid)
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        """The application's lifespan: open at start, close at the end."""
+        await self.open()
         try:
-            await self.router.load()
+            yield
+        finally:
+            await self.close()
+
+    async def open(self) -> None:
+        options = bounded_async_options(self.cluster, max_connections=self.max_connections)
+        self.client = async_client_from_url(self.url, **options)
+        self.router = AsyncPrefixRouter(self.client, self.key_prefix, hybrid=self.hybrid)
+        self.gate = Gate(self.max_connections, self.pool_timeout)
+        try:
+            async with self.gate.turn():
+                await self.router.load()
         except RegistryError as exc:  # not there yet: /health says so, calls reload
             log.warning("Redis not ready at start: %s", exc)
+
+    def ready(self) -> tuple[AsyncPrefixRouter, Gate]:
+        """The router and the gate (made when the application started)."""
+        assert self.router is not None, "the app has not started"
+        assert self.gate is not None, "the app has not started"
+        return self.router, self.gate
 
     def sync(self) -> Any:
         """A sync client for the reads written once for tools (``namespace_infos``)."""
@@ -245,7 +504,7 @@ class _BodyLimit:
         await self.app(scope, counted, watched)
 
     async def _refuse(self, send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
-        response = _error(413, "request too large", f"bodies are limited to {self.limit:,} bytes")
+        body = error_body(ERROR_KINDS[413], f"bodies are limited to {self.limit:,} bytes")
         await send(
             {
                 "type": "http.response.start",
@@ -253,128 +512,225 @@ class _BodyLimit:
                 "headers": [(b"content-type", b"application/json")],
             }
         )
-        await send({"type": "http.response.body", "body": response.body})
+        await send({"type": "http.response.body", "body": body})
 
 
-def create_app(url: str, *, key_prefix: str = DEFAULT_KEY_PREFIX, hybrid: bool = True) -> FastAPI:
-    """The scoring service for the registry at ``url``."""
-    state = State(url, key_prefix, hybrid)
+# -- errors: one shape for every status -------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await state.open()
-        try:
-            yield
-        finally:
-            await state.close()
+_SHOWN_LOC = frozenset({"body", "[key]", *ScoreRequest.model_fields})
+"""Parts of an error's ``loc`` that are the schema's own words; any other text (a
+``load`` key, an unknown field's name) came from the request and is shown as ``*``."""
 
-    app = FastAPI(
+
+def _shown_loc(loc: Sequence[Any]) -> list[Any]:
+    return [part if isinstance(part, int) or part in _SHOWN_LOC else "*" for part in loc][:5]
+
+
+async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    shown: list[dict[str, Any]] = [
+        {
+            "loc": _shown_loc(e.get("loc", ())),
+            "msg": str(e.get("msg", ""))[:300],
+            "type": e.get("type"),
+        }
+        for e in errors[:MAX_ERRORS_SHOWN]
+    ]
+    if len(errors) > MAX_ERRORS_SHOWN:
+        shown.append({"msg": f"and {len(errors) - MAX_ERRORS_SHOWN} more errors"})
+    return _error(422, ERROR_KINDS[422], shown)
+
+
+def _not_json(cause: BaseException) -> JSONResponse:
+    """422 for a body json.loads could not read (FastAPI answers these with a bare 400)."""
+    if isinstance(cause, RecursionError):
+        why = "the body nests too deeply"
+    elif isinstance(cause, UnicodeDecodeError):
+        why = "the body is not UTF-8"
+    elif "digits" in str(cause):
+        why = "an integer in the body has too many digits"
+    else:
+        why = "the body is not JSON"
+    return _error(422, ERROR_KINDS[422], [{"loc": ["body"], "msg": why, "type": "json_invalid"}])
+
+
+async def _http_error(_request: Request, exc: HTTPException) -> Response:
+    """Starlette's and FastAPI's HTTP errors (404, 405, a body that did not parse) in the
+    one shape; the detail is the status' own meaning, never the request."""
+    if exc.status_code == 400 and isinstance(exc.__cause__, (RecursionError, ValueError)):
+        return _not_json(exc.__cause__)
+    try:
+        phrase = HTTPStatus(exc.status_code).phrase.lower()
+    except ValueError:
+        phrase = "error"
+    kind = ERROR_KINDS.get(exc.status_code, phrase)
+    detail = ERROR_MEANINGS.get(exc.status_code, phrase)
+    return _error(exc.status_code, kind, detail, dict(exc.headers or {}))
+
+
+async def _registry_fault(_request: Request, exc: RegistryError) -> JSONResponse:
+    return _registry_error(exc)
+
+
+async def _internal(_request: Request, exc: Exception) -> JSONResponse:
+    return _error(500, "internal error", type(exc).__name__)
+
+
+HANDLERS: dict[int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]] = {
+    RequestValidationError: _invalid,
+    HTTPException: _http_error,
+    RegistryError: _registry_fault,
+    Exception: _internal,
+}
+
+
+# -- the endpoints -----------------------------------------------------------------------
+
+
+def _state(request: Request) -> State:
+    """The application's ``State``."""
+    state: State = request.app.state.registry
+    return state
+
+
+async def _prompt(body: ScoreRequest) -> list[int]:
+    """The request's block hashes (its tokens hashed, off the loop when there are many)."""
+    if body.token_ids is None:
+        return body.block_hashes or []
+    assert body.block_size is not None
+    tokens, size, salt = body.token_ids, body.block_size, body.salt
+    if len(tokens) > HASH_IN_LOOP:  # keep the loop serving meanwhile
+        return await asyncio.to_thread(lambda: block_hashes(tokens, size, salt=salt))
+    return block_hashes(tokens, size, salt=salt)
+
+
+async def score(body: ScoreRequest, request: Request) -> ScoreReply | JSONResponse:
+    """Score the live nodes (or ``namespaces``) for a prompt and pick the best."""
+    router, gate = _state(request).ready()
+    try:
+        wanted = prefix_hashes(await _prompt(body))
+        async with gate.turn("score"):
+            scores, best = await router.decide(wanted, body.load, body.namespaces)
+    except (TypeError, ValueError):  # the schema checks these first: not reached
+        return _error(422, ERROR_KINDS[422], "the prompt breaks the registry's rules")
+    return ScoreReply(
+        blocks=len(wanted),
+        best=best,
+        nodes={
+            n: NodeScoreOut(kv_prefix=s.kv_prefix, mamba_prefix=s.mamba_prefix, usable=s.usable)
+            for n, s in sorted(scores.items())
+        },
+    )
+
+
+def nodes(request: Request) -> NodesReply:
+    """Live namespaces: lease left and entries (one round trip per Redis node)."""
+    state = _state(request)
+    client = state.sync()
+    live = NodeIndex(client, state.key_prefix).live()
+    infos = namespace_infos(client, live, key_prefix=state.key_prefix, memory=False)
+    out = []
+    for info, _memory in infos:
+        left = None
+        if info.lease_until_ms is not None:
+            left = max(0.0, (info.lease_until_ms - info.server_ms) / 1000)
+        out.append(
+            NodeOut(
+                namespace=info.namespace,
+                lease_left_s=left,
+                kv_entries=info.kv_entries,
+                mamba_entries=info.mamba_entries,
+                bridge_engine=info.bridge_engine,
+            )
+        )
+    return NodesReply(nodes=out)
+
+
+async def health(request: Request) -> HealthReply | JSONResponse:
+    """200 when Redis answers and holds the router's scripts (loaded when missing); the
+    check waits its turn for a connection like every call."""
+    state = _state(request)
+    router, gate = state.ready()
+    try:
+        async with gate.turn():
+            await state.client.ping()
+            if not await router.scripts_loaded():
+                await router.load()
+    except RegistryError as exc:
+        return _error(503, "unhealthy", str(exc).split("\n")[0])
+    except REDIS_ERRORS as exc:
+        error = translate(exc, "health check: PING")
+        return _error(503, "unhealthy", str(error or exc).split("\n")[0])
+    return HealthReply(status="ok", redis="reachable", scripts="loaded")
+
+
+async def live() -> LiveReply:
+    """200 while the process runs."""
+    return LiveReply(status="alive")
+
+
+def metrics() -> Response:
+    """Prometheus metrics (needs prometheus-client)."""
+    try:
+        prometheus = importlib.import_module("prometheus_client")
+    except ImportError:
+        return _error(404, "not available", "metrics need prometheus-client")
+    return Response(prometheus.generate_latest(), media_type=prometheus.CONTENT_TYPE_LATEST)
+
+
+def _add_routes(app: FastAPI) -> None:
+    """The endpoints, on the application's own router (an included ``APIRouter`` would
+    be matched again on every request)."""
+    app.add_api_route(
+        "/v1/score", score, methods=["POST"], response_model=ScoreReply, responses=SCORE_ERRORS
+    )
+    app.add_api_route("/v1/nodes", nodes, response_model=NodesReply, responses=READ_ERRORS)
+    app.add_api_route("/health", health, response_model=HealthReply, responses=_documented(503))
+    app.add_api_route("/live", live, response_model=LiveReply)
+    app.add_api_route(
+        "/metrics",
+        metrics,
+        response_class=PlainTextResponse,
+        responses={404: {"model": ErrorReply, "description": "prometheus-client is not installed"}},
+    )
+
+
+class ScoringApp(FastAPI):
+    """FastAPI, with the request schema published as pydantic writes it: FastAPI's
+    OpenAPI models read every bound as a float (2^63-1 would read 9.223372036854776e18)."""
+
+    def openapi(self) -> dict[str, Any]:
+        spec = super().openapi()
+        exact = ScoreRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        spec["components"]["schemas"]["ScoreRequest"] = exact
+        return spec
+
+
+def create_app(
+    url: str,
+    *,
+    key_prefix: str = DEFAULT_KEY_PREFIX,
+    hybrid: bool | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    pool_timeout: float = DEFAULT_POOL_TIMEOUT,
+) -> FastAPI:
+    """The scoring service for the registry at ``url``: at most ``max_connections``
+    requests use Redis at once, the others wait up to ``pool_timeout`` seconds."""
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+        raise TypeError("max_connections must be an int")
+    if max_connections < 1:
+        raise ValueError("max_connections must be at least 1")
+    if not isinstance(pool_timeout, (int, float)) or not 0 < pool_timeout < math.inf:
+        raise ValueError("pool_timeout must be a positive finite number of seconds")
+    state = State(url, key_prefix, hybrid, max_connections, float(pool_timeout))
+    app = ScoringApp(
         title="prefix-cache-registry scoring",
         description="Which live serving node holds the longest cached prefix of a prompt.",
-        lifespan=lifespan,
+        lifespan=state.lifespan,
+        exception_handlers=HANDLERS,
     )
     app.state.registry = state
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        shown = [
-            {
-                "loc": list(e.get("loc", ()))[:4],
-                "msg": str(e.get("msg", ""))[:300],
-                "type": e.get("type"),
-            }
-            for e in errors[:MAX_ERRORS_SHOWN]
-        ]
-        if len(errors) > MAX_ERRORS_SHOWN:
-            shown.append({"msg": f"and {len(errors) - MAX_ERRORS_SHOWN} more errors"})
-        return _error(422, "invalid request", shown)
-
-    @app.exception_handler(RegistryError)
-    async def registry_fault(_request: Request, exc: RegistryError) -> JSONResponse:
-        return _registry_error(exc)
-
-    @app.exception_handler(Exception)
-    async def internal(_request: Request, exc: Exception) -> JSONResponse:
-        return _error(500, "internal error", type(exc).__name__)
-
-    @app.post("/v1/score", response_model=ScoreReply, responses=ERRORS)
-    async def score(body: ScoreRequest) -> ScoreReply | JSONResponse:
-        """Score the live nodes (or ``namespaces``) for a prompt and pick the best."""
-        assert state.router is not None
-        try:
-            if body.token_ids is not None:
-                assert body.block_size is not None
-                tokens, size, salt = body.token_ids, body.block_size, body.salt
-                if len(tokens) > HASH_IN_LOOP:  # keep the loop serving meanwhile
-                    hashes = await asyncio.to_thread(lambda: block_hashes(tokens, size, salt=salt))
-                else:
-                    hashes = block_hashes(tokens, size, salt=salt)
-            else:
-                hashes = body.block_hashes or []
-            wanted = prefix_hashes(hashes)
-            scores, best = await state.router.decide(wanted, body.load, body.namespaces)
-        except (TypeError, ValueError) as exc:
-            return _error(422, "invalid request", str(exc).split("\n")[0])
-        return ScoreReply(
-            blocks=len(wanted),
-            best=best,
-            nodes={
-                n: NodeScoreOut(kv_prefix=s.kv_prefix, mamba_prefix=s.mamba_prefix, usable=s.usable)
-                for n, s in sorted(scores.items())
-            },
-        )
-
-    @app.get("/v1/nodes", response_model=NodesReply, responses=ERRORS)
-    def nodes() -> NodesReply:
-        """Live namespaces: lease left and entries (one round trip per Redis node)."""
-        client = state.sync()
-        live = NodeIndex(client, key_prefix).live()
-        infos = namespace_infos(client, live, key_prefix=key_prefix, memory=False)
-        out = []
-        for info, _memory in infos:
-            left = None
-            if info.lease_until_ms is not None:
-                left = max(0.0, (info.lease_until_ms - info.server_ms) / 1000)
-            out.append(
-                NodeOut(
-                    namespace=info.namespace,
-                    lease_left_s=left,
-                    kv_entries=info.kv_entries,
-                    mamba_entries=info.mamba_entries,
-                    bridge_engine=info.bridge_engine,
-                )
-            )
-        return NodesReply(nodes=out)
-
-    @app.get("/health", responses={503: {"model": ErrorReply}})
-    async def health() -> JSONResponse:
-        """200 when Redis answers and holds the router's scripts (loaded when missing)."""
-        assert state.router is not None
-        try:
-            await state.client.ping()
-            if not await state.router.scripts_loaded():
-                await state.router.load()
-        except RegistryError as exc:
-            return _error(503, "unhealthy", str(exc).split("\n")[0])
-        except REDIS_ERRORS as exc:
-            error = translate(exc, "health check: PING")
-            return _error(503, "unhealthy", str(error or exc).split("\n")[0])
-        return JSONResponse({"status": "ok", "redis": "reachable", "scripts": "loaded"})
-
-    @app.get("/live")
-    async def live() -> dict[str, str]:
-        """200 while the process runs."""
-        return {"status": "alive"}
-
-    @app.get("/metrics", responses={404: {"model": ErrorReply}})
-    def metrics() -> Response:
-        """Prometheus metrics (needs prometheus-client)."""
-        try:
-            prometheus = importlib.import_module("prometheus_client")
-        except ImportError:
-            return _error(404, "not available", "metrics need prometheus-client")
-        return Response(prometheus.generate_latest(), media_type=prometheus.CONTENT_TYPE_LATEST)
-
+    app.router.route_class = ExactRoute
+    _add_routes(app)
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
     return app

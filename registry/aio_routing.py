@@ -9,18 +9,23 @@ is one pipeline: one round trip on a standalone server; on Redis Cluster
 primary its share at the same time. Every Redis fault is translated by
 ``registry.errors.translate``, as on the sync side.
 
+Each script round (``score``, ``live_nodes``) is counted and timed by its outcome when
+the metrics are on (``registry.metrics``), with the operation names and outcome labels of
+the sync router's ``ScriptRunner``.
+
 A router never writes and never claims an epoch. Use it from one event loop (the loop
-its client belongs to).
+its client belongs to). One call holds at most one connection per Redis node at a time,
+so at most ``max_connections`` calls at once never exhaust a pool of that size.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import MaxConnectionsError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from registry import metrics as _metrics
@@ -33,6 +38,7 @@ from registry.routing import (
     IndexPlan,
     NodeScore,
     best_of,
+    checked_hybrid,
     chosen_namespaces,
     pack_hashes,
     routing_context,
@@ -49,6 +55,8 @@ from registry.scripts import (
 )
 from registry.validation import prefix_hashes
 
+T = TypeVar("T")
+
 INDEX_SCRIPTS = ("fleet_members", "score")
 
 ROUTER_SCRIPTS = ("score", "live_nodes", "fleet_members")
@@ -63,7 +71,7 @@ class AsyncPrefixRouter:
         client: Any,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         *,
-        hybrid: bool = True,
+        hybrid: bool | None = None,
         live_cache_ttl: float = 1.0,
         exact: bool = False,
     ) -> None:
@@ -75,7 +83,7 @@ class AsyncPrefixRouter:
         self._known = MemberList()  # the member table as last read (by version)
         self.client = client
         self.key_prefix = key_prefix
-        self.hybrid = hybrid
+        self.hybrid = checked_hybrid(hybrid)
         self.live_cache_ttl = live_cache_ttl
         self.index_key = node_index_key(key_prefix)
         self.skipped = 0  # invalid node-index members skipped so far
@@ -152,9 +160,6 @@ class AsyncPrefixRouter:
         )  # fmt: skip
         context = f"routing from the fleet index {self._fleet.members!r}"
         replies = await self._batch(plan.routed, context)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise translated_reply(reply, f"{context}: score") from reply
         scores = plan.scores(replies)
         self._known = plan.known
         state = plan.bare_state(self._bare, self.live_cache_ttl)
@@ -212,6 +217,11 @@ class AsyncPrefixRouter:
     async def _run(
         self, operation: str, keys: Sequence[Any], args: Sequence[Any], what: str
     ) -> Any:
+        return await _counted(operation, self._run_once, operation, keys, args, what)
+
+    async def _run_once(
+        self, operation: str, keys: Sequence[Any], args: Sequence[Any], what: str
+    ) -> Any:
         sha = script_sha(operation)
         try:
             try:
@@ -226,6 +236,11 @@ class AsyncPrefixRouter:
         self, operation: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]], what: str
     ) -> list[Any]:
         """One pipeline of ``operation`` calls; a NOSCRIPT reloads and runs it again."""
+        return await _counted(operation, self._run_many_once, operation, calls, what)
+
+    async def _run_many_once(
+        self, operation: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]], what: str
+    ) -> list[Any]:
         try:
             replies = await self._pipeline(operation, calls)
             if any(isinstance(r, NoScriptError) for r in replies):
@@ -239,9 +254,14 @@ class AsyncPrefixRouter:
         return replies
 
     async def _batch(self, routed: Sequence[tuple[Any, tuple[Any, ...]]], what: str) -> list[Any]:
-        """Mixed commands in one pipeline (error replies in place); a NOSCRIPT loads the
-        index router's scripts and runs it again."""
+        """Mixed commands in one pipeline; a NOSCRIPT loads the index router's scripts and
+        runs it again. Counted as ``score``, as the sync router's batch is; an error reply
+        raises (translated) here, so it is counted by its kind too."""
+        return await _counted("score", self._batch_once, routed, what)
 
+    async def _batch_once(
+        self, routed: Sequence[tuple[Any, tuple[Any, ...]]], what: str
+    ) -> list[Any]:
         async def run() -> list[Any]:
             direct = await run_on_one_connection(self.client, routed)
             if direct is not None:
@@ -260,6 +280,9 @@ class AsyncPrefixRouter:
                 replies = await run()
         except REDIS_ERRORS as exc:
             raise _translated(exc, f"{what}: score") from exc
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise translated_reply(reply, f"{what}: score") from reply
         return replies
 
     async def _pipeline(
@@ -286,12 +309,16 @@ async def run_on_one_connection(
     hundreds of hashes costs more than the server's work). Error replies come back as
     exception objects, in order. None on a lost connection or a timeout, or for a client
     without a plain connection pool (a cluster): the caller then runs redis-py's
-    pipeline, which retries (every command sent this way tolerates a re-sent copy)."""
+    pipeline, which retries (every command sent this way tolerates a re-sent copy). A
+    pool with no free connection (``MaxConnectionsError``) raises: it is not a lost
+    connection, and the pipeline would be refused as well."""
     pool = direct_pool(client)
     if pool is None:
         return None
     try:
         connection = await pool.get_connection()
+    except MaxConnectionsError:
+        raise
     except (RedisConnectionError, RedisTimeoutError):
         return None
     healthy = False
@@ -343,9 +370,14 @@ def async_client_from_url(url: str, **options: Any) -> Any:
     return redis.asyncio.Redis.from_url(url, **options)
 
 
-def bounded_async_options(cluster: bool = False) -> dict[str, Any]:
+def bounded_async_options(
+    cluster: bool = False, *, max_connections: int | None = None
+) -> dict[str, Any]:
     """The bounded waits and the quick retry of ``PrefixCacheRegistry.from_url``, for an
-    asyncio client."""
+    asyncio client; with ``max_connections``, a pool of that many connections (per Redis
+    node on a cluster). redis-py refuses a command at once ("Too many connections") when
+    they are all in use, on both kinds of client: let no more callers than that use the
+    client at once (``pcr serve`` has them wait their turn)."""
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialWithJitterBackoff
 
@@ -364,4 +396,14 @@ def bounded_async_options(cluster: bool = False) -> dict[str, Any]:
         options["retry"] = Retry(
             ExponentialWithJitterBackoff(base=0.02, cap=RETRY_BACKOFF_CAP), RETRIES
         )
+    if max_connections is not None:
+        options["max_connections"] = max_connections
     return options
+
+
+async def _counted(operation: str, call: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``await call(*args)``, counted and timed as ``operation`` when the metrics are on."""
+    observer = _metrics.active
+    if observer is None:
+        return await call(*args)
+    return await observer.timed_async(operation, call, *args)

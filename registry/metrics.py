@@ -3,9 +3,9 @@ bridge (the ``metrics`` extra: ``prometheus-client``).
 
 Off by default, and free when off: nothing here imports ``prometheus_client`` until
 :func:`enable_metrics` runs, and the instrumented paths (``ScriptRunner``, the Redis
-registry's reads, the argument checks, ``PrefixRouter``) pay one module-attribute read
-and a ``None`` check (``metrics.active``). Once enabled, every registry, router and runner
-of the process reports into one set of metrics, registered on one
+registry's reads, the argument checks, ``PrefixRouter``, ``AsyncPrefixRouter``) pay one
+module-attribute read and a ``None`` check (``metrics.active``). Once enabled, every
+registry, router and runner of the process reports into one set of metrics, registered on one
 ``prometheus_client.CollectorRegistry`` (the library's default one unless another is
 given)::
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import asdict, is_dataclass
 from typing import Any, TypeVar
 
@@ -161,6 +161,18 @@ class Metrics:
         started = self._clock()
         try:
             result = call(*args)
+        except Exception as exc:
+            self.record(operation, outcome_of(exc), self._clock() - started)
+            raise
+        self.record(operation, "ok", self._clock() - started)
+        return result
+
+    async def timed_async(self, operation: str, call: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await call(*args)``, counted and timed as ``timed`` does (for the asyncio
+        router, whose round trips are awaited)."""
+        started = self._clock()
+        try:
+            result = await call(*args)
         except Exception as exc:
             self.record(operation, outcome_of(exc), self._clock() - started)
             raise

@@ -3,11 +3,16 @@ redis-server, served by uvicorn in a thread on a free port and called with httpx
 
 Scores must equal ``PrefixRouter``'s for the same data (the two routers share their
 rules); bad bodies are 422 JSON, never a traceback; a Redis outage is 503 until the
-server is back. Every wait polls a condition (``wait_until``), never a fixed sleep."""
+server is back, and only then: more requests at once than the service has connections
+wait their turn. ``/metrics`` counts every score by outcome, and ``/openapi.json``
+states what the server checks. Every wait polls a condition (``wait_until``), never a
+fixed sleep. (Error shapes and slow clients: ``test_serve_http_edges.py``; the schema
+fuzzed by Schemathesis: ``test_serve_schemathesis.py``.)"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib.util
 import json
 import subprocess
@@ -25,11 +30,13 @@ httpx = pytest.importorskip("httpx")
 
 import uvicorn  # noqa: E402
 
+from pcr.serve import uvicorn_config  # noqa: E402
 from pcr.serve_app import MAX_HASHES, MAX_TOKENS, create_app  # noqa: E402
 from pcr.servers import RedisClusterServers, RedisServer  # noqa: E402
 from registry import PrefixCacheRegistry, PrefixRouter  # noqa: E402
 from registry.aio_routing import AsyncPrefixRouter, async_client_from_url  # noqa: E402
 from registry.hashing import block_hashes  # noqa: E402
+from registry.keys import MAX_NAME_LENGTH, validate_namespace  # noqa: E402
 from tests.support import REPO_ROOT  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
@@ -39,23 +46,29 @@ H = block_hashes(TOKENS, 16)  # 12 blocks
 
 
 class Served:
-    """The app of ``create_app`` on uvicorn in a thread, on a free loopback port."""
+    """The app of ``create_app`` on uvicorn in a thread, on a free loopback port, run as
+    ``pcr serve`` runs it (``uvicorn_config``: its protocol deadlines). ``options`` are
+    ``create_app``'s (``max_connections``, ``pool_timeout``) and ``uvicorn_config``'s
+    (``header_timeout``, ``body_timeout``, ``keep_alive_timeout``)."""
 
-    def __init__(self, url: str, key_prefix: str, *, hybrid: bool = True) -> None:
+    def __init__(
+        self, url: str, key_prefix: str, *, hybrid: bool | None = None, **options: Any
+    ) -> None:
         self.port = free_port()
-        config = uvicorn.Config(
-            create_app(url, key_prefix=key_prefix, hybrid=hybrid),
-            host="127.0.0.1",
-            port=self.port,
-            log_level="error",
-            access_log=False,
+        self.base = f"http://127.0.0.1:{self.port}"
+        app_options = {
+            k: options.pop(k) for k in ("max_connections", "pool_timeout") if k in options
+        }
+        self.app = create_app(url, key_prefix=key_prefix, hybrid=hybrid, **app_options)
+        config = uvicorn_config(
+            self.app, host="127.0.0.1", port=self.port, log_level="error", **options
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started or not self.thread.is_alive(), what="uvicorn")
         assert self.server.started, "uvicorn did not start"
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+        self.http = httpx.Client(base_url=self.base, timeout=30)
 
     def score(self, body: dict[str, Any]) -> httpx.Response:
         return self.http.post("/v1/score", json=body)
@@ -111,6 +124,16 @@ def test_score_equals_the_sync_router(
     client = redis_server.client()
     fill(client, prefix)
     router = PrefixRouter(client, prefix)
+    whole = service.score({"block_hashes": H}).json()["nodes"]
+    # Each ranked by what its engine reuses: node-c never held Mamba state (KV only).
+    assert {n: s["usable"] for n, s in whole.items()} == {
+        "node-a": 12, "node-b": 9, "node-c": 5, "node-d": 0
+    }  # fmt: skip
+    hybrid = Served(redis_server.url, prefix, hybrid=True)
+    try:
+        assert hybrid.score({"block_hashes": H}).json()["nodes"]["node-c"]["usable"] == 0
+    finally:
+        hybrid.close()
     for prompt in (H, H[:6], H[:1], [], [*H[:4], -1, *H[5:]]):
         reply = service.score({"block_hashes": prompt})
         assert reply.status_code == 200, reply.text
@@ -268,6 +291,276 @@ def test_redis_down_is_503_then_200_when_back(own_server: RedisServer, prefix: s
         client.close()
 
 
+# -- many requests at once: the connection pool is bounded and waited for ----------------
+
+
+async def _burst(base: str, count: int, body: dict[str, Any]) -> collections.Counter[Any]:
+    """``count`` requests at once, each on its own connection (every tenth a ``/health``):
+    the (path, status, error kind) of each reply, counted."""
+    limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=120) as client:
+
+        async def one(i: int) -> tuple[str, int, str | None]:
+            if i % 10 == 0:
+                reply = await client.get("/health")
+            else:
+                reply = await client.post("/v1/score", json=body)
+            kind = reply.json().get("error") if reply.status_code != 200 else None
+            return reply.request.url.path, reply.status_code, kind
+
+        return collections.Counter(await asyncio.gather(*(one(i) for i in range(count))))
+
+
+def test_250_requests_at_once_get_no_503(redis_server: RedisServer, prefix: str) -> None:
+    """More requests in flight than redis-py's default pool of 100 connections: each
+    waits its turn for one of the service's connections, none is refused, and /health
+    stays 200 among them."""
+    client = redis_server.client()
+    fill(client, prefix)
+    served = Served(redis_server.url, prefix)  # the default --max-connections (64)
+    try:
+        counts = asyncio.run(_burst(served.base, 250, {"block_hashes": H}))
+        assert counts == {("/health", 200, None): 25, ("/v1/score", 200, None): 225}, counts
+    finally:
+        served.close()
+        client.close()
+
+
+def test_the_pool_is_bounded_and_503_comes_only_while_redis_is_away(
+    own_server: RedisServer, prefix: str
+) -> None:
+    client = own_server.client()
+    fill(client, prefix)
+    served = Served(own_server.url, prefix, max_connections=2)
+    try:
+        counts = asyncio.run(_burst(served.base, 120, {"block_hashes": H}))
+        assert counts == {("/health", 200, None): 12, ("/v1/score", 200, None): 108}, counts
+        # A pool keeps what it opened: the service never held more than its 2 connections.
+        service_connections = len(client.client_list()) - 1  # this test's own connection
+        assert 1 <= service_connections <= 2
+        own_server.kill()
+        down = asyncio.run(_burst(served.base, 60, {"block_hashes": H}))
+        assert sum(down.values()) == 60
+        assert {(path, status) for path, status, _kind in down} <= {
+            ("/health", 503),
+            ("/v1/score", 503),
+        }, down
+        assert {kind for _path, _status, kind in down} <= {"unavailable", "unhealthy"}
+        own_server.restart()
+        wait_until(lambda: served.http.get("/health").status_code == 200, what="healthy again")
+        fill(client, prefix)
+        again = asyncio.run(_burst(served.base, 60, {"block_hashes": H}))
+        assert again == {("/health", 200, None): 6, ("/v1/score", 200, None): 54}, again
+    finally:
+        served.close()
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"max_connections": 0}, ValueError),
+        ({"max_connections": True}, TypeError),
+        ({"max_connections": 2.0}, TypeError),
+        ({"pool_timeout": 0}, ValueError),
+        ({"pool_timeout": float("inf")}, ValueError),
+    ],
+)
+def test_create_app_checks_its_limits(options: dict[str, Any], error: type[Exception]) -> None:
+    with pytest.raises(error, match=r"max_connections|pool_timeout"):
+        create_app("redis://127.0.0.1:1/0", **options)
+
+
+def test_a_request_waits_its_turn_and_gets_503_only_past_the_deadline() -> None:
+    from pcr.serve_app import Gate
+    from registry.errors import RegistryUnavailable
+
+    async def scenario(gate: Gate, release_while_waiting: bool) -> None:
+        holding, release = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:
+            async with gate.turn():
+                holding.set()
+                await release.wait()
+
+        async def take() -> None:
+            async with gate.turn():
+                pass
+
+        holder = asyncio.create_task(hold())
+        await holding.wait()
+        waiter = asyncio.create_task(take())
+        if release_while_waiting:
+            await asyncio.sleep(0)  # the waiter is queued for the one turn now
+            release.set()
+            await waiter  # its turn came: no error
+        else:
+            with pytest.raises(
+                RegistryUnavailable, match=r"no free Redis connection within 0\.2 s"
+            ):
+                await waiter  # the turn never came within its deadline
+            release.set()
+        await holder
+
+    asyncio.run(scenario(Gate(1, 60.0), release_while_waiting=True))
+    asyncio.run(scenario(Gate(1, 0.2), release_while_waiting=False))
+
+
+def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def test_the_service_counts_every_score_by_outcome(own_server: RedisServer, prefix: str) -> None:
+    """``/metrics`` of the service shows each score as ``pcr_operations_total`` with the
+    sync router's labels: ``ok`` while Redis answers, ``unavailable`` while it is away."""
+    pytest.importorskip("prometheus_client")
+    from registry import metrics
+
+    client = own_server.client()
+    fill(client, prefix)
+    served = Served(own_server.url, prefix)
+    metrics.enable_metrics()  # on the default registry, the one /metrics serves
+    try:
+        good, failed = 7, 5
+        for _ in range(good):
+            assert served.score({"block_hashes": H}).status_code == 200
+        own_server.kill()
+        for _ in range(failed):
+            assert served.score({"block_hashes": H}).status_code == 503
+        scores = {
+            dict(labels)["outcome"]: value
+            for labels, value in _samples(
+                served.http.get("/metrics").text, "pcr_operations_total"
+            ).items()
+            if dict(labels)["operation"] == "score"
+        }
+        assert scores == {"ok": good, "unavailable": failed}
+        timed = _samples(served.http.get("/metrics").text, "pcr_operation_duration_seconds_count")
+        assert timed[(("operation", "score"), ("outcome", "ok"))] == good
+        assert timed[(("operation", "score"), ("outcome", "unavailable"))] == failed
+    finally:
+        metrics.disable_metrics()
+        served.close()
+        client.close()
+
+
+# -- the OpenAPI schema states what the server checks -------------------------------------
+
+
+def _schemas(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _schemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _schemas(value)
+
+
+GOOD_BODIES = [
+    {"block_hashes": []},
+    {"block_hashes": [1, -1, 0, 2**63 - 1]},
+    {"token_ids": [], "block_size": 1},
+    {"token_ids": [-(2**63), 2**63 - 1], "block_size": 2**20, "salt": ""},
+    {"block_hashes": [1], "token_ids": None, "block_size": None, "salt": None},
+    {"token_ids": [1], "block_size": 1, "block_hashes": None, "salt": None},
+    {"block_hashes": [1], "namespaces": None, "load": None},
+    {"block_hashes": [1], "namespaces": [], "load": {}},
+    {"block_hashes": [1], "namespaces": ["\u00e9t\u00e9-\U0001f600", "x" * 200], "load": {"n": 1}},
+    {"block_hashes": [1.0, 2e3, -1.0], "load": {"n": 2.0}},  # whole numbers are integers
+    {"token_ids": [5.0], "block_size": 16.0},
+]
+MORE_BAD_BODIES = [
+    {"block_hashes": None, "token_ids": None},
+    {"token_ids": [1], "block_size": None},
+    {"block_hashes": [1], "salt": ""},
+    {"block_hashes": [1], "load": {"": 1.0}},
+    {"block_hashes": [1], "load": {"a}b": 1.0}},
+    {"block_hashes": [1], "namespaces": ["x" * 201]},
+    {"block_hashes": [1], "namespaces": ["a{b"]},
+    {"block_hashes": [1], "namespaces": ["ab\n"]},
+    {"block_hashes": [1], "namespaces": ["\u00a0"]},
+    {"block_size": 1},
+    [],
+    {"block_hashes": [1.5]},
+    {"block_hashes": [2.0**63]},
+    {"token_ids": [1], "block_size": 16.5},
+]
+
+
+def test_openapi_states_what_the_server_checks(service: Served) -> None:
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    spec = service.http.get("/openapi.json").json()
+    bounds = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+    integers = [s for s in _schemas(spec) if s.get("type") == "integer"]
+    assert len(integers) >= 3
+    for schema in integers:  # exact integers, never floats (2^63 - 1 is no double)
+        for key in set(bounds) & set(schema):
+            assert type(schema[key]) is int, (key, schema)
+    request = spec["components"]["schemas"]["ScoreRequest"]
+    hashes = request["properties"]["block_hashes"]["anyOf"][0]["items"]
+    assert (hashes["minimum"], hashes["maximum"]) == (-1, 2**63 - 1)
+    tokens = request["properties"]["token_ids"]["anyOf"][0]["items"]
+    assert (tokens["minimum"], tokens["maximum"]) == (-(2**63), 2**63 - 1)
+    namespace = request["properties"]["namespaces"]["anyOf"][0]["items"]
+    assert request["properties"]["load"]["anyOf"][0]["propertyNames"] == namespace
+    assert (namespace["minLength"], namespace["maxLength"]) == (1, MAX_NAME_LENGTH)
+    # The schema and the server agree on every body: accepted by both, or by neither.
+    validator = jsonschema_rs.validator_for(request)
+    for body in [*GOOD_BODIES, *BAD_BODIES, *MORE_BAD_BODIES]:
+        reply = service.score(body)  # type: ignore[arg-type]
+        assert reply.status_code in (200, 422), reply.text
+        assert validator.is_valid(body) == (reply.status_code == 200), (body, reply.text)
+
+
+def _refused(text: str) -> bool:
+    try:
+        validate_namespace(text)
+    except ValueError:
+        return True
+    return False
+
+
+def _code_points() -> list[int]:
+    """Every code point of the planes that hold characters (0-3, 14), every 61st of the
+    planes that hold none (4-13) or only private use (15, 16); no surrogate (a JSON string
+    cannot hold a lone one)."""
+    return [
+        c
+        for c in range(sys.maxunicode + 1)
+        if not 0xD800 <= c <= 0xDFFF and (c < 0x40000 or 0xE0000 <= c < 0xF0000 or c % 61 == 0)
+    ]
+
+
+def test_the_namespace_pattern_is_validate_namespace(service: Served) -> None:
+    """Character by character, the published pattern, read by a JSON Schema validator,
+    accepts exactly what the server's ``validate_namespace`` accepts."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    spec = service.http.get("/openapi.json").json()
+    namespace = spec["components"]["schemas"]["ScoreRequest"]["properties"]["namespaces"]
+    validator = jsonschema_rs.validator_for(namespace["anyOf"][0]["items"])
+    code_points = _code_points()
+    by_schema = {c for c in code_points if validator.is_valid(chr(c))}
+    assert len(by_schema) > 100_000
+    allowed = "".join(map(chr, sorted(by_schema)))
+    for start in range(0, len(allowed), MAX_NAME_LENGTH):  # the server takes them all
+        validate_namespace(allowed[start : start + MAX_NAME_LENGTH])
+    refused_by_schema_only = [
+        hex(c) for c in code_points if c not in by_schema and not _refused(chr(c))
+    ]
+    assert refused_by_schema_only == []
+    for text, valid in (("", False), ("a" * 200, True), ("a" * 201, False), ("ab{", False)):
+        assert validator.is_valid(text) == valid
+        assert _refused(text) != valid
+
+
 async def _both_scores(
     url: str, prefix: str, prompts: list[list[int]], *, exact: bool = False
 ) -> list[dict[str, tuple[int, int, int]]]:
@@ -315,10 +608,12 @@ def test_async_router_equals_sync_router_on_a_cluster(
     assert asyncio.run(_both_scores(url, prefix, PROMPTS, exact=True)) == expected
     client.script_flush()  # NOSCRIPT on every primary: the async router reloads
     assert asyncio.run(_both_scores(url, prefix, PROMPTS[:1])) == expected[:2]
-    served = Served(url, prefix)
+    served = Served(url, prefix, max_connections=4)  # per node: redis-py refuses the 5th
     try:
         assert from_reply(served.score({"block_hashes": H}).json()) == as_dict(router.score(H))
         assert len(served.http.get("/v1/nodes").json()["nodes"]) == 4
+        counts = asyncio.run(_burst(served.base, 100, {"block_hashes": H}))
+        assert counts == {("/health", 200, None): 10, ("/v1/score", 200, None): 90}, counts
     finally:
         served.close()
         client.close()
@@ -403,6 +698,12 @@ def pcr(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         ["--key-prefix", "bad prefix"],
         ["--host", "no such host.invalid."],
         ["extra"],
+        ["--max-connections", "0"],
+        ["--max-connections", "many"],
+        ["--pool-timeout", "0"],
+        ["--header-timeout", "nan"],
+        ["--body-timeout", "-1"],
+        ["--keep-alive-timeout", "0"],
     ],
 )
 def test_serve_usage_errors_are_one_line_exit_2(args: list[str]) -> None:
