@@ -73,6 +73,20 @@ class GatedRegistrations:
                 gate.set()
 
 
+def storing(
+    pool: MambaSlotPool, block: int, h: int, failures: list[BaseException]
+) -> threading.Thread:
+    """A thread (not started) storing one block; what it raises goes to ``failures``."""
+
+    def run() -> None:
+        try:
+            pool.store([block], [h], *filled([block]))
+        except BaseException as exc:
+            failures.append(exc)
+
+    return threading.Thread(target=run, name=f"store-{block}")
+
+
 @pytest.mark.parametrize("stores", [2, 10])
 def test_a_clear_held_by_overlapping_stores_is_held_once_each(
     node: PrefixCacheRegistry, stores: int
@@ -83,17 +97,7 @@ def test_a_clear_held_by_overlapping_stores_is_held_once_each(
     pool = make_pool(node, slots=stores + 2)
     gated = GatedRegistrations(node)
     failures: list[BaseException] = []
-
-    def store(block: int) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                pool.store([block], [1_000 + block], *filled([block]))
-            except BaseException as exc:
-                failures.append(exc)
-
-        return run
-
-    threads = [threading.Thread(target=store(b), name=f"store-{b}") for b in range(stores)]
+    threads = [storing(pool, b, 1_000 + b, failures) for b in range(stores)]
     try:
         for thread in threads:
             thread.start()
@@ -129,17 +133,7 @@ def test_an_eviction_held_by_a_store_frees_only_its_pair(node: PrefixCacheRegist
     pool = make_pool(node, slots=4)
     gated = GatedRegistrations(node)
     failures: list[BaseException] = []
-
-    def store(block: int) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                pool.store([block], [2_000 + block], *filled([block]))
-            except BaseException as exc:
-                failures.append(exc)
-
-        return run
-
-    threads = [threading.Thread(target=store(b)) for b in (1, 2)]
+    threads = [storing(pool, b, 2_000 + b, failures) for b in (1, 2)]
     try:
         for thread in threads:
             thread.start()

@@ -39,6 +39,7 @@ from registry.hashing import block_hashes  # noqa: E402
 from registry.keys import MAX_NAME_LENGTH, validate_namespace  # noqa: E402
 from tests.support import REPO_ROOT  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
+from tests.support.serving import ServeProcess  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
 
 TOKENS = list(range(1000, 1000 + 16 * 12))
@@ -715,22 +716,9 @@ def test_serve_usage_errors_are_one_line_exit_2(args: list[str]) -> None:
 
 
 def test_serve_command_serves_and_stops(redis_server: RedisServer, prefix: str) -> None:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pcr", "serve", "--redis-url", redis_server.url,
-         "--key-prefix", prefix, "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-    )  # fmt: skip
+    served = ServeProcess("--redis-url", redis_server.url, "--key-prefix", prefix).start()
+    port = served.port
     try:
-
-        def answers() -> bool:
-            assert process.poll() is None, process.communicate()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/live", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(answers, timeout=60, what="pcr serve")
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
         assert health.json() == {"status": "ok", "redis": "reachable", "scripts": "loaded"}
         base = f"http://127.0.0.1:{port}"
@@ -749,9 +737,9 @@ def test_serve_command_serves_and_stops(redis_server: RedisServer, prefix: str) 
         assert taken.stderr.startswith(f"pcr serve: error: cannot listen on 127.0.0.1:{port}")
         assert taken.stderr.count("\n") == 1
     finally:
-        process.terminate()
-        out, err = process.communicate(timeout=30)
-    assert process.returncode == 0, err
+        code = served.stop()
+    assert code == 0, served.err
+    out, err = served.out, served.err
     assert out.startswith(f"pcr serve: scoring on http://127.0.0.1:{port}")
     assert "Traceback" not in err
     json.dumps(out)  # plain text

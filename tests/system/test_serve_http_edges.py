@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,9 +24,7 @@ httpx = pytest.importorskip("httpx")
 
 from pcr.servers import RedisServer  # noqa: E402
 from registry.fleet import FleetKeys  # noqa: E402
-from tests.support import REPO_ROOT  # noqa: E402
-from tests.support.servers import free_port  # noqa: E402
-from tests.support.waiting import wait_until  # noqa: E402
+from tests.support.serving import ServeProcess  # noqa: E402
 from tests.system.test_serve import H, Served, fill  # noqa: E402
 
 DEADLINE = 1.0
@@ -317,23 +313,12 @@ def test_idle_connections_are_closed(edge: Served) -> None:
 
 
 def test_the_pcr_serve_command_has_the_deadlines(redis_for_edges: RedisServer) -> None:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pcr", "serve", "--redis-url", redis_for_edges.url,
-         "--port", str(port), "--header-timeout", "1", "--body-timeout", "1",
-         "--max-connections", "4", "--pool-timeout", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-    )  # fmt: skip
+    served = ServeProcess(
+        "--redis-url", redis_for_edges.url, "--header-timeout", "1", "--body-timeout", "1",
+        "--max-connections", "4", "--pool-timeout", "2",
+    ).start()  # fmt: skip
+    port = served.port
     try:
-
-        def answers() -> bool:
-            assert process.poll() is None, process.communicate()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/live", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(answers, timeout=60, what="pcr serve")
         started = time.monotonic()
         with connect(port) as sock:
             sock.sendall(b"GET /live HTTP/1.1\r\nHost: x\r\n")
@@ -343,7 +328,6 @@ def test_the_pcr_serve_command_has_the_deadlines(redis_for_edges: RedisServer) -
             sock.sendall(b"BAD\r\n\r\n")
             assert json_answer(read_until_closed(sock, time.monotonic()))[0] == 400
     finally:
-        process.terminate()
-        _out, err = process.communicate(timeout=30)
-    assert process.returncode == 0, err
-    assert "Traceback" not in err
+        code = served.stop()
+    assert code == 0, served.err
+    assert "Traceback" not in served.err

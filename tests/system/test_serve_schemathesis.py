@@ -9,8 +9,6 @@ derandomized), so the test stays well under a minute on two cores."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -26,9 +24,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from pcr.servers import RedisServer  # noqa: E402
 from registry import PrefixCacheRegistry  # noqa: E402
-from tests.support import REPO_ROOT  # noqa: E402
-from tests.support.servers import free_port  # noqa: E402
-from tests.support.waiting import wait_until  # noqa: E402
+from tests.support.serving import ServeProcess  # noqa: E402
 from tests.system.test_serve import H  # noqa: E402
 
 MAX_EXAMPLES = {"positive": 25, "negative": 8}
@@ -47,29 +43,16 @@ def service_url() -> Iterator[str]:
             owner = PrefixCacheRegistry(client, name, key_prefix=prefix)
             owner.claim(lease_ttl=600)
             owner.register_kv(range(blocks), H[:blocks])
-        port = free_port()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pcr", "serve", "--redis-url", redis_server.url,
-             "--key-prefix", prefix, "--port", str(port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
+        served = ServeProcess(
+            "--redis-url", redis_server.url, "--key-prefix", prefix, path="/health"
+        )
         try:
-
-            def answers() -> bool:
-                assert process.poll() is None, process.communicate()
-                try:
-                    return httpx.get(f"{url}/health", timeout=5).status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_until(answers, timeout=60, what="pcr serve")
-            yield url
+            served.start()
+            yield served.base
         finally:
-            process.terminate()
-            _out, err = process.communicate(timeout=30)
+            served.stop()
             client.close()
-        assert "Traceback" not in err, err
+        assert "Traceback" not in served.err, served.err
 
 
 @pytest.fixture
