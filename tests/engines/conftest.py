@@ -81,11 +81,22 @@ class BridgeProcess:
         self.kill()
 
 
-@pytest.fixture(scope="module")
-def engine(python: str, model: Path, log_dir: Path) -> Iterator[VllmEngine]:
-    """One engine for the module's tests (started once: it takes a minute)."""
-    started = VllmEngine(python, model, log_dir, name="engine-a")
+@pytest.fixture(scope="session")
+def engines(python: str, model: Path, log_dir: Path) -> Iterator[list[VllmEngine]]:
+    """Two engines for the whole tier, started side by side (each takes a minute)."""
+    made = [VllmEngine(python, model, log_dir, name=f"engine-{n}") for n in ("p", "q")]
     try:
-        yield started.start()
+        for engine in made:
+            engine.launch()
+        for engine in made:
+            engine.wait_ready()
+        yield made
     finally:
-        started.stop()
+        for engine in made:
+            engine.stop()
+
+
+@pytest.fixture
+def engine(engines: list[VllmEngine]) -> VllmEngine:
+    """The first of them (the bridge tests: one engine at a time)."""
+    return engines[0]

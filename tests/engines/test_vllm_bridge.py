@@ -221,7 +221,7 @@ def test_an_engine_killed_and_restarted(
 ) -> None:
     """A killed engine leaves the live nodes once silent past its lease; restarted (its
     seq from 0 again, its cache empty), the bridge claims a new epoch and predictions
-    stay exact. Runs last: it restarts the module's engine."""
+    stay exact."""
     followed, bridge = follow
     bridge.stop()
     bridge.start([(engine, followed.namespace)], "--lease-ttl", "3", "--silence-timeout", "2")

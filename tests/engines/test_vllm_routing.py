@@ -57,21 +57,6 @@ def workload(seed: int = 3) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module")
-def engines(python: str, model: Path, log_dir: Path) -> Iterator[list[VllmEngine]]:
-    """Two engines, started side by side."""
-    made = [VllmEngine(python, model, log_dir, name=f"engine-{n}") for n in ("p", "q")]
-    try:
-        for engine in made:
-            engine.launch()
-        for engine in made:
-            engine.wait_ready()
-        yield made
-    finally:
-        for engine in made:
-            engine.stop()
-
-
 @pytest.fixture
 def bridged(
     engines: list[VllmEngine], redis_server: RedisServer, log_dir: Path
