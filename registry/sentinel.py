@@ -103,6 +103,7 @@ class VerifiedSentinelPool(SentinelConnectionPool):
         super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
         self._checked_at = time.monotonic()
         self._check_lock = threading.Lock()
+        self._unasked = False  # the sentinels did not answer the last check (logged once)
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         connection = super().get_connection(*args, **kwargs)
@@ -132,10 +133,13 @@ class VerifiedSentinelPool(SentinelConnectionPool):
         with self._check_lock:
             try:
                 self.get_master_address()  # type: ignore[no-untyped-call]
+                self._unasked = False
             except MasterNotFoundError as exc:
                 if "failover is under way" in str(exc):
                     raise  # no master to use yet
-                log.warning("cannot ask the sentinels whether the master moved: %s", exc)
+                if not self._unasked:  # once until the sentinels answer again
+                    log.warning("cannot ask the sentinels whether the master moved: %s", exc)
+                self._unasked = True
             finally:
                 self._checked_at = time.monotonic()
 
