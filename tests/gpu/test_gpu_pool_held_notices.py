@@ -22,6 +22,7 @@ from gpu import EvictionListener, MambaSlotPool
 from registry import EvictionNotice, PrefixCacheRegistry
 from tests.gpu.test_gpu_pool_threads import (
     JOIN_TIMEOUT,
+    CountDown,
     assert_every_slot_holds_its_own_state,
     filled,
     run_together,
@@ -209,19 +210,7 @@ def test_stores_beside_clears_and_resets_from_another_client_end_in_agreement(
             else:
                 elsewhere.reset()
 
-    remaining = [threads]
-
-    def counted(work: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                work()
-            finally:
-                with lock:
-                    remaining[0] -= 1
-                    if remaining[0] == 0:
-                        done.set()
-
-        return run
+    counted = CountDown(threads, done)
 
     listener = EvictionListener(redis_backend.client(), node.namespace, pool)
     started = time.perf_counter()

@@ -64,6 +64,28 @@ def run_together(workers: list[Callable[[], None]]) -> list[BaseException]:
     return errors
 
 
+class CountDown:
+    """Wraps workers so that ``done`` is set once ``count`` of them have returned (or
+    raised): the thread that waits on it stops with the last worker."""
+
+    def __init__(self, count: int, done: threading.Event) -> None:
+        self.remaining = count
+        self.done = done
+        self.lock = threading.Lock()
+
+    def __call__(self, work: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                work()
+            finally:
+                with self.lock:
+                    self.remaining -= 1
+                    if self.remaining == 0:
+                        self.done.set()
+
+        return run
+
+
 class Checker:
     """Restores recently stored blocks while the stores run, until ``done``; any state it
     gets back must be the block's own."""
@@ -257,19 +279,7 @@ def test_churn_with_a_listener_ends_in_agreement(
 
         return run
 
-    remaining = [threads]
-
-    def counted(work: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                work()
-            finally:
-                with lock:
-                    remaining[0] -= 1
-                    if remaining[0] == 0:
-                        checker.done.set()
-
-        return run
+    counted = CountDown(threads, checker.done)
 
     listener = EvictionListener(redis_backend.client(), node.namespace, pool)
     try:
