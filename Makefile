@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -c constraints.txt -e '.[test,dev,embedded,gpu,bridge,metrics,serve]'
+	$(PIP) install -c constraints.txt -e '.[test,dev,embedded,gpu,bridge,metrics,serve,gateway]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -86,6 +86,12 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         required=True,
         help="the namespace the engine feeds (repeatable, one per --endpoint)",
     )
+    bridge.add_argument(
+        "--engine-url",
+        action="append",
+        help="the engine's HTTP base URL, e.g. http://10.0.0.7:8000, announced for pcr "
+        "gateway (repeatable, once per --endpoint, '-' for none)",
+    )
     bridge.add_argument("--topic", default="", help="topic to subscribe to (default: all)")
     bridge.add_argument(
         "--block-size",
@@ -130,6 +136,12 @@ def sources(args: argparse.Namespace) -> list[EngineSource]:
             f"give --replay-endpoint once per --endpoint, '-' for none ({len(endpoints)} "
             f"endpoints, {len(replays)} replay endpoints)"
         )
+    urls = [None if u == "-" else u for u in args.engine_url or [None] * len(endpoints)]
+    if len(urls) != len(endpoints):
+        raise UsageError(
+            f"give --engine-url once per --endpoint, '-' for none ({len(endpoints)} "
+            f"endpoints, {len(urls)} engine URLs)"
+        )
     if len(set(namespaces)) != len(namespaces):
         raise UsageError("each engine needs a namespace of its own")
     if args.lease_ttl < 0.1 or args.silence_timeout < 0.1:
@@ -144,8 +156,9 @@ def sources(args: argparse.Namespace) -> list[EngineSource]:
                 topic=args.topic,
                 block_size=args.block_size,
                 media=args.medium,
+                engine_url=url,
             )
-            for ns, ep, replay in zip(namespaces, endpoints, replays, strict=True)
+            for ns, ep, replay, url in zip(namespaces, endpoints, replays, urls, strict=True)
         ]
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None

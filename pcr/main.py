@@ -69,6 +69,7 @@ from pcr.common import (
     _url,
     _where,
 )
+from pcr.gateway import add_parser as add_gateway_parser
 from pcr.inspection import (
     _command_gc,
     _command_inspect,
@@ -285,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bridge_parser(commands, redis_options, env_url or DEFAULT_URL)
     add_serve_parser(commands, redis_options, env_url or DEFAULT_URL)
+    add_gateway_parser(commands, redis_options, env_url or DEFAULT_URL)
     return parser
 
 

@@ -168,7 +168,7 @@ def _server_class() -> Any:
     return Server
 
 
-def _protocol_class(header_timeout: float, body_timeout: float) -> type[Any]:
+def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = False) -> type[Any]:
     """uvicorn's h11 protocol with the request deadlines, and JSON for what uvicorn
     answers itself (malformed HTTP: 400, headers over h11's limit: 431)."""
     from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE as h11_limit
@@ -183,6 +183,7 @@ def _protocol_class(header_timeout: float, body_timeout: float) -> type[Any]:
 
         _deadline: asyncio.TimerHandle | None = None
         _waiting_for: str | None = None
+        openai_errors = openai
         _lingering = False
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -296,9 +297,12 @@ def _answer(protocol: Any, status: int, detail: str) -> None:
     import h11
     from uvicorn.protocols.http.h11_impl import STATUS_PHRASES
 
-    from pcr.serve_app import ERROR_KINDS, error_body
+    from pcr.http_errors import error_body
+    from pcr.serve_app import ERROR_KINDS
 
-    body = error_body(ERROR_KINDS[status], detail)
+    body = error_body(
+        ERROR_KINDS[status], detail, status, openai=getattr(protocol, "openai_errors", False)
+    )
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -325,6 +329,7 @@ def uvicorn_config(
     header_timeout: float = HEADER_TIMEOUT,
     body_timeout: float = BODY_TIMEOUT,
     keep_alive_timeout: int = KEEP_ALIVE_TIMEOUT,
+    openai_errors: bool = False,
     **options: Any,
 ) -> Any:
     """The ``uvicorn.Config`` ``pcr serve`` runs ``app`` with: its deadlines, no
@@ -335,7 +340,7 @@ def uvicorn_config(
     options.setdefault("log_level", "warning")
     return uvicorn.Config(
         app,
-        http=_protocol_class(header_timeout, body_timeout),
+        http=_protocol_class(header_timeout, body_timeout, openai_errors),
         ws="none",
         timeout_keep_alive=keep_alive_timeout,
         access_log=False,

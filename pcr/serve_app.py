@@ -37,6 +37,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
+from pcr.http_errors import error_body, error_content
 from pcr.serve import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
 from registry import metrics as registry_metrics
 from registry.aio_routing import AsyncPrefixRouter, async_client_from_url, bounded_async_options
@@ -338,22 +339,29 @@ class ExactRoute(APIRoute):
         return read_exactly
 
 
-def error_body(kind: str, detail: Any) -> bytes:
-    """The one error shape, encoded (also for ``pcr serve``'s protocol-level answers)."""
-    return json.dumps({"error": kind, "detail": detail}, separators=(",", ":")).encode()
-
-
 def _error(
-    status: int, kind: str, detail: Any, headers: dict[str, str] | None = None
+    status: int,
+    kind: str,
+    detail: Any,
+    headers: dict[str, str] | None = None,
+    *,
+    openai: bool = False,
 ) -> JSONResponse:
-    return JSONResponse({"error": kind, "detail": detail}, status_code=status, headers=headers)
+    return JSONResponse(
+        error_content(status, kind, detail, openai), status_code=status, headers=headers
+    )
 
 
-def _registry_error(exc: RegistryError) -> JSONResponse:
+def _openai(request: Request) -> bool:
+    """Whether the app is ``pcr gateway`` (OpenAI-shaped errors)."""
+    return getattr(request.app.state, "gateway", None) is not None
+
+
+def _registry_error(exc: RegistryError, openai: bool = False) -> JSONResponse:
     message = str(exc).split("\n")[0]
     if isinstance(exc, RegistryUnavailable):
-        return _error(503, "unavailable", message)
-    return _error(500, "registry fault", message)
+        return _error(503, "unavailable", message, openai=openai)
+    return _error(500, "registry fault", message, openai=openai)
 
 
 class Gate:
@@ -461,9 +469,10 @@ class _BodyLimit:
     """Refuses request bodies over ``limit`` bytes with 413 (by Content-Length, and by
     counting a body sent without one)."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: Any, limit: int, openai: bool = False) -> None:
         self.app = app
         self.limit = limit
+        self.openai = openai
 
     async def __call__(
         self,
@@ -504,7 +513,9 @@ class _BodyLimit:
         await self.app(scope, counted, watched)
 
     async def _refuse(self, send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
-        body = error_body(ERROR_KINDS[413], f"bodies are limited to {self.limit:,} bytes")
+        body = error_body(
+            ERROR_KINDS[413], f"bodies are limited to {self.limit:,} bytes", 413, openai=self.openai
+        )
         await send(
             {
                 "type": "http.response.start",
@@ -526,7 +537,7 @@ def _shown_loc(loc: Sequence[Any]) -> list[Any]:
     return [part if isinstance(part, int) or part in _SHOWN_LOC else "*" for part in loc][:5]
 
 
-async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     shown: list[dict[str, Any]] = [
         {
@@ -538,10 +549,10 @@ async def _invalid(_request: Request, exc: RequestValidationError) -> JSONRespon
     ]
     if len(errors) > MAX_ERRORS_SHOWN:
         shown.append({"msg": f"and {len(errors) - MAX_ERRORS_SHOWN} more errors"})
-    return _error(422, ERROR_KINDS[422], shown)
+    return _error(422, ERROR_KINDS[422], shown, openai=_openai(request))
 
 
-def _not_json(cause: BaseException) -> JSONResponse:
+def _not_json(cause: BaseException, openai: bool = False) -> JSONResponse:
     """422 for a body json.loads could not read (FastAPI answers these with a bare 400)."""
     if isinstance(cause, RecursionError):
         why = "the body nests too deeply"
@@ -551,29 +562,30 @@ def _not_json(cause: BaseException) -> JSONResponse:
         why = "an integer in the body has too many digits"
     else:
         why = "the body is not JSON"
-    return _error(422, ERROR_KINDS[422], [{"loc": ["body"], "msg": why, "type": "json_invalid"}])
+    detail = [{"loc": ["body"], "msg": why, "type": "json_invalid"}]
+    return _error(422, ERROR_KINDS[422], detail, openai=openai)
 
 
-async def _http_error(_request: Request, exc: HTTPException) -> Response:
+async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's and FastAPI's HTTP errors (404, 405, a body that did not parse) in the
     one shape; the detail is the status' own meaning, never the request."""
     if exc.status_code == 400 and isinstance(exc.__cause__, (RecursionError, ValueError)):
-        return _not_json(exc.__cause__)
+        return _not_json(exc.__cause__, _openai(request))
     try:
         phrase = HTTPStatus(exc.status_code).phrase.lower()
     except ValueError:
         phrase = "error"
     kind = ERROR_KINDS.get(exc.status_code, phrase)
     detail = ERROR_MEANINGS.get(exc.status_code, phrase)
-    return _error(exc.status_code, kind, detail, dict(exc.headers or {}))
+    return _error(exc.status_code, kind, detail, dict(exc.headers or {}), openai=_openai(request))
 
 
-async def _registry_fault(_request: Request, exc: RegistryError) -> JSONResponse:
-    return _registry_error(exc)
+async def _registry_fault(request: Request, exc: RegistryError) -> JSONResponse:
+    return _registry_error(exc, _openai(request))
 
 
-async def _internal(_request: Request, exc: Exception) -> JSONResponse:
-    return _error(500, "internal error", type(exc).__name__)
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    return _error(500, "internal error", type(exc).__name__, openai=_openai(request))
 
 
 HANDLERS: dict[int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]] = {
@@ -612,7 +624,9 @@ async def score(body: ScoreRequest, request: Request) -> ScoreReply | JSONRespon
         async with gate.turn("score"):
             scores, best = await router.decide(wanted, body.load, body.namespaces)
     except (TypeError, ValueError):  # the schema checks these first: not reached
-        return _error(422, ERROR_KINDS[422], "the prompt breaks the registry's rules")
+        return _error(
+            422, ERROR_KINDS[422], "the prompt breaks the registry's rules", openai=_openai(request)
+        )
     return ScoreReply(
         blocks=len(wanted),
         best=best,
@@ -669,23 +683,26 @@ async def live() -> LiveReply:
     return LiveReply(status="alive")
 
 
-def metrics() -> Response:
+def metrics(request: Request) -> Response:
     """Prometheus metrics (needs prometheus-client)."""
     try:
         prometheus = importlib.import_module("prometheus_client")
     except ImportError:
-        return _error(404, "not available", "metrics need prometheus-client")
+        return _error(
+            404, "not available", "metrics need prometheus-client", openai=_openai(request)
+        )
     return Response(prometheus.generate_latest(), media_type=prometheus.CONTENT_TYPE_LATEST)
 
 
-def _add_routes(app: FastAPI) -> None:
+def _add_routes(app: FastAPI, *, health_check: bool = True) -> None:
     """The endpoints, on the application's own router (an included ``APIRouter`` would
     be matched again on every request)."""
     app.add_api_route(
         "/v1/score", score, methods=["POST"], response_model=ScoreReply, responses=SCORE_ERRORS
     )
     app.add_api_route("/v1/nodes", nodes, response_model=NodesReply, responses=READ_ERRORS)
-    app.add_api_route("/health", health, response_model=HealthReply, responses=_documented(503))
+    if health_check:  # the gateway has its own
+        app.add_api_route("/health", health, response_model=HealthReply, responses=_documented(503))
     app.add_api_route("/live", live, response_model=LiveReply)
     app.add_api_route(
         "/metrics",
@@ -713,9 +730,12 @@ def create_app(
     hybrid: bool | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     pool_timeout: float = DEFAULT_POOL_TIMEOUT,
+    gateway: Any = None,
 ) -> FastAPI:
     """The scoring service for the registry at ``url``: at most ``max_connections``
-    requests use Redis at once, the others wait up to ``pool_timeout`` seconds."""
+    requests use Redis at once, the others wait up to ``pool_timeout`` seconds. With
+    ``gateway`` (a ``pcr.gateway_app.GatewayConfig``) also the OpenAI-compatible router
+    in front of the engines (``pcr gateway``), whose errors take the OpenAI shape."""
     if isinstance(max_connections, bool) or not isinstance(max_connections, int):
         raise TypeError("max_connections must be an int")
     if max_connections < 1:
@@ -723,14 +743,41 @@ def create_app(
     if not isinstance(pool_timeout, (int, float)) or not 0 < pool_timeout < math.inf:
         raise ValueError("pool_timeout must be a positive finite number of seconds")
     state = State(url, key_prefix, hybrid, max_connections, float(pool_timeout))
+    lifespan = state.lifespan
+    routing = None
+    if gateway is not None:
+        from pcr.gateway_app import GatewayState
+
+        routing = GatewayState(gateway, state)
+        lifespan = functools.partial(_both, state, routing)
     app = ScoringApp(
-        title="prefix-cache-registry scoring",
-        description="Which live serving node holds the longest cached prefix of a prompt.",
-        lifespan=state.lifespan,
+        title="prefix-cache-registry " + ("gateway" if gateway is not None else "scoring"),
+        description="Which live serving node holds the longest cached prefix of a prompt"
+        + ("; and an OpenAI-compatible router sending each request there." if gateway else "."),
+        lifespan=lifespan,
         exception_handlers=HANDLERS,
     )
     app.state.registry = state
+    app.state.gateway = routing
     app.router.route_class = ExactRoute
-    _add_routes(app)
-    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    if routing is not None:
+        from pcr.gateway_app import add_gateway_routes
+
+        add_gateway_routes(app)
+    _add_routes(app, health_check=routing is None)
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES, openai=routing is not None)
     return app
+
+
+@contextlib.asynccontextmanager
+async def _both(state: State, routing: Any, _app: FastAPI) -> AsyncIterator[None]:
+    """The gateway's lifespan: Redis first, then the backends and background tasks."""
+    await state.open()
+    try:
+        await routing.open()
+        try:
+            yield
+        finally:
+            await routing.close()
+    finally:
+        await state.close()

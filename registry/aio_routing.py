@@ -31,8 +31,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from registry import metrics as _metrics
 from registry.errors import REDIS_ERRORS, RegistryError, translate
 from registry.fleet import FleetKeys, MemberList
-from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, node_index_key
-from registry.membership import split_members, warn_invalid
+from registry.keys import (
+    DEFAULT_KEY_PREFIX,
+    NamespaceKeys,
+    engines_key,
+    gateway_load_key,
+    node_index_key,
+)
+from registry.membership import engine_table, split_members, warn_invalid
 from registry.routing import (
     BareState,
     IndexPlan,
@@ -195,6 +201,26 @@ class AsyncPrefixRouter:
         if observer is not None:
             observer.routed(scores, choice, hashes)
         return scores, choice
+
+    # -- what gateways share (pcr gateway) ----------------------------------------------
+
+    async def engines(self) -> dict[str, str]:
+        """Namespace -> engine URL, as announced (``NodeIndex.announce_engine``)."""
+        key = engines_key(self.key_prefix)
+        try:
+            table = await self.client.hgetall(key)
+        except REDIS_ERRORS as exc:
+            raise _translated(exc, f"engine table {key!r}: HGETALL") from exc
+        return engine_table(table)
+
+    async def exchange_load(self, replica: str, ttl_ms: int, payload: str) -> list[str]:
+        """Publish one gateway replica's load (expiring after ``ttl_ms``) and read the
+        other live replicas' (``lua/gateway_load.lua``): one round trip."""
+        key = gateway_load_key(self.key_prefix)
+        replies = await self._run(
+            "gateway_load", (key,), (replica, ttl_ms, payload), f"gateway load {key!r}"
+        )
+        return [r.decode("utf-8", "replace") if isinstance(r, bytes) else str(r) for r in replies]
 
     # -- running the scripts ----------------------------------------------------------
 

@@ -86,6 +86,7 @@ from registry.bridge_events import (
 from registry.errors import RegistryError, RegistryUnavailable, StaleEpochError, translate
 from registry.hashing import ZERO_PARENT, chain_digests, digest_hash
 from registry.keys import DEFAULT_KEY_PREFIX, validate_namespace
+from registry.membership import NodeIndex, validate_engine_url
 from registry.ownership import DEFAULT_LEASE_TTL
 from registry.redis_registry import PrefixCacheRegistry, bounded_options
 
@@ -168,9 +169,13 @@ class EngineSource:
     topic: str = ""
     block_size: int | None = None
     media: tuple[str, ...] = ("GPU",)
+    engine_url: str | None = None
+    """The engine's HTTP base URL, announced beside its lease for gateways (``pcr gateway``)."""
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
+        if self.engine_url is not None:
+            validate_engine_url(self.engine_url)
         _endpoint(self.endpoint, "endpoint")
         if self.replay_endpoint is not None:
             _endpoint(self.replay_endpoint, "replay endpoint")
@@ -350,6 +355,10 @@ class Follower:
                 self._write([], None)  # record the engine and endpoint for pcr stats
             except _Blocked as exc:
                 raise _registry_error(exc) from None
+        if self.source.engine_url is not None:  # which engine a gateway sends it to
+            NodeIndex(self.registry.client, self.registry.keys.key_prefix).announce_engine(
+                self.source.namespace, self.source.engine_url
+            )
         self.started = True
         self.next_renewal = self.clock() + self.lease_ttl / 3
         if self.replay is not None:

@@ -50,6 +50,19 @@ def node_index_key(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     return f"{validate_key_prefix(key_prefix)}:nodes"
 
 
+def engines_key(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """HASH namespace -> the URL of the engine that serves it (``http://10.0.0.7:8000``),
+    announced by ``pcr bridge --engine-url`` or by an owner (``NodeIndex.announce_engine``)
+    and read by ``pcr gateway``. Not tagged."""
+    return f"{validate_key_prefix(key_prefix)}:engines"
+
+
+def gateway_load_key(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """HASH gateway replica id -> ``"<expires ms> <payload>"``: what each ``pcr gateway``
+    replica has in flight per backend (``lua/gateway_load.lua``). Not tagged."""
+    return f"{validate_key_prefix(key_prefix)}:gateway:load"
+
+
 @dataclass(frozen=True)
 class NamespaceKeys:
     """The keys and the channel of one namespace (one block pool)."""

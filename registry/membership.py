@@ -16,7 +16,13 @@ from typing import Any
 
 from registry.errors import REDIS_ERRORS, translate
 from registry.fleet import FleetMembers
-from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, node_index_key, validate_namespace
+from registry.keys import (
+    DEFAULT_KEY_PREFIX,
+    NamespaceKeys,
+    engines_key,
+    node_index_key,
+    validate_namespace,
+)
 from registry.scripts import ScriptRunner
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,7 @@ class NodeIndex:
         self.client = client
         self.key_prefix = key_prefix
         self.key = node_index_key(key_prefix)
+        self.engines_key = engines_key(key_prefix)
         self.skipped = 0  # invalid members skipped by live()/dead() so far
         self.scrubbed = 0  # member ids the last collect_dead scrubbed from the fleet index
         self._runner = ScriptRunner(client)
@@ -48,6 +55,33 @@ class NodeIndex:
     def announce(self, namespace: str, lease_until_ms: int) -> None:
         """Record a lease end for ``namespace`` (never moving it back)."""
         self._run("announce", (self.key,), (namespace, lease_until_ms))
+
+    def announce_engine(self, namespace: str, url: str) -> None:
+        """Say which engine serves ``namespace`` (its base URL, ``http://host:port``), for
+        gateways (``pcr gateway``) to send requests to. Overwrites an earlier URL."""
+        validate_namespace(namespace)
+        validate_engine_url(url)
+        try:
+            self.client.hset(self.engines_key, namespace, url)
+        except REDIS_ERRORS as exc:
+            raise (translate(exc, f"engine table {self.engines_key!r}") or exc) from exc
+
+    def forget_engine(self, namespace: str) -> None:
+        """Drop ``namespace``'s engine URL (``announce_engine``)."""
+        validate_namespace(namespace)
+        try:
+            self.client.hdel(self.engines_key, namespace)
+        except REDIS_ERRORS as exc:
+            raise (translate(exc, f"engine table {self.engines_key!r}") or exc) from exc
+
+    def engines(self) -> dict[str, str]:
+        """Every announced namespace -> engine URL; entries that break the rules (anyone
+        allowed to write the table can add garbage) are skipped."""
+        try:
+            table = self.client.hgetall(self.engines_key)
+        except REDIS_ERRORS as exc:
+            raise (translate(exc, f"engine table {self.engines_key!r}") or exc) from exc
+        return engine_table(table)
 
     def live(self) -> list[str]:
         """Namespaces whose lease has not run out (server clock), in index order."""
@@ -119,6 +153,40 @@ class NodeIndex:
         return removed
 
     gc = collect_dead  # the first release's name
+
+
+MAX_URL_LENGTH = 500
+
+
+def validate_engine_url(url: object) -> str:
+    """Check an engine's base URL: ``http://`` or ``https://``, a host, printable, no
+    whitespace, at most ``MAX_URL_LENGTH`` characters."""
+    if not isinstance(url, str):
+        raise TypeError(f"engine URL must be a str, not {type(url).__name__}")
+    if not url or len(url) > MAX_URL_LENGTH:
+        raise ValueError(f"engine URL must be 1 to {MAX_URL_LENGTH} characters")
+    if not url.isprintable() or any(c.isspace() for c in url):
+        raise ValueError("engine URL must not contain whitespace or control characters")
+    scheme, sep, rest = url.partition("://")
+    host = rest.split("/", 1)[0]
+    if not sep or scheme.lower() not in ("http", "https") or not host or "@" in host:
+        raise ValueError(f"engine URL must look like http://host:port, not {url[:80]!r}")
+    return url
+
+
+def engine_table(table: dict[Any, Any]) -> dict[str, str]:
+    """An engine table read from Redis (bytes or text), without entries that break the
+    namespace or URL rules."""
+    engines = {}
+    for raw_name, raw_url in table.items():
+        name, url = _text(raw_name), _text(raw_url)
+        try:
+            validate_namespace(name)
+            validate_engine_url(url)
+        except (TypeError, ValueError):
+            continue
+        engines[name] = url.rstrip("/")
+    return engines
 
 
 def split_members(names: list[Any], skipped: int) -> tuple[list[str], list[str]]:

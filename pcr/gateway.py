@@ -1,0 +1,262 @@
+"""``pcr gateway``: the OpenAI-compatible router in front of the engines
+(``pcr.gateway_app``), on uvicorn with ``pcr serve``'s deadlines.
+
+FastAPI, uvicorn, httpx (and transformers for ``--tokenizer``) are imported only when the
+command runs. Backends come from ``--backend NAMESPACE=URL``, from ``--backends FILE`` (a
+JSON object ``{"backends": {"NAMESPACE": "URL", ...}}``) and from the engine table in
+Redis (``pcr bridge --engine-url``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pcr.common import CommandError, UsageError, _block_size, _port, _scheme, _where
+from pcr.gateway_balance import POLICIES
+from pcr.serve import SERVE_SCHEMES, _bind, _limit_options, _server_class, uvicorn_config
+from registry.keys import validate_namespace
+from registry.membership import validate_engine_url
+
+NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httpx": "httpx"}  # module: package
+MAX_BACKENDS = 4_096
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _backend(text: str) -> tuple[str, str]:
+    """An argparse type: ``NAMESPACE=URL``."""
+    namespace, sep, url = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(
+            "a backend is NAMESPACE=URL, e.g. node-0=http://10.0.0.7:8000"
+        )
+    try:
+        return validate_namespace(namespace), validate_engine_url(url)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _number(low: float, what: str, *, zero: bool = False) -> Any:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{what} must be a number, not {text[:40]!r}"
+            ) from None
+        if not math.isfinite(value) or value < low or (value == low and not zero) or value > 1e6:
+            raise argparse.ArgumentTypeError(f"{what} must be a finite number above {low:g}")
+        return value
+
+    return parse
+
+
+def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
+    """The ``pcr gateway`` subcommand."""
+    gateway = commands.add_parser(
+        "gateway",
+        help="OpenAI-compatible router: sends each request to the engine holding its prefix",
+        description="Route /v1/completions and /v1/chat/completions to the engine that "
+        "already caches the prompt's prefix, against load (needs the gateway extra). Redis "
+        "away: routed by load alone. Also serves /v1/score, /v1/nodes, /v1/models, /health "
+        "and /metrics.",
+    )
+    redis_options(gateway, url_default)
+    gateway.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    gateway.add_argument("--port", type=_port, default=8080, help="TCP port (default 8080)")
+    gateway.add_argument(
+        "--backend",
+        type=_backend,
+        action="append",
+        default=[],
+        metavar="NAMESPACE=URL",
+        help="an engine and the namespace its cache state is in (repeatable)",
+    )
+    gateway.add_argument(
+        "--backends",
+        type=Path,
+        metavar="FILE",
+        help='a JSON file {"backends": {"NAMESPACE": "URL", ...}}',
+    )
+    gateway.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="the model's tokenizer directory (tokenizer.json, tokenizer_config.json with "
+        "its chat template), to tokenize text and chat prompts as the engine does; without "
+        "it only token-id prompts are routed by prefix",
+    )
+    gateway.add_argument(
+        "--block-size",
+        type=_block_size,
+        default=16,
+        help="tokens per block, as the engines and the bridge use (default 16)",
+    )
+    gateway.add_argument(
+        "--policy", choices=POLICIES, default="prefix", help="default: prefix (against load)"
+    )
+    gateway.add_argument(
+        "--hybrid",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="rank by the Mamba-usable prefix (--hybrid) or the KV prefix (--no-hybrid); "
+        "default: each namespace by what its engine reuses",
+    )
+    gateway.add_argument(
+        "--queue-weight",
+        type=_number(0, "--queue-weight", zero=True),
+        default=1.0,
+        help="tokens of cost per token of work queued ahead on a backend (default 1)",
+    )
+    gateway.add_argument(
+        "--spread-weight",
+        type=_number(0, "--spread-weight", zero=True),
+        default=0.5,
+        help="cost, in prompts, of a backend's excess share of the recent work (default 0.5)",
+    )
+    gateway.add_argument(
+        "--half-life",
+        type=_number(0, "--half-life"),
+        default=30.0,
+        help="seconds over which recent work counts half (default 30)",
+    )
+    gateway.add_argument(
+        "--replica-id",
+        default="",
+        help="this replica's name in the shared load table (default: host-pid)",
+    )
+    gateway.add_argument(
+        "--scrape-interval",
+        type=_number(0, "--scrape-interval", zero=True),
+        default=1.0,
+        help="seconds between reads of each engine's /metrics (queue, KV usage; 0: never)",
+    )
+    gateway.add_argument(
+        "--registry-timeout",
+        type=_number(0, "--registry-timeout"),
+        default=0.25,
+        help="seconds a routing decision waits for Redis before routing by load (default 0.25)",
+    )
+    gateway.add_argument(
+        "--upstream-timeout",
+        type=_number(0, "--upstream-timeout"),
+        default=600.0,
+        help="seconds a backend may take to answer (default 600)",
+    )
+    _limit_options(gateway)
+    gateway.set_defaults(handler=command_gateway, command_parser=gateway)
+
+
+def backends_file(path: Path) -> dict[str, str]:
+    """The backends of a ``--backends`` file (usage errors in one line)."""
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(
+            f"argument --backends: cannot read {str(path)!r}: {exc.strerror}"
+        ) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UsageError(f"argument --backends: {str(path)!r} is over {MAX_CONFIG_BYTES:,} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise UsageError(f"argument --backends: {str(path)!r} is not JSON") from None
+    table = data.get("backends") if isinstance(data, dict) else None
+    if not isinstance(table, dict):
+        raise UsageError(
+            'argument --backends: the file must hold {"backends": {"NAMESPACE": "URL"}}'
+        )
+    out = {}
+    for namespace, url in table.items():
+        try:
+            out[validate_namespace(namespace)] = validate_engine_url(url)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"argument --backends: {exc}") from None
+    return out
+
+
+def command_gateway(args: argparse.Namespace) -> int:
+    if _scheme(args.redis_url) not in SERVE_SCHEMES:
+        raise UsageError(
+            "argument --redis-url: pcr gateway takes redis://, rediss://, unix://, "
+            "redis+cluster:// or rediss+cluster:// URLs"
+        )
+    backends = dict(args.backend)
+    if len(backends) != len(args.backend):
+        raise UsageError("argument --backend: each namespace may be given once")
+    if args.backends is not None:
+        for namespace, url in backends_file(args.backends).items():
+            backends.setdefault(namespace, url)
+    if len(backends) > MAX_BACKENDS:
+        raise UsageError(f"at most {MAX_BACKENDS} backends")
+    missing = []
+    for module, package in NEEDED.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    if missing:
+        raise CommandError(
+            f"pcr gateway needs {' and '.join(missing)}: "
+            "pip install 'prefix-cache-registry[gateway]'"
+        )
+    from pcr.gateway_app import GatewayConfig
+    from pcr.gateway_balance import BalanceRule
+    from pcr.gateway_tokens import TokenizerError
+    from pcr.serve import _enable_metrics
+    from pcr.serve_app import create_app
+
+    rule = BalanceRule(
+        queue_weight=args.queue_weight, spread_weight=args.spread_weight, half_life=args.half_life
+    )
+    config = GatewayConfig(
+        backends=backends,
+        tokenizer=args.tokenizer,
+        block_size=args.block_size,
+        policy=args.policy,
+        rule=rule,
+        replica_id=args.replica_id,
+        scrape_interval=args.scrape_interval,
+        registry_timeout=args.registry_timeout,
+        upstream_timeout=args.upstream_timeout,
+    )
+    server_class = _server_class()
+    _enable_metrics()
+    try:
+        app = create_app(
+            args.redis_url,
+            key_prefix=args.key_prefix,
+            hybrid=args.hybrid,
+            max_connections=args.max_connections,
+            pool_timeout=args.pool_timeout,
+            gateway=config,
+        )
+    except TokenizerError as exc:
+        raise UsageError(f"argument --tokenizer: {exc}") from None
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    known = ", ".join(f"{n}={u}" for n, u in sorted(backends.items())) or "none configured"
+    print(
+        f"pcr gateway: routing on http://{host}:{port} to {known} (and engines announced in "
+        f"Redis at {_where(args.redis_url)}), policy {args.policy}",
+        flush=True,
+    )
+    config_uvicorn = uvicorn_config(
+        app,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        openai_errors=True,
+    )
+    server = server_class(config_uvicorn)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,185 @@
+"""How ``pcr gateway`` chooses a backend: the balance rule, without I/O.
+
+Every candidate backend ``b`` (known, not refusing connections) gets a cost in tokens,
+an estimate of the prefill work the engine does before this request's first token, plus a
+term that keeps the fleet's caches from collapsing onto one engine; the lowest cost wins
+(ties: fewer requests in flight, then the namespace's sort order)::
+
+    cost(b) = prefill(b)                                  # the prompt's uncached tokens
+            + queue_weight  * queued(b)                   # work ahead of it on b
+            + spread_weight * prompt * (N * share(b) - 1) # b's share of recent work
+            + queue_weight  * prompt * [kv_usage(b) >= kv_usage_limit]
+
+- ``prefill(b) = prompt - cached(b)``; ``cached(b)`` is the prefix the registry says b's
+  engine can reuse (``AsyncPrefixRouter.score``: the Mamba-usable prefix on a hybrid
+  model's node, the KV prefix otherwise), in whole blocks, never the prompt's last token
+  (the engine computes at least one). A backend the registry does not score (its lease
+  lapsed, or Redis is away) has ``cached = 0``: it is still chosen by load.
+- ``queued(b) = pending(b) + request_tokens * max(in_flight(b), engine_requests(b))``:
+  the uncached prompt tokens of the requests every gateway replica has in flight at b,
+  plus a fixed cost per request (decoding, scheduling); ``engine_requests`` is what the
+  engine itself reports running and waiting (``vllm:num_requests_running`` and
+  ``vllm:num_requests_waiting``, scraped), which also counts requests that did not come
+  through a gateway.
+- ``share(b)`` is b's part of the prefill tokens sent lately by all replicas, decayed with
+  a half-life of ``half_life`` seconds, each backend counted as if it had done one more
+  prompt's worth (so that a little work, or none, is no imbalance: a fully cached prompt
+  adds almost nothing). Without it a greedy choice sends everything to the
+  engine that first cached a shared system prompt whenever requests come one at a time
+  (nothing is ever in flight), and that engine's cache must then hold every conversation
+  while the other's sits idle. With two engines and the default weight 0.5, a backend
+  doing all the recent work costs a whole prompt more than an idle one: a new
+  conversation (equally cached everywhere but for the system prompt) goes to the idle
+  engine, while a conversation's next turn stays where most of it is cached unless the
+  imbalance outweighs what its cache saves.
+- ``kv_usage(b)`` (``vllm:kv_cache_usage_perc``, scraped): an engine whose KV cache is
+  full queues or preempts, so it costs one more prompt.
+
+Compared with vllm-router's ``cache_aware`` (a match ratio over ``cache_threshold`` goes
+to the best match, else to the least loaded; ``balance_abs_threshold`` and
+``balance_rel_threshold`` switch to shortest-queue when the queues differ by both): the
+trade is made in tokens, continuously, and from what the engines really hold.
+
+With ``queue_weight = spread_weight = 0`` the rule is the greedy prefix choice; with
+every ``cached = 0`` it is least-load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+POLICIES = ("prefix", "least-load", "round-robin")
+"""``prefix``: the balance rule; ``least-load``: the rule without cached prefixes;
+``round-robin``: each backend in turn (a baseline)."""
+
+
+@dataclass(frozen=True)
+class BalanceRule:
+    """The weights of the cost (module docstring)."""
+
+    queue_weight: float = 1.0
+    spread_weight: float = 0.5
+    half_life: float = 30.0
+    """Seconds over which a backend's recent work counts half."""
+    request_tokens: float = 32.0
+    """The cost of one request in flight beyond its prompt (decoding, scheduling)."""
+    kv_usage_limit: float = 0.95
+
+    def __post_init__(self) -> None:
+        for name in ("queue_weight", "spread_weight", "request_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number")
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0")
+        if not 0 < self.half_life < math.inf:
+            raise ValueError("half_life must be a positive finite number of seconds")
+        if not 0 < self.kv_usage_limit <= 1:
+            raise ValueError("kv_usage_limit must be in (0, 1]")
+
+
+@dataclass
+class Decayed:
+    """A sum that halves every ``half_life`` seconds (``value`` as of ``at``)."""
+
+    value: float = 0.0
+    at: float = 0.0
+
+    def now(self, now: float, half_life: float) -> float:
+        if self.value == 0.0 or now <= self.at:
+            return self.value
+        return self.value * math.pow(0.5, (now - self.at) / half_life)
+
+    def add(self, amount: float, now: float, half_life: float) -> None:
+        self.value = self.now(now, half_life) + amount
+        self.at = max(now, self.at)
+
+
+@dataclass
+class BackendLoad:
+    """What one backend carries, as this replica knows it."""
+
+    in_flight: int = 0
+    """Requests this replica has in flight there."""
+    pending: float = 0.0
+    """Their uncached prompt tokens."""
+    recent: Decayed = field(default_factory=Decayed)
+    """Prefill tokens this replica sent there lately."""
+    remote_in_flight: int = 0
+    remote_pending: float = 0.0
+    remote_recent: float = 0.0
+    """The other replicas' share (as last exchanged), decayed to ``remote_at``."""
+    remote_at: float = 0.0
+    engine_requests: float = 0.0
+    """Running plus waiting requests, as the engine last reported (scraped)."""
+    kv_usage: float = 0.0
+
+
+def cached_tokens(usable_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Tokens an engine serves from its cache for a prompt whose first ``usable_blocks``
+    blocks it holds: whole blocks, never the prompt's last token."""
+    if prompt_tokens <= 0:
+        return 0
+    return max(0, min(usable_blocks, (prompt_tokens - 1) // block_size)) * block_size
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One candidate's cost and its parts (for metrics and tests)."""
+
+    namespace: str
+    cost: float
+    cached: int
+    queued: float
+    share: float
+
+
+def ranked(
+    candidates: Iterable[str],
+    prompt_tokens: int,
+    cached: Mapping[str, int],
+    loads: Mapping[str, BackendLoad],
+    rule: BalanceRule,
+    now: float,
+) -> list[Choice]:
+    """The candidates from best to worst by the rule (module docstring)."""
+    names = sorted(set(candidates))
+    if not names:
+        return []
+    recent = {n: _recent(loads.get(n), now, rule.half_life) for n in names}
+    total = sum(recent.values())
+    count = len(names)
+    out = []
+    for name in names:
+        load = loads.get(name) or BackendLoad()
+        hit = min(max(0, cached.get(name, 0)), max(0, prompt_tokens))
+        in_flight = load.in_flight + load.remote_in_flight
+        queued = load.pending + load.remote_pending
+        queued += rule.request_tokens * max(float(in_flight), load.engine_requests)
+        share = (recent[name] + prompt_tokens) / (total + count * prompt_tokens)
+        cost = float(prompt_tokens - hit)
+        cost += rule.queue_weight * queued
+        cost += rule.spread_weight * prompt_tokens * (count * share - 1.0)
+        if load.kv_usage >= rule.kv_usage_limit:
+            cost += rule.queue_weight * prompt_tokens
+        out.append(Choice(name, cost, hit, queued, share))
+    flights = {n: (loads.get(n) or BackendLoad()) for n in names}
+    out.sort(
+        key=lambda c: (
+            c.cost,
+            flights[c.namespace].in_flight + flights[c.namespace].remote_in_flight,
+            c.namespace,
+        )
+    )
+    return out
+
+
+def _recent(load: BackendLoad | None, now: float, half_life: float) -> float:
+    if load is None:
+        return 0.0
+    remote = load.remote_recent
+    if remote and now > load.remote_at:
+        remote *= math.pow(0.5, (now - load.remote_at) / half_life)
+    return load.recent.now(now, half_life) + remote

@@ -1,0 +1,252 @@
+"""``pcr gateway`` as a process in front of fake engines (``tests/support/fake_engine.py``)
+and a real redis-server: it sends each request where the registry says its prefix is
+cached, tokenizes text and chat prompts as the engine will, passes streamed chunks through
+one at a time, shares its load with other replicas through Redis, and finds engines
+announced in Redis. Faults (refusals, retries, Redis away, bad input) are in
+``test_gateway_faults.py``."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from registry import NodeIndex, PrefixCacheRegistry, block_hashes
+from tests.support.fake_engine import FakeEngine, wait_in_flight
+from tests.support.servers import RedisServer
+from tests.support.serving import ServeProcess
+from tests.support.tiny_tokenizer import build_tokenizer, words
+from tests.support.waiting import wait_until
+
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")
+
+BLOCK = 4
+
+
+@pytest.fixture
+def engines() -> Iterator[list[FakeEngine]]:
+    made = [FakeEngine("a").start(), FakeEngine("b").start()]
+    try:
+        yield made
+    finally:
+        for engine in made:
+            engine.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture
+def names() -> list[str]:
+    tag = uuid.uuid4().hex[:8]
+    return [f"gw-a-{tag}", f"gw-b-{tag}"]
+
+
+def gateway(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str], *extra: str
+) -> ServeProcess:
+    args = ["--redis-url", redis_server.url, "--block-size", str(BLOCK)]
+    for name, engine in zip(names, engines, strict=True):
+        args += ["--backend", f"{name}={engine.url}"]
+    return ServeProcess(*args, *extra, path="/health", command="gateway")
+
+
+def cache(client: redis.Redis, namespace: str, *prompts: list[int]) -> None:
+    """Say in the registry that ``namespace``'s engine holds the prompts' blocks."""
+    registry = PrefixCacheRegistry(client, namespace)
+    registry.claim(120)
+    for tokens in prompts:
+        hashes = block_hashes(tokens, BLOCK)
+        registry.register_kv(list(range(len(hashes))), hashes)
+
+
+def complete(base: str, body: dict[str, Any], path: str = "/v1/completions") -> dict[str, Any]:
+    reply = httpx.post(base + path, json={"model": "tiny", **body}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    out: dict[str, Any] = reply.json()
+    return out
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            if line.split("{")[0].split(" ")[0] == name:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_prompt_goes_to_the_engine_that_caches_its_prefix(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    client = redis_server.client()
+    prompt = list(range(10, 43))  # 33 tokens: 8 whole blocks
+    cache(client, names[1], prompt)
+    proc = gateway(redis_server, engines, names).start()
+    try:
+        served = [complete(proc.base, {"prompt": prompt})["by"] for _ in range(6)]
+        assert served == ["b"] * 6
+        assert metric(proc.base, "pcr_gateway_routing_decisions_total", outcome="prefix") == 6
+        predicted = metric(proc.base, "pcr_gateway_predicted_cached_tokens_total", backend=names[1])
+        assert predicted == 6 * 32
+    finally:
+        proc.stop()
+        client.close()
+
+
+def test_chat_and_text_prompts_are_tokenized_as_the_engine_does(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str], tokenizer_dir: Path
+) -> None:
+    """The chat template writes its own BOS and the text prompt gets one from the
+    tokenizer: the hashes of exactly those tokens are cached on engine b, so only a gateway
+    that tokenizes as the engine does sends both there."""
+    client = redis_server.client()
+    message = words(list(range(20, 52)))
+    chat_ids = [1, 0, *range(20, 52), 0, 0]  # <s> user ... assistant (roles are <unk>)
+    text_ids = [1, *range(60, 92)]
+    cache(client, names[1], chat_ids, text_ids)
+    proc = gateway(redis_server, engines, names, "--tokenizer", str(tokenizer_dir)).start()
+    try:
+        chat = {"messages": [{"role": "user", "content": message}]}
+        assert complete(proc.base, chat, "/v1/chat/completions")["by"] == "b"
+        parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": message}]}]}
+        assert complete(proc.base, parts, "/v1/chat/completions")["by"] == "b"
+        assert complete(proc.base, {"prompt": words(list(range(60, 92)))})["by"] == "b"
+        assert metric(proc.base, "pcr_gateway_routing_decisions_total", outcome="prefix") == 3
+        # the engine got the request as it was sent, not the gateway's tokens
+        assert engines[1].received[0]["messages"][0]["content"] == message
+    finally:
+        proc.stop()
+        client.close()
+
+
+def test_requests_one_at_a_time_are_spread_over_idle_engines(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    """Distinct prompts, nothing cached, one at a time: nothing is ever in flight, and
+    still both engines get about half (the rule weighs each engine's recent work)."""
+    proc = gateway(redis_server, engines, names).start()
+    try:
+        for i in range(20):
+            complete(proc.base, {"prompt": list(range(100 + i * 40, 140 + i * 40))})
+        counts = sorted(len(e.received) for e in engines)
+        assert counts[0] >= 8, counts
+    finally:
+        proc.stop()
+
+
+def test_streamed_chunks_are_passed_through_one_at_a_time(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    """The engine sends its second chunk only after the client has read the first
+    through the gateway: a gateway that buffered the stream would never deliver it."""
+    for engine in engines:
+        engine.chunk_gate = threading.Semaphore(0)
+    proc = gateway(redis_server, engines, names).start()
+    try:
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "stream": True}
+        with httpx.stream("POST", f"{proc.base}/v1/completions", json=body, timeout=30) as reply:
+            assert reply.status_code == 200
+            assert reply.headers["content-type"].startswith("text/event-stream")
+            lines = reply.iter_lines()
+            seen = []
+            for _ in range(3):
+                for engine in engines:
+                    assert engine.chunk_gate is not None
+                    engine.chunk_gate.release()
+                line = next(line for line in lines if line)
+                seen.append(line)
+            rest = [line for line in lines if line]
+        assert [s.startswith("data: {") for s in seen] == [True, True, True]
+        assert rest == ["data: [DONE]"]
+    finally:
+        proc.stop()
+
+
+def test_two_replicas_see_each_others_requests_in_flight(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    """Requests held in flight at engine a through replica 1 are counted by replica 2,
+    which then sends a new request to engine b."""
+    first = gateway(redis_server, engines[:1], names[:1], "--replica-id", "one").start()
+    both = gateway(redis_server, engines, names, "--replica-id", "two").start()
+    engines[0].release.clear()
+    threads = [
+        threading.Thread(
+            target=httpx.post,
+            args=(f"{first.base}/v1/completions",),
+            kwargs={"json": {"model": "tiny", "prompt": [7] * 40}, "timeout": 60},
+        )
+        for _ in range(3)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_in_flight(engines[0], 3)
+
+        def seen_by_two() -> bool:
+            health = httpx.get(f"{both.base}/health", timeout=10).json()
+            return bool(health["in_flight"][names[0]]["other_replicas"] == 3)
+
+        wait_until(seen_by_two, 30, "replica two counting replica one's requests")
+        assert complete(both.base, {"prompt": [9] * 40})["by"] == "b"
+    finally:
+        engines[0].release.set()
+        for thread in threads:
+            thread.join(60)
+        first.stop()
+        both.stop()
+
+
+def test_engines_announced_in_redis_become_backends(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    client = redis_server.client()
+    index = NodeIndex(client)
+    proc = ServeProcess(
+        "--redis-url", redis_server.url, "--block-size", str(BLOCK), path="/live",
+        command="gateway",
+    ).start()  # fmt: skip
+    try:
+        reply = httpx.post(f"{proc.base}/v1/completions", json={"prompt": [1, 2]}, timeout=10)
+        assert reply.status_code == 503
+        assert reply.json()["error"]["code"] == 503
+        index.announce_engine(names[0], engines[0].url)
+
+        def served() -> bool:
+            return httpx.get(f"{proc.base}/health", timeout=10).json()["backends"] == {
+                names[0]: "up"
+            }
+
+        wait_until(served, 30, "the announced engine listed")
+        assert complete(proc.base, {"prompt": [1, 2, 3]})["by"] == "a"
+    finally:
+        index.forget_engine(names[0])
+        proc.stop()
+        client.close()
+
+
+def test_models_and_round_robin(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    proc = gateway(redis_server, engines, names, "--policy", "round-robin").start()
+    try:
+        models = httpx.get(f"{proc.base}/v1/models", timeout=10).json()
+        assert models["data"][0]["id"] == "tiny"
+        served = [complete(proc.base, {"prompt": [3, 4, 5]})["by"] for _ in range(6)]
+        assert sorted(served) == ["a"] * 3 + ["b"] * 3
+        assert served[0] != served[1]
+    finally:
+        proc.stop()

@@ -1,0 +1,133 @@
+"""The gateway's balance rule (``pcr.gateway_balance``), without I/O: what it weighs and
+what it must never do (pile every request onto one engine while another idles)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pcr.gateway_balance import BackendLoad, BalanceRule, Decayed, cached_tokens, ranked
+
+RULE = BalanceRule()
+
+
+def best(
+    prompt: int,
+    cached: dict[str, int],
+    loads: dict[str, BackendLoad],
+    rule: BalanceRule = RULE,
+    now: float = 0.0,
+) -> str:
+    return ranked(["a", "b"], prompt, cached, loads, rule, now)[0].namespace
+
+
+def test_cached_tokens_are_whole_blocks_and_never_the_last_token() -> None:
+    assert cached_tokens(3, 32, 200) == 96
+    assert cached_tokens(4, 32, 128) == 96  # a fully cached prompt recomputes one block
+    assert cached_tokens(10, 32, 100) == 96
+    assert cached_tokens(0, 32, 100) == 0
+    assert cached_tokens(5, 32, 0) == 0
+
+
+def test_with_no_load_the_longest_cached_prefix_wins() -> None:
+    assert best(300, {"a": 64, "b": 256}, {}) == "b"
+    assert best(300, {"a": 256, "b": 64}, {}) == "a"
+
+
+def test_work_queued_ahead_outweighs_a_small_cached_prefix() -> None:
+    loads = {"a": BackendLoad(in_flight=3, pending=900.0)}
+    assert best(300, {"a": 64}, loads) == "b"
+
+
+def test_a_long_cached_prefix_outweighs_a_short_queue() -> None:
+    loads = {"a": BackendLoad(in_flight=1, pending=20.0)}
+    assert best(1000, {"a": 960}, loads) == "a"
+
+
+def test_other_replicas_requests_count_like_this_ones() -> None:
+    mine = {"a": BackendLoad(in_flight=3, pending=900.0)}
+    theirs = {"a": BackendLoad(remote_in_flight=3, remote_pending=900.0)}
+    assert best(300, {"a": 64}, mine) == best(300, {"a": 64}, theirs) == "b"
+
+
+def test_the_engines_own_queue_counts_when_it_is_longer() -> None:
+    loads = {"a": BackendLoad(engine_requests=40.0)}
+    assert best(300, {"a": 64}, loads) == "b"
+
+
+def test_a_full_kv_cache_costs_a_prompt() -> None:
+    loads = {"a": BackendLoad(kv_usage=0.99)}
+    assert best(300, {"a": 128}, loads) == "b"
+    assert best(300, {"a": 128}, {"a": BackendLoad(kv_usage=0.5)}) == "a"
+
+
+def test_requests_one_at_a_time_do_not_pile_onto_the_first_engine() -> None:
+    """Sequential requests (nothing ever in flight) of 16 conversations sharing one system
+    prompt: the engine that cached the system prompt first is not given everything; the
+    two engines share the conversations, and each conversation's later turns stay on the
+    engine that holds its earlier ones."""
+    rng = random.Random(1)
+    size, system = 32, 96
+    loads = {"a": BackendLoad(), "b": BackendLoad()}
+    holds: dict[str, set[int]] = {"a": set(), "b": set()}  # conversations cached
+    home: dict[int, str] = {}
+    moved = 0
+    now = 0.0
+    turns = [c for c in range(16) for _ in range(5)]
+    rng.shuffle(turns)
+    length = dict.fromkeys(range(16), system)
+    for conversation in turns:
+        length[conversation] += 64
+        prompt = length[conversation]
+        cached = {}
+        for name in ("a", "b"):
+            held = system if holds[name] else 0
+            if conversation in holds[name]:
+                held = prompt - 64
+            cached[name] = cached_tokens(held // size, size, prompt)
+        choice = ranked(["a", "b"], prompt, cached, loads, RULE, now)[0]
+        loads[choice.namespace].recent.add(prompt - choice.cached, now, RULE.half_life)
+        holds[choice.namespace].add(conversation)
+        if conversation in home and home[conversation] != choice.namespace:
+            moved += 1
+        home.setdefault(conversation, choice.namespace)
+        now += 0.5
+    sent = {name: sum(1 for h in home.values() if h == name) for name in ("a", "b")}
+    assert min(sent.values()) >= 5, sent  # both engines hold conversations
+    assert moved <= 8, moved  # later turns mostly stay home
+
+
+def test_with_both_weights_zero_the_rule_is_greedy() -> None:
+    greedy = BalanceRule(queue_weight=0, spread_weight=0)
+    loads = {"a": BackendLoad(in_flight=50, pending=1e6)}
+    assert best(300, {"a": 64}, loads, greedy) == "a"
+
+
+def test_ties_go_to_fewer_requests_in_flight_then_the_name() -> None:
+    order = ranked(["b", "a"], 100, {}, {}, BalanceRule(spread_weight=0), 0.0)
+    assert [c.namespace for c in order] == ["a", "b"]
+
+
+def test_recent_work_decays_by_its_half_life() -> None:
+    recent = Decayed()
+    recent.add(100.0, 0.0, 10.0)
+    assert recent.now(10.0, 10.0) == pytest.approx(50.0)
+    assert recent.now(20.0, 10.0) == pytest.approx(25.0)
+    recent.add(100.0, 20.0, 10.0)
+    assert recent.now(20.0, 10.0) == pytest.approx(125.0)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"queue_weight": -1.0},
+        {"spread_weight": float("inf")},
+        {"half_life": 0.0},
+        {"kv_usage_limit": 1.5},
+        {"request_tokens": True},
+    ],
+)
+def test_bad_weights_are_refused(changes: dict[str, float]) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        BalanceRule(**changes)
