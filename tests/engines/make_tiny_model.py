@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script
-from tests.support.tiny_tokenizer import VOCABULARY, build_tokenizer  # noqa: E402
+from tests.support.tiny_tokenizer import VOCABULARY, build_tokenizer
 
 
 def build(out: Path) -> None:

@@ -82,9 +82,10 @@ def metric(base: str, name: str, **labels: str) -> float:
     text = httpx.get(f"{base}/metrics", timeout=10).text
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            if line.split("{")[0].split(" ")[0] == name:
-                total += float(line.rsplit(" ", 1)[1])
+        if line.split("{")[0].split(" ")[0] == name and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
     return total
 
 
