@@ -1,4 +1,4 @@
-"""``pcr gateway``: an OpenAI-compatible router in front of the engines (FastAPI, httpx).
+"""``pcr gateway``: an OpenAI-compatible router in front of the engines (FastAPI, aiohttp).
 
 ``create_app(url, gateway=GatewayConfig(...))`` (``pcr.serve_app``) builds it: the
 scoring service's ``/v1/score``, ``/v1/nodes``, ``/live`` and ``/metrics``, plus
@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -64,6 +64,7 @@ ERROR_KIND = {
 }
 HASH_IN_LOOP = 4_096
 """Token lists longer than this are hashed in a worker thread."""
+SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 REFUSED_FOR = 2.0
 """Seconds a backend that refused a connection is passed over (then tried again)."""
 HOP_HEADERS = frozenset(
@@ -152,7 +153,7 @@ class GatewayState:
         }
         self.tokenizer = PromptTokenizer(config.tokenizer) if config.tokenizer else None
         self.metrics = GatewayMetrics.get()
-        self.http: httpx.AsyncClient | None = None
+        self.http: aiohttp.ClientSession | None = None
         self.registry_up = True
         self.registry_retry_at = 0.0
         self.turn = 0  # round-robin position
@@ -162,14 +163,20 @@ class GatewayState:
     # -- lifetime ------------------------------------------------------------------------
 
     async def open(self) -> None:
-        timeout = httpx.Timeout(
-            connect=self.config.connect_timeout,
-            read=self.config.upstream_timeout,
-            write=self.config.upstream_timeout,
-            pool=self.config.upstream_timeout,
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=self.config.upstream_timeout,  # waiting for a pooled connection too
+            sock_connect=self.config.connect_timeout,
+            sock_read=self.config.upstream_timeout,
         )
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.http = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=60)
+        self.http = aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            trust_env=False,
+            auto_decompress=False,  # bytes pass through as the engine sent them
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
         with contextlib.suppress(RegistryError, TimeoutError):
             await self._discover()
         loops = [self._every(self.config.discover_interval, self._discover)]
@@ -185,7 +192,7 @@ class GatewayState:
             with contextlib.suppress(BaseException):
                 await task
         if self.http is not None:
-            await self.http.aclose()
+            await self.http.close()
 
     async def _every(self, interval: float, step: Any) -> None:
         while True:
@@ -256,15 +263,15 @@ class GatewayState:
     async def _scrape_one(self, backend: Backend) -> None:
         assert self.http is not None
         try:
-            reply = await self.http.get(f"{backend.url}/metrics", timeout=2.0)
-        except httpx.HTTPError:
+            async with self.http.get(f"{backend.url}/metrics", timeout=SCRAPE_TIMEOUT) as reply:
+                status = reply.status
+                text = await reply.text(errors="replace") if status == 200 else ""
+        except (aiohttp.ClientError, TimeoutError):
             self._mark(backend, up=False)
             return
         self._mark(backend, up=True)
-        if reply.status_code != 200:
-            return
         running = waiting = usage = 0.0
-        for line in reply.text.splitlines():
+        for line in text.splitlines():
             if not line.startswith("vllm:"):
                 continue
             name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -483,23 +490,22 @@ async def _send(
     path: str,
     raw: bytes,
     headers: dict[str, str],
-) -> httpx.Response:
+) -> aiohttp.ClientResponse:
     """The backend's reply, its headers read (the body not yet); ``_Failed`` before."""
     assert state.http is not None
-    outgoing = state.http.build_request(
-        request.method, backend.url + path, content=raw, headers=headers
-    )
     try:
-        return await state.http.send(outgoing, stream=True)
-    except httpx.ConnectError:
+        return await state.http.request(
+            request.method, backend.url + path, data=raw, headers=headers, allow_redirects=False
+        )
+    except aiohttp.ClientConnectorError:
         raise _Failed("connect") from None
-    except httpx.TimeoutException:
+    except TimeoutError:
         raise _Failed("timeout") from None
-    except httpx.HTTPError:
+    except aiohttp.ClientError:
         raise _Failed("protocol") from None
 
 
-def _reply_headers(upstream: httpx.Response) -> dict[str, str]:
+def _reply_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
 
 
@@ -507,11 +513,11 @@ async def _whole(
     state: GatewayState,
     request: Request,
     backend: Backend,
-    upstream: httpx.Response,
+    upstream: aiohttp.ClientResponse,
     arrived: float,
 ) -> Response:
     """A reply read whole, while watching the client: one that leaves cancels it."""
-    read = asyncio.ensure_future(upstream.aread())
+    read = asyncio.ensure_future(upstream.read())
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -522,17 +528,18 @@ async def _whole(
     if read.cancelled() or not read.done():
         with contextlib.suppress(BaseException):
             await read
-        await upstream.aclose()
+        upstream.close()  # drops the connection: the engine aborts the request
         _count_error(state, backend, "cancelled")
         return Response(status_code=499)
-    await upstream.aclose()
     try:
         content = read.result()
-    except httpx.HTTPError:
+    except (aiohttp.ClientError, TimeoutError):
+        upstream.close()
         _count_error(state, backend, "protocol")
         return openai_error(502, f"backend {backend.namespace!r} broke off its reply")
-    _answered(state, backend, upstream.status_code, arrived, first_byte=True)
-    return Response(content, status_code=upstream.status_code, headers=_reply_headers(upstream))
+    upstream.release()
+    _answered(state, backend, upstream.status, arrived, first_byte=True)
+    return Response(content, status_code=upstream.status, headers=_reply_headers(upstream))
 
 
 async def _disconnected(request: Request) -> None:
@@ -557,7 +564,11 @@ def _answered(
 
 
 def _streamed(
-    state: GatewayState, backend: Backend, upstream: httpx.Response, prefill: int, arrived: float
+    state: GatewayState,
+    backend: Backend,
+    upstream: aiohttp.ClientResponse,
+    prefill: int,
+    arrived: float,
 ) -> StreamingResponse:
     """The backend's chunks as they come; a client that leaves closes the upstream."""
 
@@ -565,7 +576,7 @@ def _streamed(
         first = True
         complete = False
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.content.iter_any():
                 if first and chunk:
                     first = False
                     if state.metrics.on:
@@ -574,18 +585,21 @@ def _streamed(
                         )
                 yield chunk
             complete = True
-        except httpx.HTTPError:
+        except (aiohttp.ClientError, TimeoutError):
             _count_error(state, backend, "protocol")
         finally:
-            await upstream.aclose()
+            if complete:
+                upstream.release()
+            else:
+                upstream.close()
             _ended(state, backend, prefill)
             if complete:
-                _answered(state, backend, upstream.status_code, arrived, first_byte=False)
+                _answered(state, backend, upstream.status, arrived, first_byte=False)
             elif state.metrics.on:
                 state.metrics.errors.labels(backend.namespace, "cancelled").inc()
 
     return StreamingResponse(
-        chunks(), status_code=upstream.status_code, headers=_reply_headers(upstream)
+        chunks(), status_code=upstream.status, headers=_reply_headers(upstream)
     )
 
 
@@ -595,11 +609,11 @@ async def models(request: Request) -> Response:
     assert state.http is not None
     for backend in state.candidates():
         try:
-            reply = await state.http.get(f"{backend.url}/v1/models", timeout=5.0)
-        except httpx.HTTPError:
+            async with state.http.get(f"{backend.url}/v1/models", timeout=SCRAPE_TIMEOUT) as reply:
+                content = await reply.read()
+                return Response(content, status_code=reply.status, headers=_reply_headers(reply))
+        except (aiohttp.ClientError, TimeoutError):
             state._mark(backend, up=False)
-            continue
-        return Response(reply.content, status_code=reply.status_code, headers=_reply_headers(reply))
     return openai_error(503, "no backend answered")
 
 
@@ -626,7 +640,9 @@ async def health(request: Request) -> JSONResponse:
 
 
 def add_gateway_routes(app: FastAPI) -> None:
-    app.add_api_route("/v1/completions", completions, methods=["POST"], include_in_schema=True)
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
+    """The proxy's routes, as plain Starlette routes (the body passes through as bytes:
+    no FastAPI parsing or validation on the way)."""
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
