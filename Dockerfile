@@ -8,6 +8,6 @@ COPY sim sim
 COPY pcr pcr
 COPY lua lua
 RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
-        "torch==2.13.0" ".[gpu,embedded,hiredis,bridge,metrics,serve]"
+        "torch==2.13.0" ".[gpu,embedded,hiredis,bridge,metrics,serve,gateway]"
 ENTRYPOINT []
 CMD ["pcr", "--help"]

@@ -240,8 +240,12 @@ class GatewayState:
                 others = await router.exchange_load(
                     self.replica, ttl_ms, json.dumps(mine, separators=(",", ":"))
                 )
-        except (RegistryError, TimeoutError):
+        except (RegistryError, TimeoutError) as exc:
             others = []  # Redis away: balance on what this replica knows
+            self._registry(False, exc)
+        else:
+            if not self.registry_up and time.monotonic() >= self.registry_retry_at:
+                self._registry(True)
         totals: dict[str, list[float]] = {}
         for payload in others:
             with contextlib.suppress(ValueError, TypeError, AttributeError):

@@ -434,8 +434,10 @@ def test_compose_commands_exist() -> None:
         parser.parse_args(words[1:])  # exits (SystemExit) on an unknown command or flag
         checked += 1
         assert "build" in service, name
-    assert checked == 3  # simulate, serve, simulate-cluster
-    assert {"redis", "simulate", "serve", "redis-cluster-init"} <= set(compose["services"])
+    assert checked == 4  # simulate, serve, gateway, simulate-cluster
+    assert {"redis", "simulate", "serve", "gateway", "redis-cluster-init"} <= set(
+        compose["services"]
+    )
     cluster_nodes = [
         s for s in compose["services"].values() if "redis-cluster" in s.get("profiles", [])
     ]
