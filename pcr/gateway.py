@@ -110,8 +110,8 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     gateway.add_argument(
         "--queue-weight",
         type=_number(0, "--queue-weight", zero=True),
-        default=1.0,
-        help="tokens of cost per token of work queued ahead on a backend (default 1)",
+        default=0.25,
+        help="tokens of cost per token of work queued ahead on a backend (default 0.25)",
     )
     gateway.add_argument(
         "--spread-weight",

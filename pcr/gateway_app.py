@@ -287,7 +287,10 @@ class GatewayState:
                     waiting += value
                 elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
                     usage = max(usage, value)
-        backend.load.engine_requests = running + waiting
+        # Only its queue: a running request seen a moment ago is often this gateway's own,
+        # just finished (requests one at a time would then look like load).
+        backend.load.engine_requests = waiting
+        backend.load.engine_running = running
         backend.load.kv_usage = usage
 
     def _mark(self, backend: Backend, *, up: bool) -> None:
@@ -410,8 +413,9 @@ async def _proxy(request: Request, *, chat: bool) -> Response:
         state.metrics.routed.labels(outcome).inc()
     stream = body.get("stream") is True
     prompt = len(tokens) if tokens else 0
-    headers = _forwarded(request.headers)
-    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    headers = _forwarded(request.scope["headers"])
+    query = request.scope.get("query_string", b"")
+    path = request.scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
     tried = 0
     for choice in order[:2]:  # the best, and once more on the next best
         backend = state.backends.get(choice.namespace)
@@ -452,8 +456,14 @@ class _Failed(Exception):
         self.kind = kind
 
 
-def _forwarded(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+def _forwarded(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's headers for the backend (ASGI gives names in lower case)."""
+    out = {}
+    for name, value in raw:
+        key = name.decode("latin-1")
+        if key not in HOP_HEADERS:
+            out[key] = value.decode("latin-1")
+    return out
 
 
 def _started(
@@ -521,26 +531,35 @@ async def _whole(
     arrived: float,
 ) -> Response:
     """A reply read whole, while watching the client: one that leaves cancels it."""
-    read = asyncio.ensure_future(upstream.read())
+    task = asyncio.current_task()
+    assert task is not None
     gone = asyncio.ensure_future(_disconnected(request))
+    left = False
+
+    def client_left(watch: asyncio.Future[None]) -> None:
+        nonlocal left
+        if not watch.cancelled():
+            left = True
+            task.cancel()
+
+    gone.add_done_callback(client_left)
     try:
-        await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not read.done():  # the client left (or the server is stopping)
-            read.cancel()
-    if read.cancelled() or not read.done():
-        with contextlib.suppress(BaseException):
-            await read
+        content = await upstream.read()
+    except asyncio.CancelledError:
+        if not left:
+            upstream.close()
+            raise  # the server is stopping
+        task.uncancel()
         upstream.close()  # drops the connection: the engine aborts the request
         _count_error(state, backend, "cancelled")
         return Response(status_code=499)
-    try:
-        content = read.result()
     except (aiohttp.ClientError, TimeoutError):
         upstream.close()
         _count_error(state, backend, "protocol")
         return openai_error(502, f"backend {backend.namespace!r} broke off its reply")
+    finally:
+        gone.remove_done_callback(client_left)
+        gone.cancel()
     upstream.release()
     _answered(state, backend, upstream.status, arrived, first_byte=True)
     return Response(content, status_code=upstream.status, headers=_reply_headers(upstream))

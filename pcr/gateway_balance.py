@@ -8,7 +8,7 @@ term that keeps the fleet's caches from collapsing onto one engine; the lowest c
     cost(b) = prefill(b)                                  # the prompt's uncached tokens
             + queue_weight  * queued(b)                   # work ahead of it on b
             + spread_weight * prompt * (N * share(b) - 1) # b's share of recent work
-            + queue_weight  * prompt * [kv_usage(b) >= kv_usage_limit]
+            + prompt * [kv_usage(b) >= kv_usage_limit]
 
 - ``prefill(b) = prompt - cached(b)``; ``cached(b)`` is the prefix the registry says b's
   engine can reuse (``AsyncPrefixRouter.score``: the Mamba-usable prefix on a hybrid
@@ -18,9 +18,9 @@ term that keeps the fleet's caches from collapsing onto one engine; the lowest c
 - ``queued(b) = pending(b) + request_tokens * max(in_flight(b), engine_requests(b))``:
   the uncached prompt tokens of the requests every gateway replica has in flight at b,
   plus a fixed cost per request (decoding, scheduling); ``engine_requests`` is what the
-  engine itself reports running and waiting (``vllm:num_requests_running`` and
-  ``vllm:num_requests_waiting``, scraped), which also counts requests that did not come
-  through a gateway.
+  engine itself reports waiting (``vllm:num_requests_waiting``, scraped), which also
+  counts requests that did not come through a gateway (not its running requests:
+  scraped a moment ago, those are often this gateway's own, already finished).
 - ``share(b)`` is b's part of the prefill tokens sent lately by all replicas, decayed with
   a half-life of ``half_life`` seconds, each backend counted as if it had done one more
   prompt's worth (so that a little work, or none, is no imbalance: a fully cached prompt
@@ -59,7 +59,9 @@ POLICIES = ("prefix", "least-load", "round-robin")
 class BalanceRule:
     """The weights of the cost (module docstring)."""
 
-    queue_weight: float = 1.0
+    queue_weight: float = 0.25
+    """An engine batches the requests it runs: work queued ahead delays a request's first
+    token by a part of it, not all (BENCHMARKS.md compares weights)."""
     spread_weight: float = 0.5
     half_life: float = 30.0
     """Seconds over which a backend's recent work counts half."""
@@ -113,7 +115,9 @@ class BackendLoad:
     """The other replicas' share (as last exchanged), decayed to ``remote_at``."""
     remote_at: float = 0.0
     engine_requests: float = 0.0
-    """Running plus waiting requests, as the engine last reported (scraped)."""
+    """Requests waiting in the engine's queue, as it last reported (scraped)."""
+    engine_running: float = 0.0
+    """Requests it was running then (shown, not weighed)."""
     kv_usage: float = 0.0
 
 
@@ -163,7 +167,7 @@ def ranked(
         cost += rule.queue_weight * queued
         cost += rule.spread_weight * prompt_tokens * (count * share - 1.0)
         if load.kv_usage >= rule.kv_usage_limit:
-            cost += rule.queue_weight * prompt_tokens
+            cost += prompt_tokens
         out.append(Choice(name, cost, hit, queued, share))
     flights = {n: (loads.get(n) or BackendLoad()) for n in names}
     out.sort(

@@ -187,7 +187,7 @@ def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = F
         _lingering = False
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(transport)  # type: ignore[arg-type]
+            super().connection_made(Coalescing(transport))  # type: ignore[arg-type]
             self._watch()
 
         def data_received(self, data: bytes) -> None:
@@ -237,6 +237,57 @@ def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = F
             _malformed(self, self.config.h11_max_incomplete_event_size or h11_limit)
 
     return Protocol
+
+
+class Coalescing:
+    """A transport whose writes within one turn of the event loop go out as one send:
+    uvicorn writes a response's head and its body separately, and on these machines each
+    send to a local peer costs a wake-up of the other core (about 0.3 ms of CPU on the
+    project's 2-core VMs). Streamed chunks that arrive in later turns go out as they come
+    (a turn later at most). Everything else is the transport's own."""
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self.flush)
+        self._pending.append(bytes(data))
+
+    def writelines(self, lines: Any) -> None:
+        for data in lines:
+            self.write(data)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
+        self._pending.clear()
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        size: int = self._transport.get_write_buffer_size()
+        return size + sum(map(len, self._pending))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def _linger(transport: Any) -> bool:

