@@ -49,7 +49,8 @@ def _number(low: float, what: str, *, zero: bool = False) -> Any:
                 f"{what} must be a number, not {text[:40]!r}"
             ) from None
         if not math.isfinite(value) or value < low or (value == low and not zero) or value > 1e6:
-            raise argparse.ArgumentTypeError(f"{what} must be a finite number above {low:g}")
+            bound = f"at least {low:g}" if zero else f"above {low:g}"
+            raise argparse.ArgumentTypeError(f"{what} must be a finite number {bound}")
         return value
 
     return parse

@@ -37,6 +37,7 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from pcr.gateway_balance import (
     POLICIES,
@@ -159,6 +160,7 @@ class GatewayState:
         self.turn = 0  # round-robin position
         self.mean_prefill = 0.0
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -186,16 +188,24 @@ class GatewayState:
         self._tasks = [asyncio.ensure_future(loop) for loop in loops]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        """Stop the background tasks (a cancellation can be lost inside redis-py's
+        ``asyncio.wait_for`` on Python 3.11, so each is cancelled again until it ends, and
+        the loops also stop at their flag), then the HTTP client."""
+        self._stopping = True
+        pending = {t for t in self._tasks if not t.done()}
+        for _ in range(20):
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            _done, pending = await asyncio.wait(pending, timeout=0.25)
+        for task in pending:
+            log.warning("a background task did not stop: %s", task.get_coro())
         if self.http is not None:
             await self.http.close()
 
     async def _every(self, interval: float, step: Any) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(interval)
             try:
                 await step()
@@ -394,7 +404,10 @@ async def chat_completions(request: Request) -> Response:
 async def _proxy(request: Request, *, chat: bool) -> Response:
     arrived = time.perf_counter()
     state = gateway_state(request)
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone mid-body, or refused by the body limit or deadline
+        return Response(status_code=499)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
@@ -411,6 +424,56 @@ async def _proxy(request: Request, *, chat: bool) -> Response:
     order, outcome = await state.choose(tokens)
     if state.metrics.on:
         state.metrics.routed.labels(outcome).inc()
+    watch = _ClientWatch(request)
+    try:
+        return await _forward(state, request, body, raw, order, tokens, arrived, watch)
+    except asyncio.CancelledError:
+        if not watch.left:
+            raise  # the server is stopping
+        watch.uncancel()
+        return Response(status_code=499)
+    finally:
+        watch.stop()
+
+
+class _ClientWatch:
+    """Cancels the request's task when its client disconnects (until ``stop``): while
+    the gateway waits for a backend's reply, nothing else would notice, and vLLM sends
+    nothing, not even headers, until a non-streamed completion is done."""
+
+    def __init__(self, request: Request) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.left = False
+        self.gone = asyncio.ensure_future(_disconnected(request))
+        self.gone.add_done_callback(self._left)
+
+    def _left(self, gone: asyncio.Future[None]) -> None:
+        if not gone.cancelled() and gone.exception() is None:
+            self.left = True
+            self.task.cancel()
+
+    def uncancel(self) -> None:
+        self.task.uncancel()
+
+    def stop(self) -> None:
+        self.gone.remove_done_callback(self._left)
+        self.gone.cancel()
+
+
+async def _forward(
+    state: GatewayState,
+    request: Request,
+    body: dict[str, Any],
+    raw: bytes,
+    order: list[Choice],
+    tokens: list[int] | None,
+    arrived: float,
+    watch: _ClientWatch,
+) -> Response:
+    """Send to the best backend, once more to the next best on a failure before its
+    first byte; the reply, or the error."""
     stream = body.get("stream") is True
     prompt = len(tokens) if tokens else 0
     headers = _forwarded(request.scope["headers"])
@@ -434,16 +497,22 @@ async def _proxy(request: Request, *, chat: bool) -> Response:
             _count_error(state, backend, failed.kind)
             if failed.kind == "connect":
                 state._mark(backend, up=False)
-            if tried == 1 and len(order) > 1 and failed.kind != "cancelled":
+            if tried == 1 and len(order) > 1:
                 if state.metrics.on:
                     state.metrics.retries.labels(backend.namespace).inc()
                 continue
             return openai_error(502, f"backend {backend.namespace!r} failed: {failed.kind}")
+        except asyncio.CancelledError:
+            _ended(state, backend, prefill)
+            if watch.left:
+                _count_error(state, backend, "cancelled")
+            raise
         try:
             if stream:
+                watch.stop()  # the streamed response watches the client itself
                 finished = False  # the stream's own end does the accounting
                 return _streamed(state, backend, upstream, prefill, arrived)
-            return await _whole(state, request, backend, upstream, arrived)
+            return await _whole(state, backend, upstream, arrived, watch)
         finally:
             if finished:
                 _ended(state, backend, prefill)
@@ -525,41 +594,23 @@ def _reply_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
 
 async def _whole(
     state: GatewayState,
-    request: Request,
     backend: Backend,
     upstream: aiohttp.ClientResponse,
     arrived: float,
+    watch: _ClientWatch,
 ) -> Response:
-    """A reply read whole, while watching the client: one that leaves cancels it."""
-    task = asyncio.current_task()
-    assert task is not None
-    gone = asyncio.ensure_future(_disconnected(request))
-    left = False
-
-    def client_left(watch: asyncio.Future[None]) -> None:
-        nonlocal left
-        if not watch.cancelled():
-            left = True
-            task.cancel()
-
-    gone.add_done_callback(client_left)
+    """A reply read whole; a client that leaves meanwhile cancels it (``_ClientWatch``)."""
     try:
         content = await upstream.read()
     except asyncio.CancelledError:
-        if not left:
-            upstream.close()
-            raise  # the server is stopping
-        task.uncancel()
         upstream.close()  # drops the connection: the engine aborts the request
-        _count_error(state, backend, "cancelled")
-        return Response(status_code=499)
+        if watch.left:
+            _count_error(state, backend, "cancelled")
+        raise
     except (aiohttp.ClientError, TimeoutError):
         upstream.close()
         _count_error(state, backend, "protocol")
         return openai_error(502, f"backend {backend.namespace!r} broke off its reply")
-    finally:
-        gone.remove_done_callback(client_left)
-        gone.cancel()
     upstream.release()
     _answered(state, backend, upstream.status, arrived, first_byte=True)
     return Response(content, status_code=upstream.status, headers=_reply_headers(upstream))
@@ -594,10 +645,11 @@ def _streamed(
     arrived: float,
 ) -> StreamingResponse:
     """The backend's chunks as they come; a client that leaves closes the upstream."""
+    events = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def chunks() -> AsyncIterator[bytes]:
         first = True
-        complete = False
+        complete = broken = False
         try:
             async for chunk in upstream.content.iter_any():
                 if first and chunk:
@@ -609,7 +661,10 @@ def _streamed(
                 yield chunk
             complete = True
         except (aiohttp.ClientError, TimeoutError):
+            broken = True
             _count_error(state, backend, "protocol")
+            if events:  # say so in the stream, as the engines do, not with a clean end
+                yield _stream_error(backend)
         finally:
             if complete:
                 upstream.release()
@@ -618,12 +673,18 @@ def _streamed(
             _ended(state, backend, prefill)
             if complete:
                 _answered(state, backend, upstream.status, arrived, first_byte=False)
-            elif state.metrics.on:
+            elif not broken and state.metrics.on:
                 state.metrics.errors.labels(backend.namespace, "cancelled").inc()
 
     return StreamingResponse(
         chunks(), status_code=upstream.status, headers=_reply_headers(upstream)
     )
+
+
+def _stream_error(backend: Backend) -> bytes:
+    """A server-sent event saying the backend broke off (OpenAI's error shape)."""
+    error = error_content(502, ERROR_KIND[502], f"backend {backend.namespace!r} broke off", True)
+    return b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def models(request: Request) -> Response:

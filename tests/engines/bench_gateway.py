@@ -73,7 +73,7 @@ import redis
 
 from registry import NodeIndex, PrefixCacheRegistry
 from tests.engines.conftest import BridgeProcess
-from tests.support.engines import BLOCK_SIZE, KV_BLOCKS, VllmEngine, engine_python
+from tests.support.engines import BLOCK_SIZE, KV_BLOCKS, VllmEngine, engine_python, own_core
 from tests.support.servers import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -339,37 +339,6 @@ def hit_rate(deltas: list[dict[str, float]]) -> float | None:
 
 # -- processes -------------------------------------------------------------------------
 
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
-def engine_binding(index: int) -> str | None:
-    """The core list engine ``index``'s worker is bound to: its own core where there are
-    at least two (unless the caller set ``VLLM_CPU_OMP_THREADS_BIND`` itself).
-
-    vLLM's CPU "auto" binding puts every engine's worker on the same core, and a worker
-    busy-polls its shared-memory queue (``sched_yield``) for 1 s after each step: two
-    engines on one core then stall each other for up to a second whenever requests
-    alternate between them (measured here: 30 ms requests took 1,000 ms)."""
-    if os.environ.get(BIND_ENV):
-        return os.environ[BIND_ENV]
-    cpus = os.cpu_count() or 1
-    return str(index % cpus) if cpus >= 2 else None
-
-
-def launch_engine(engine: VllmEngine, index: int) -> None:
-    """``engine.launch()`` with its worker bound as :func:`engine_binding` says."""
-    binding = engine_binding(index)
-    saved = os.environ.get(BIND_ENV)
-    if binding is not None:
-        os.environ[BIND_ENV] = binding
-    try:
-        engine.launch()
-    finally:
-        if saved is None:
-            os.environ.pop(BIND_ENV, None)
-        else:
-            os.environ[BIND_ENV] = saved
-
 
 class Service:
     """A child process in a session of its own, stopped by PID (its process group)."""
@@ -602,12 +571,12 @@ def ensure_bridge(bench: Bench) -> None:
 
 def ensure_engines(bench: Bench) -> None:
     """Start again any engine a failed row left stopped."""
-    for i, engine in enumerate(bench.engines):
+    for engine in bench.engines:
         if engine.process is None or engine.process.poll() is not None:
             bench.warnings.append(f"{engine.name} was down after a row; started it again")
             say(f"WARNING: {engine.name} was down; starting it again")
             engine.kill()
-            launch_engine(engine, i)
+            engine.launch()
             engine.wait_ready()
 
 
@@ -817,7 +786,7 @@ def engine_restart_row(
             runner.phase("before", [router.url], requests[:half])
             killed = time.monotonic()
             engine.kill()
-            launch_engine(engine, 0)
+            engine.launch()
             runner.phase("engine 0 down", [router.url], requests[half : half + quarter])
             engine.wait_ready()
             back = time.monotonic() - killed
@@ -1111,7 +1080,10 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     redis_server = RedisServer()
-    engines = [VllmEngine(python, model, log_dir, name=f"bench-engine-{i}") for i in range(2)]
+    engines = [
+        VllmEngine(python, model, log_dir, name=f"bench-engine-{i}", core=own_core(i))
+        for i in range(2)
+    ]
     suffix = uuid.uuid4().hex[:6]
     namespaces = [f"bench-{i}-{suffix}" for i in range(2)]
     bridge = BridgeProcess("", log_dir)
@@ -1123,8 +1095,8 @@ def run(args: argparse.Namespace) -> int:
         redis_server.start()
         bridge.redis_url = redis_server.url
         say(f"redis-server on {redis_server.url}; starting 2 engines (30-75 s each on 2 cores)")
-        for i, engine in enumerate(engines):
-            launch_engine(engine, i)
+        for engine in engines:
+            engine.launch()
         for engine in engines:
             engine.wait_ready()
         say(f"engines ready: {[e.url for e in engines]}")
@@ -1228,7 +1200,7 @@ def run(args: argparse.Namespace) -> int:
             "block_size": BLOCK_SIZE,
             "kv_blocks_per_engine": KV_BLOCKS,
             "max_num_seqs": 4,
-            "worker_cpu_binding": [engine_binding(i) for i in range(2)],
+            "worker_cpu_binding": [e.core for e in engines],
         },
         "workloads": [describe(w, built[w.name]) for w in workloads],
         "workload_rules": {

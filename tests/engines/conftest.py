@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engines import VllmEngine, engine_python
+from tests.support.engines import VllmEngine, engine_python, own_core
 
 collect_ignore_glob = [] if os.environ.get("PCR_ENGINE_TIER") else ["test_*.py"]
 
@@ -84,7 +84,10 @@ class BridgeProcess:
 @pytest.fixture(scope="session")
 def engines(python: str, model: Path, log_dir: Path) -> Iterator[list[VllmEngine]]:
     """Two engines for the whole tier, started side by side (each takes a minute)."""
-    made = [VllmEngine(python, model, log_dir, name=f"engine-{n}") for n in ("p", "q")]
+    made = [
+        VllmEngine(python, model, log_dir, name=f"engine-{n}", core=own_core(i))
+        for i, n in enumerate(("p", "q"))
+    ]
     try:
         for engine in made:
             engine.launch()

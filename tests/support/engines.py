@@ -32,8 +32,15 @@ BLOCK_SIZE = 32
 KV_BLOCKS = 64
 """A small cache, so that evictions come within a few dozen requests."""
 MAX_MODEL_LEN = 1024
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 START_TIMEOUT = 300.0
 """An engine starts in 30-75 s on two idle cores; a busy machine may take much longer."""
+
+
+def own_core(index: int) -> int | None:
+    """A core of its own for engine ``index`` (None on a one-core machine)."""
+    cpus = os.cpu_count() or 1
+    return index % cpus if cpus >= 2 else None
 
 
 def engine_python() -> str | None:
@@ -67,6 +74,11 @@ class VllmEngine:
     replay_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    core: int | None = None
+    """The core its worker is bound to (``VLLM_CPU_OMP_THREADS_BIND``; None: vLLM's own
+    choice). vLLM's automatic binding puts every engine's worker on the same core, and a
+    worker busy-polls its queue for a second after each step, so two engines on one core
+    stall each other whenever requests alternate between them."""
 
     @property
     def url(self) -> str:
@@ -121,6 +133,8 @@ class VllmEngine:
             "VLLM_SERVER_DEV_MODE": "1",  # for POST /reset_prefix_cache
             "VLLM_LOGGING_LEVEL": "WARNING",
         }
+        if self.core is not None and not os.environ.get(BIND_ENV):
+            env[BIND_ENV] = str(self.core)
         self.starts += 1
         log = (self.log_dir / f"{self.name}-{self.starts}.log").open("wb")
         self.process = subprocess.Popen(
