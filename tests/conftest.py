@@ -6,6 +6,7 @@ Without a ``redis-server`` binary the real backends skip loudly, or fail under C
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Iterator
 
@@ -19,6 +20,12 @@ from tests.support.backends import (
     make_backend,
 )
 from tests.support.servers import RedisClusterServers, RedisServer, require_redis_server
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # Started in the background by a shell (`make test &`), which ignores SIGINT for its
+    # children: the commands the tests Ctrl-C would inherit that and never stop. A
+    # handler here is reset to the default in every process the tests start.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
