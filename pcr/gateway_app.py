@@ -30,14 +30,14 @@ import math
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.requests import ClientDisconnect
+from fastapi.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from pcr.gateway_balance import (
     POLICIES,
@@ -47,7 +47,7 @@ from pcr.gateway_balance import (
     cached_tokens,
     ranked,
 )
-from pcr.gateway_metrics import GatewayMetrics
+from pcr.gateway_metrics import BackendMetrics, GatewayMetrics
 from pcr.gateway_tokens import PromptTokenizer, prompt_tokens
 from pcr.http_errors import error_content
 from registry.errors import RegistryError
@@ -140,6 +140,13 @@ class Backend:
     load: BackendLoad = field(default_factory=BackendLoad)
     refused_until: float = 0.0
     up: bool = True
+    _metrics: BackendMetrics | None = None
+
+    def metrics(self, metrics: GatewayMetrics) -> BackendMetrics:
+        """This backend's labelled collectors (looked up once, not per request)."""
+        if self._metrics is None:
+            self._metrics = metrics.backend(self.namespace)
+        return self._metrics
 
 
 class GatewayState:
@@ -380,42 +387,113 @@ class GatewayState:
         return order, outcome
 
 
-# -- the endpoints -----------------------------------------------------------------------
+# -- the proxy, in plain ASGI -----------------------------------------------------------
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PROXIED = {"/v1/completions": False, "/v1/chat/completions": True}
+"""The proxied paths, and whether each takes chat messages."""
+JSON_HEADERS = [(b"content-type", b"application/json")]
+HOP_BYTES = frozenset(name.encode() for name in HOP_HEADERS)
 
 
-def gateway_state(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    return state
+class Proxy:
+    """The proxied routes' ASGI endpoint: ``proxy`` with the gateway's state and body
+    limit."""
+
+    def __init__(self, gateway: GatewayState, limit: int, too_large: bytes) -> None:
+        self.gateway = gateway
+        self.limit = limit
+        self.too_large = too_large
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        await proxy(self, scope, receive, send, PROXIED[scope["path"]])
 
 
-def openai_error(status: int, message: str) -> JSONResponse:
+class ProxyRoutes:
+    """ASGI middleware, the app's outermost: ``POST`` to a proxied path goes straight to
+    the ``Proxy`` in plain ASGI (no routing, no other middleware: the proxy applies the
+    body limit itself); every other request goes on to the app, whose router has the
+    same endpoint and answers 405 for other methods on these paths."""
+
+    def __init__(self, app: Any, proxy: Proxy) -> None:
+        self.app = app
+        self.proxy = proxy
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED:
+            await self.proxy(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _respond(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """A whole response: its head (with the body's length) and its body."""
+    head = list(JSON_HEADERS if headers is None else headers)
+    head.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _error(status: int, message: str) -> bytes:
     """The OpenAI error shape, for what the gateway itself answers."""
-    return JSONResponse(error_content(status, ERROR_KIND[status], message, True), status)
+    content = error_content(status, ERROR_KIND[status], message, True)
+    return json.dumps(content, separators=(",", ":")).encode()
 
 
-async def completions(request: Request) -> Response:
-    return await _proxy(request, chat=False)
+async def _answer_error(send: Send, status: int, message: str) -> None:
+    await _respond(send, status, _error(status, message))
 
 
-async def chat_completions(request: Request) -> Response:
-    return await _proxy(request, chat=True)
+async def _read_body(scope: Message, receive: Receive, limit: int) -> bytes | int | None:
+    """The request's body; None when the client left first; 413 when it is over
+    ``limit`` bytes (by its Content-Length, or counted as it arrives)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if value.isdigit() and int(value) > limit:
+                return 413
+            break
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return 413
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _proxy(request: Request, *, chat: bool) -> Response:
+async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat: bool) -> None:
+    """One proxied request: read, tokenize, choose, forward, answer."""
     arrived = time.perf_counter()
-    state = gateway_state(request)
-    try:
-        raw = await request.body()
-    except ClientDisconnect:  # gone mid-body, or refused by the body limit or deadline
-        return Response(status_code=499)
+    state = front.gateway
+    raw = await _read_body(scope, receive, front.limit)
+    if raw is None:  # gone mid-body, or stopped by the body deadline (answered 408)
+        return
+    if raw == 413:
+        await _respond(send, 413, front.too_large)
+        return
+    assert isinstance(raw, bytes)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
-        return openai_error(400, "the body is not JSON")
+        await _answer_error(send, 400, "the body is not JSON")
+        return
     if not isinstance(body, dict):
-        return openai_error(400, "the body must be a JSON object")
+        await _answer_error(send, 400, "the body must be a JSON object")
+        return
     if not state.backends:
-        return openai_error(503, "no backend is configured or announced")
+        await _answer_error(send, 503, "no backend is configured or announced")
+        return
     tokens = (
         await prompt_tokens(state.tokenizer, body, chat)
         if state.config.policy != "round-robin"
@@ -423,34 +501,35 @@ async def _proxy(request: Request, *, chat: bool) -> Response:
     )
     order, outcome = await state.choose(tokens)
     if state.metrics.on:
-        state.metrics.routed.labels(outcome).inc()
-    watch = _ClientWatch(request)
+        state.metrics.routed_as[outcome].inc()
+    watch = _ClientWatch(receive)
     try:
-        return await _forward(state, request, body, raw, order, tokens, arrived, watch)
+        await _forward(state, scope, send, body, raw, order, tokens, arrived, watch)
     except asyncio.CancelledError:
         if not watch.left:
             raise  # the server is stopping
-        watch.uncancel()
-        return Response(status_code=499)
+        watch.uncancel()  # the client left: nobody to answer
     finally:
         watch.stop()
 
 
 class _ClientWatch:
     """Cancels the request's task when its client disconnects (until ``stop``): while
-    the gateway waits for a backend's reply, nothing else would notice, and vLLM sends
-    nothing, not even headers, until a non-streamed completion is done."""
+    the gateway waits for a backend's reply, nothing else would notice (vLLM sends
+    nothing, not even headers, until a non-streamed completion is done), and while it
+    streams, a chunk sent to a client that left is dropped without a word."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, receive: Receive) -> None:
         task = asyncio.current_task()
         assert task is not None
         self.task = task
         self.left = False
-        self.gone = asyncio.ensure_future(_disconnected(request))
+        self.stopped = False
+        self.gone = asyncio.ensure_future(_disconnected(receive))
         self.gone.add_done_callback(self._left)
 
     def _left(self, gone: asyncio.Future[None]) -> None:
-        if not gone.cancelled() and gone.exception() is None:
+        if not self.stopped and not gone.cancelled() and gone.exception() is None:
             self.left = True
             self.task.cancel()
 
@@ -458,27 +537,38 @@ class _ClientWatch:
         self.task.uncancel()
 
     def stop(self) -> None:
-        self.gone.remove_done_callback(self._left)
-        self.gone.cancel()
+        """Before the response's last message (after it the server reads a disconnect)."""
+        if not self.stopped:
+            self.stopped = True
+            self.gone.remove_done_callback(self._left)
+            self.gone.cancel()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 async def _forward(
     state: GatewayState,
-    request: Request,
+    scope: Message,
+    send: Send,
     body: dict[str, Any],
     raw: bytes,
     order: list[Choice],
     tokens: list[int] | None,
     arrived: float,
     watch: _ClientWatch,
-) -> Response:
+) -> None:
     """Send to the best backend, once more to the next best on a failure before its
-    first byte; the reply, or the error."""
+    first byte; answer with the reply, or the error."""
     stream = body.get("stream") is True
     prompt = len(tokens) if tokens else 0
-    headers = _forwarded(request.scope["headers"])
-    query = request.scope.get("query_string", b"")
-    path = request.scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
+    headers = _forwarded(scope["headers"])
+    query = scope.get("query_string", b"")
+    path = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
     tried = 0
     for choice in order[:2]:  # the best, and once more on the next best
         backend = state.backends.get(choice.namespace)
@@ -487,11 +577,10 @@ async def _forward(
         tried += 1
         prefill = max(0, prompt - choice.cached)
         _started(state, backend, prefill, choice, prompt)
-        finished = True
         try:
             if state.metrics.on:
                 state.metrics.overhead.observe(time.perf_counter() - arrived)
-            upstream = await _send(state, request, backend, path, raw, headers)
+            upstream = await _send(state, scope["method"], backend, path, raw, headers)
         except _Failed as failed:
             _ended(state, backend, prefill)
             _count_error(state, backend, failed.kind)
@@ -499,9 +588,11 @@ async def _forward(
                 state._mark(backend, up=False)
             if tried == 1 and len(order) > 1:
                 if state.metrics.on:
-                    state.metrics.retries.labels(backend.namespace).inc()
+                    backend.metrics(state.metrics).retries.inc()
                 continue
-            return openai_error(502, f"backend {backend.namespace!r} failed: {failed.kind}")
+            watch.stop()
+            await _answer_error(send, 502, f"backend {backend.namespace!r} failed: {failed.kind}")
+            return
         except asyncio.CancelledError:
             _ended(state, backend, prefill)
             if watch.left:
@@ -509,14 +600,14 @@ async def _forward(
             raise
         try:
             if stream:
-                watch.stop()  # the streamed response watches the client itself
-                finished = False  # the stream's own end does the accounting
-                return _streamed(state, backend, upstream, prefill, arrived)
-            return await _whole(state, backend, upstream, arrived, watch)
+                await _streamed(state, backend, upstream, send, arrived, watch)
+            else:
+                await _whole(state, backend, upstream, send, arrived, watch)
         finally:
-            if finished:
-                _ended(state, backend, prefill)
-    return openai_error(503, "no backend could take the request")
+            _ended(state, backend, prefill)
+        return
+    watch.stop()
+    await _answer_error(send, 503, "no backend could take the request")
 
 
 class _Failed(Exception):
@@ -527,12 +618,11 @@ class _Failed(Exception):
 
 def _forwarded(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     """The request's headers for the backend (ASGI gives names in lower case)."""
-    out = {}
-    for name, value in raw:
-        key = name.decode("latin-1")
-        if key not in HOP_HEADERS:
-            out[key] = value.decode("latin-1")
-    return out
+    return {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in raw
+        if name not in HOP_BYTES
+    }
 
 
 def _started(
@@ -546,10 +636,11 @@ def _started(
     if prompt:
         state.mean_prefill += (prefill - state.mean_prefill) * 0.05
     if state.metrics.on:
-        state.metrics.in_flight.labels(backend.namespace).inc()
+        counted = backend.metrics(state.metrics)
+        counted.in_flight.inc()
         if prompt:
-            state.metrics.prompt_tokens.labels(backend.namespace).inc(prompt)
-            state.metrics.predicted.labels(backend.namespace).inc(choice.cached)
+            counted.prompt_tokens.inc(prompt)
+            counted.predicted.inc(choice.cached)
 
 
 def _ended(state: GatewayState, backend: Backend, prefill: int) -> None:
@@ -557,18 +648,19 @@ def _ended(state: GatewayState, backend: Backend, prefill: int) -> None:
     load.in_flight = max(0, load.in_flight - 1)
     load.pending = max(0.0, load.pending - prefill)
     if state.metrics.on:
-        state.metrics.in_flight.labels(backend.namespace).dec()
+        backend.metrics(state.metrics).in_flight.dec()
 
 
 def _count_error(state: GatewayState, backend: Backend, kind: str) -> None:
     if state.metrics.on:
-        state.metrics.errors.labels(backend.namespace, kind).inc()
-        state.metrics.requests.labels(backend.namespace, "error").inc()
+        counted = backend.metrics(state.metrics)
+        counted.errors[kind].inc()
+        counted.failed.inc()
 
 
 async def _send(
     state: GatewayState,
-    request: Request,
+    method: str,
     backend: Backend,
     path: str,
     raw: bytes,
@@ -578,7 +670,7 @@ async def _send(
     assert state.http is not None
     try:
         return await state.http.request(
-            request.method, backend.url + path, data=raw, headers=headers, allow_redirects=False
+            method, backend.url + path, data=raw, headers=headers, allow_redirects=False
         )
     except aiohttp.ClientConnectorError:
         raise _Failed("connect") from None
@@ -592,13 +684,18 @@ def _reply_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
 
 
+def _raw_reply_headers(upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    return [(k.lower(), v) for k, v in upstream.raw_headers if k.lower() not in HOP_BYTES]
+
+
 async def _whole(
     state: GatewayState,
     backend: Backend,
     upstream: aiohttp.ClientResponse,
+    send: Send,
     arrived: float,
     watch: _ClientWatch,
-) -> Response:
+) -> None:
     """A reply read whole; a client that leaves meanwhile cancels it (``_ClientWatch``)."""
     try:
         content = await upstream.read()
@@ -610,17 +707,13 @@ async def _whole(
     except (aiohttp.ClientError, TimeoutError):
         upstream.close()
         _count_error(state, backend, "protocol")
-        return openai_error(502, f"backend {backend.namespace!r} broke off its reply")
+        watch.stop()
+        await _answer_error(send, 502, f"backend {backend.namespace!r} broke off its reply")
+        return
     upstream.release()
+    watch.stop()
     _answered(state, backend, upstream.status, arrived, first_byte=True)
-    return Response(content, status_code=upstream.status, headers=_reply_headers(upstream))
-
-
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    await _respond(send, upstream.status, content, _raw_reply_headers(upstream))
 
 
 def _answered(
@@ -629,62 +722,78 @@ def _answered(
     if not state.metrics.on:
         return
     took = time.perf_counter() - arrived
+    counted = backend.metrics(state.metrics)
     if first_byte:
-        state.metrics.first_byte.labels(backend.namespace).observe(took)
-    state.metrics.latency.labels(backend.namespace).observe(took)
+        counted.first_byte.observe(took)
+    counted.latency.observe(took)
     if status >= 500:
-        state.metrics.errors.labels(backend.namespace, "status").inc()
-    state.metrics.requests.labels(backend.namespace, "error" if status >= 500 else "ok").inc()
+        counted.errors["status"].inc()
+        counted.failed.inc()
+    else:
+        counted.ok.inc()
 
 
-def _streamed(
+async def _streamed(
     state: GatewayState,
     backend: Backend,
     upstream: aiohttp.ClientResponse,
-    prefill: int,
+    send: Send,
     arrived: float,
-) -> StreamingResponse:
-    """The backend's chunks as they come; a client that leaves closes the upstream."""
+    watch: _ClientWatch,
+) -> None:
+    """The backend's chunks as they come; a client that leaves closes the upstream
+    (``_ClientWatch`` cancels this task); a reply broken off ends with an error event."""
     events = upstream.headers.get("content-type", "").startswith("text/event-stream")
-
-    async def chunks() -> AsyncIterator[bytes]:
+    complete = broken = False
+    try:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": upstream.status,
+                "headers": _raw_reply_headers(upstream),
+            }
+        )
         first = True
-        complete = broken = False
         try:
             async for chunk in upstream.content.iter_any():
                 if first and chunk:
                     first = False
                     if state.metrics.on:
-                        state.metrics.first_byte.labels(backend.namespace).observe(
+                        backend.metrics(state.metrics).first_byte.observe(
                             time.perf_counter() - arrived
                         )
-                yield chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True
         except (aiohttp.ClientError, TimeoutError):
             broken = True
             _count_error(state, backend, "protocol")
-            if events:  # say so in the stream, as the engines do, not with a clean end
-                yield _stream_error(backend)
-        finally:
-            if complete:
-                upstream.release()
-            else:
-                upstream.close()
-            _ended(state, backend, prefill)
-            if complete:
-                _answered(state, backend, upstream.status, arrived, first_byte=False)
-            elif not broken and state.metrics.on:
-                state.metrics.errors.labels(backend.namespace, "cancelled").inc()
-
-    return StreamingResponse(
-        chunks(), status_code=upstream.status, headers=_reply_headers(upstream)
-    )
+        watch.stop()
+        last = _stream_error(backend) if broken and events else b""
+        await send({"type": "http.response.body", "body": last})  # say so, as engines do
+    finally:
+        if complete:
+            upstream.release()
+        else:
+            upstream.close()
+        if complete:
+            _answered(state, backend, upstream.status, arrived, first_byte=False)
+        elif not broken and state.metrics.on:
+            backend.metrics(state.metrics).errors["cancelled"].inc()
 
 
 def _stream_error(backend: Backend) -> bytes:
     """A server-sent event saying the backend broke off (OpenAI's error shape)."""
-    error = error_content(502, ERROR_KIND[502], f"backend {backend.namespace!r} broke off", True)
-    return b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _error(502, f"backend {backend.namespace!r} broke off") + b"\n\n"
+
+
+def gateway_state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+def openai_error(status: int, message: str) -> JSONResponse:
+    """The OpenAI error shape, for what the gateway itself answers."""
+    return JSONResponse(error_content(status, ERROR_KIND[status], message, True), status)
 
 
 async def models(request: Request) -> Response:
@@ -723,10 +832,14 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def add_gateway_routes(app: FastAPI) -> None:
-    """The proxy's routes, as plain Starlette routes (the body passes through as bytes:
-    no FastAPI parsing or validation on the way)."""
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+def add_gateway_routes(app: FastAPI, limit: int, too_large: bytes) -> None:
+    """The gateway's routes: the proxied ones as a plain ASGI endpoint (the body passes
+    through as bytes: no FastAPI parsing or validation on the way), which the outermost
+    middleware ``ProxyRoutes`` also calls directly; ``too_large`` is the 413 answer to a
+    body over ``limit`` bytes."""
+    endpoint = Proxy(app.state.gateway, limit, too_large)
+    for path in PROXIED:
+        app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
+    app.add_middleware(ProxyRoutes, proxy=endpoint)

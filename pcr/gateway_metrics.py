@@ -85,8 +85,11 @@ class GatewayMetrics:
             "pcr_gateway_in_flight", "Requests this gateway has in flight", ["backend"]
         )
         self.registry_up.set(1)
-        for outcome in ROUTING_OUTCOMES:
-            self.routed.labels(outcome)
+        self.routed_as = {outcome: self.routed.labels(outcome) for outcome in ROUTING_OUTCOMES}
+
+    def backend(self, name: str) -> BackendMetrics:
+        """The collectors labelled with backend ``name``."""
+        return BackendMetrics(self, name)
 
     @classmethod
     def get(cls) -> GatewayMetrics:
@@ -94,3 +97,19 @@ class GatewayMetrics:
         if cls._made is None:
             cls._made = cls()
         return cls._made
+
+
+class BackendMetrics:
+    """One backend's labelled collectors, looked up once (``labels`` per request costs
+    more than the increment)."""
+
+    def __init__(self, metrics: GatewayMetrics, name: str) -> None:
+        self.ok = metrics.requests.labels(name, "ok")
+        self.failed = metrics.requests.labels(name, "error")
+        self.errors = {kind: metrics.errors.labels(name, kind) for kind in ERROR_KINDS}
+        self.retries = metrics.retries.labels(name)
+        self.prompt_tokens = metrics.prompt_tokens.labels(name)
+        self.predicted = metrics.predicted.labels(name)
+        self.first_byte = metrics.first_byte.labels(name)
+        self.latency = metrics.latency.labels(name)
+        self.in_flight = metrics.in_flight.labels(name)

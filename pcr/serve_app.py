@@ -285,7 +285,7 @@ ERROR_MEANINGS = {
     408: "the request did not arrive in time",
     413: f"a body over {MAX_BODY_BYTES:,} bytes",
     422: "a body that is not JSON, or breaks the schema or the limits",
-    431: "request headers over h11's limit (16 KiB)",
+    431: "request headers over 16 KiB",
     500: "a registry fault an operator must fix",
     503: "Redis is unavailable, or no connection was free in time (retry)",
 }
@@ -760,12 +760,15 @@ def create_app(
     app.state.registry = state
     app.state.gateway = routing
     app.router.route_class = ExactRoute
-    if routing is not None:
-        from pcr.gateway_app import add_gateway_routes
-
-        add_gateway_routes(app)
     _add_routes(app, health_check=routing is None)
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES, openai=routing is not None)
+    if routing is not None:  # its middleware last: the outermost
+        from pcr.gateway_app import add_gateway_routes
+
+        too_large = error_body(
+            ERROR_KINDS[413], f"bodies are limited to {MAX_BODY_BYTES:,} bytes", 413, openai=True
+        )
+        add_gateway_routes(app, MAX_BODY_BYTES, too_large)
     return app
 
 
