@@ -1,10 +1,10 @@
 """``pcr gateway``: the OpenAI-compatible router in front of the engines
 (``pcr.gateway_app``), on uvicorn with ``pcr serve``'s deadlines.
 
-FastAPI, uvicorn, httpx (and transformers for ``--tokenizer``) are imported only when the
-command runs. Backends come from ``--backend NAMESPACE=URL``, from ``--backends FILE`` (a
-JSON object ``{"backends": {"NAMESPACE": "URL", ...}}``) and from the engine table in
-Redis (``pcr bridge --engine-url``).
+FastAPI, uvicorn, httptools, aiohttp (and transformers for ``--tokenizer``) are imported
+only when the command runs. Backends come from ``--backend NAMESPACE=URL``, from
+``--backends FILE`` (a JSON object ``{"backends": {"NAMESPACE": "URL", ...}}``) and from
+the engine table in Redis (``pcr bridge --engine-url``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,12 @@ from pcr.serve import SERVE_SCHEMES, _bind, _limit_options, _server_class, uvico
 from registry.keys import validate_namespace
 from registry.membership import validate_engine_url
 
-NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httpx": "httpx"}  # module: package
+NEEDED = {
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "httptools": "httptools",
+    "aiohttp": "aiohttp",
+}  # module: package
 MAX_BACKENDS = 4_096
 MAX_CONFIG_BYTES = 1 << 20
 

@@ -22,13 +22,14 @@ import math
 import signal
 import socket
 from collections.abc import Iterator
+from http import HTTPStatus
 from typing import Any
 
 from pcr.common import CommandError, UsageError, _int_in, _port, _scheme, _where
 from registry.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
 
 SERVE_SCHEMES = (*PLAIN_SCHEMES, *CLUSTER_SCHEMES)
-NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn"}  # module: package
+NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httptools": "httptools"}  # module: package
 
 DEFAULT_MAX_CONNECTIONS = 64
 """Requests using Redis at once, and connections per Redis node: one event loop's worth
@@ -168,22 +169,40 @@ def _server_class() -> Any:
     return Server
 
 
-def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = False) -> type[Any]:
-    """uvicorn's h11 protocol with the request deadlines, and JSON for what uvicorn
-    answers itself (malformed HTTP: 400, headers over h11's limit: 431)."""
-    from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE as h11_limit
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+HEAD_LIMIT = 16 << 10
+"""Bytes a request's line and headers may take (h11's limit, nginx's default buffers):
+past it, 431."""
 
-    class Protocol(H11Protocol):
+
+class _HeadTooLarge(Exception):
+    """Raised from the parser's callbacks: the request's head is over ``HEAD_LIMIT``."""
+
+
+def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = False) -> type[Any]:
+    """uvicorn's httptools protocol (llhttp, a C parser: about half the CPU of h11's per
+    request) with the request deadlines, a limit on the head, and JSON for what uvicorn
+    answers itself (malformed HTTP: 400, a head over ``HEAD_LIMIT``: 431)."""
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class Protocol(HttpToolsProtocol):
         """A connection whose client must send each request's headers within
         ``header_timeout`` seconds (of the connection opening, or of the request's first
         byte on a kept-alive connection) and its body within ``body_timeout`` seconds of
         its headers. Past a deadline the client gets 408 JSON (a new connection that sent
-        nothing is only closed, as an idle keep-alive one is) and the connection closes."""
+        nothing is only closed, as an idle keep-alive one is) and the connection closes.
+
+        ``phase`` is what the client owes, from the parser's callbacks: ``new`` (a
+        connection that sent nothing yet), ``headers`` (a request begun), ``body`` (its
+        headers in, its body not), None (the request is in: nothing is owed)."""
 
         _deadline: asyncio.TimerHandle | None = None
         _waiting_for: str | None = None
         openai_errors = openai
+        phase: str | None = "new"
+        _head = 0  # bytes of the current request's head seen by the callbacks
+        _unfinished = 0  # bytes received while a head stayed incomplete
+        _too_large = False
         _lingering = False
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -194,7 +213,54 @@ def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = F
             if self._lingering:
                 return  # after the last answer: read and drop until the client closes
             super().data_received(data)
+            if self.transport.is_closing():
+                return
+            if self.phase in ("new", "headers"):  # a head that never ends (one long line)
+                self._unfinished += len(data)
+                if self._unfinished > HEAD_LIMIT:
+                    self._refuse_head()
+                    return
+            else:
+                self._unfinished = 0
             self._watch()
+
+        # the parser's callbacks (uvicorn's, plus what the client owes and the head's size)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.phase = "headers"
+            self._head = 0
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self.phase = "body"
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self.phase = None
+            super().on_message_complete()
+
+        def _count(self, size: int) -> None:
+            self._head += size
+            if self._head > HEAD_LIMIT:
+                self._too_large = True
+                raise _HeadTooLarge  # feed_data raises the parser's error: send_400_response
+
+        def send_400_response(self, msg: str) -> None:
+            if self._too_large:
+                self._refuse_head()
+            else:
+                _answer(self, 400, "the request is not valid HTTP/1.1")
+
+        def _refuse_head(self) -> None:
+            _answer(self, 431, f"request headers are limited to {HEAD_LIMIT:,} bytes")
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -204,16 +270,19 @@ def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = F
             self._stop()
             super().connection_lost(exc)
 
+        # the deadlines
+
         def _watch(self) -> None:
             """Arm the deadline of what the connection now waits for from the client."""
-            waiting = _awaited(self)
+            waiting = None if self.transport.is_closing() else self.phase
             if waiting == self._waiting_for:
                 return  # the same wait goes on: its deadline stands
             self._stop()
             self._waiting_for = waiting
             if waiting is not None:
-                self._unset_keepalive_if_required()  # a request has begun: not idle
-                seconds = header_timeout if waiting == "headers" else body_timeout
+                if waiting != "new":
+                    self._unset_keepalive_if_required()  # a request has begun: not idle
+                seconds = body_timeout if waiting == "body" else header_timeout
                 self._deadline = self.loop.call_later(seconds, self._expired, seconds)
 
         def _stop(self) -> None:
@@ -223,9 +292,13 @@ def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = F
 
         def _expired(self, seconds: float) -> None:
             self._deadline = None
-            if not self.transport.is_closing():
-                what = self._waiting_for
-                _time_out(self, f"the request's {what} did not arrive within {seconds:g} s")
+            if self.transport.is_closing():
+                return
+            if self.phase == "new":  # nothing sent: closed, as an idle connection is
+                self.transport.close()
+                return
+            what = "body" if self.phase == "body" else "headers"
+            _answer(self, 408, f"the request's {what} did not arrive within {seconds:g} s")
 
         def linger(self) -> None:
             """Half-close after a last answer (``_linger``)."""
@@ -233,9 +306,7 @@ def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = F
             self._unset_keepalive_if_required()
             self._lingering = _linger(self.transport)
 
-        def send_400_response(self, msg: str) -> None:
-            _malformed(self, self.config.h11_max_incomplete_event_size or h11_limit)
-
+    assert httptools  # imported first: a missing httptools fails here, not per connection
     return Protocol
 
 
@@ -303,71 +374,28 @@ def _linger(transport: Any) -> bool:
     return True
 
 
-def _malformed(protocol: Any, limit: int) -> None:
-    """What uvicorn answers in text (h11 could not parse the request), in JSON: 431 for
-    headers over h11's limit, else 400."""
-    if len(protocol.conn.trailing_data[0]) > limit:
-        _answer(protocol, 431, f"request headers are limited to {limit:,} bytes")
-    else:
-        _answer(protocol, 400, "the request is not valid HTTP/1.1")
-
-
-def _awaited(protocol: Any) -> str | None:
-    """What a connection waits for from its client, under a deadline: a request's
-    ``headers`` (on a new connection, or once a next request has begun), its ``body``, or
-    nothing (the request is in; the connection is idle between requests, which uvicorn's
-    keep-alive timer bounds; or it is closing)."""
-    import h11
-
-    state = protocol.conn.their_state
-    if protocol.transport.is_closing():
-        return None
-    if state is h11.SEND_BODY:
-        return "body"
-    if state is h11.IDLE and (protocol.cycle is None or protocol.conn.trailing_data[0]):
-        return "headers"
-    return None
-
-
-def _time_out(protocol: Any, detail: str) -> None:
-    """A deadline passed: 408 and close, or only close a connection that holds nothing
-    of a next request (as an idle keep-alive connection is closed)."""
-    import h11
-
-    if protocol.conn.their_state is h11.IDLE and not protocol.conn.trailing_data[0]:
-        with contextlib.suppress(h11.LocalProtocolError):
-            protocol.conn.send(h11.ConnectionClosed())
-        protocol.transport.close()
-    else:
-        _answer(protocol, 408, detail)
-
-
 def _answer(protocol: Any, status: int, detail: str) -> None:
-    """Answer ``status`` in the service's JSON shape and close the connection; an answer
-    of the app under way is dropped (only closing is left then)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import STATUS_PHRASES
-
+    """Answer ``status`` in the service's JSON shape and close the connection. Only where
+    no answer to the request has begun (else closing is all that is left); the app's
+    request, if one runs, reads a disconnect."""
     from pcr.http_errors import error_body
     from pcr.serve_app import ERROR_KINDS
 
-    body = error_body(
-        ERROR_KINDS[status], detail, status, openai=getattr(protocol, "openai_errors", False)
-    )
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
-    ]
-    events = (
-        h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]),
-        h11.Data(data=body),
-        h11.EndOfMessage(),
-    )
-    with contextlib.suppress(h11.LocalProtocolError):  # a response had started
-        for event in events:
-            protocol.transport.write(protocol.conn.send(event) or b"")
     cycle = protocol.cycle
+    if protocol.phase in ("new", "headers"):  # a next request, no answer of its own yet
+        fresh = cycle is None or cycle.response_complete
+    else:
+        fresh = cycle is None or not cycle.response_started
+    if fresh:
+        body = error_body(
+            ERROR_KINDS[status], detail, status, openai=getattr(protocol, "openai_errors", False)
+        )
+        phrase = HTTPStatus(status).phrase
+        head = (
+            f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        protocol.transport.write(head.encode("latin-1") + body)
     if cycle is not None and not cycle.response_complete:
         cycle.disconnected = True  # the app reads a disconnect and sends nothing
         cycle.message_event.set()

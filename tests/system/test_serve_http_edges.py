@@ -243,6 +243,51 @@ def test_headers_over_the_limit_are_431_json(edge: Served) -> None:
     assert (status, body["error"]) == (431, "request headers too large")
 
 
+def test_many_complete_headers_over_the_limit_are_431_json(edge: Served) -> None:
+    """A head of 400 complete headers (24 KiB) and its end in one send: counted as the
+    parser reads each header, so refused before any endpoint runs."""
+    headers = b"".join(b"X-H%03d: %s\r\n" % (i, b"v" * 50) for i in range(400))
+    with connect(edge.port) as sock:
+        sock.sendall(b"GET /live HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+        status, body = json_answer(read_until_closed(sock, time.monotonic()))
+    assert (status, body["error"]) == (431, "request headers too large")
+
+
+def test_a_head_under_the_limit_with_a_large_body_in_one_send_is_served(edge: Served) -> None:
+    """12 KiB of headers and a 1 MiB body in one send: only the head counts."""
+    headers = b"".join(b"X-H%03d: %s\r\n" % (i, b"v" * 50) for i in range(200))
+    body = json.dumps({"block_hashes": [1], "pad": "p" * (1 << 20)}).encode()
+    request = (
+        b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + headers
+        + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+        + body
+    )
+    with connect(edge.port) as sock:
+        sock.sendall(request)
+        received = read_until_closed(sock, time.monotonic())
+    assert not received.startswith(b"HTTP/1.1 431"), received[:200]
+    assert received.startswith(b"HTTP/1.1 422 "), received[:200]  # the unknown field "pad"
+
+
+def test_pipelined_requests_are_answered_in_order(edge: Served) -> None:
+    """Three requests in one send: three answers, in order, then keep-alive ends it."""
+    score = json.dumps({"block_hashes": [1]}).encode()
+    request = (
+        b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n"
+        + b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + b"Content-Length: %d\r\n\r\n" % len(score)
+        + score
+        + b"GET /v1/nope HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    started = time.monotonic()
+    with connect(edge.port) as sock:
+        sock.sendall(request)
+        received = read_until_closed(sock, started)
+    statuses = [int(part[:3]) for part in received.split(b"HTTP/1.1 ")[1:] if part[:3].isdigit()]
+    assert statuses == [200, 200, 404], received[:600]
+
+
 def test_headers_sent_a_byte_at_a_time_are_cut_off(edge: Served) -> None:
     """Slowloris: each byte restarts uvicorn's keep-alive timer, never the header
     deadline; meanwhile the service answers other clients."""
