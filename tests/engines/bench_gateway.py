@@ -847,6 +847,9 @@ class LatencyRow:
     added_p99_ms: float | None = None
     errors: list[str] = field(default_factory=list)
     notes: str = ""
+    added_ms: list[float] = field(default_factory=list)
+    """Every pair's difference, in the order sent (the first requests follow a fresh
+    router's start)."""
 
 
 def latency_row(bench: Bench, spec: RouterSpec, prompts: list[Request]) -> LatencyRow:
@@ -894,6 +897,7 @@ def latency_row(bench: Bench, spec: RouterSpec, prompts: list[Request]) -> Laten
     row.routed_p50_ms = ms(quantile(routed, 0.5))
     row.added_p50_ms = ms(quantile(added, 0.5))
     row.added_p99_ms = ms(quantile(added, 0.99))
+    row.added_ms = [round(a * 1000, 2) for a in added]
     row.errors = sorted(errors)[:5]
     if spec.kind == "gateway":
         row.notes = "; ".join(filter(None, ["--backend with engine 0's namespace only", row.notes]))
@@ -1041,6 +1045,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--gateway-args", help="more pcr gateway options, e.g. '--queue-weight 0.5'"
     )
     parser.add_argument(
+        "--latency-requests",
+        type=int,
+        help="requests in the latency group (default 40; 8 with --quick)",
+    )
+    parser.add_argument(
         "--routers",
         help=f"comma-separated router keys (default: all: {','.join(s.key for s in ROUTERS)})",
     )
@@ -1076,6 +1085,7 @@ def run(args: argparse.Namespace) -> int:
         workloads = [WorkloadSpec("16x5", 16, 5, seed=1), WorkloadSpec("32x6", 32, 6, seed=2)]
         scenario_workload = workloads[0]
         latency_count = 40
+    latency_count = args.latency_requests or latency_count
     built = {w.name: build_workload(w) for w in workloads}
 
     started = time.monotonic()
