@@ -16,9 +16,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pcr.common import CommandError, UsageError, _block_size, _port, _scheme, _where
+from pcr.common import CommandError, UsageError, _block_size, _scheme, _where
 from pcr.gateway_balance import POLICIES
-from pcr.serve import SERVE_SCHEMES, _bind, _limit_options, _server_class, uvicorn_config
+from pcr.serve import (
+    SERVE_SCHEMES,
+    _bind,
+    _limit_options,
+    _server_class,
+    listen_options,
+    uvicorn_config,
+)
 from registry.keys import validate_namespace
 from registry.membership import validate_engine_url
 
@@ -72,10 +79,7 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         "and /metrics.",
     )
     redis_options(gateway, url_default)
-    gateway.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
-    )
-    gateway.add_argument("--port", type=_port, default=8080, help="TCP port (default 8080)")
+    listen_options(gateway, 8080)
     gateway.add_argument(
         "--backend",
         type=_backend,
@@ -105,13 +109,6 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     )
     gateway.add_argument(
         "--policy", choices=POLICIES, default="prefix", help="default: prefix (against load)"
-    )
-    gateway.add_argument(
-        "--hybrid",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="rank by the Mamba-usable prefix (--hybrid) or the KV prefix (--no-hybrid); "
-        "default: each namespace by what its engine reuses",
     )
     gateway.add_argument(
         "--queue-weight",

@@ -78,11 +78,19 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         "serve extra). The OpenAPI page is at /docs.",
     )
     redis_options(serve, url_default)
-    serve.add_argument(
+    listen_options(serve, 8000)
+    _limit_options(serve)
+    serve.set_defaults(handler=command_serve, command_parser=serve)
+
+
+def listen_options(parser: argparse.ArgumentParser, port: int) -> None:
+    """What ``pcr serve`` and ``pcr gateway`` share first: where to listen and how to
+    rank (their limits, ``_limit_options``, come last)."""
+    parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
     )
-    serve.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
-    serve.add_argument(
+    parser.add_argument("--port", type=_port, default=port, help=f"TCP port (default {port})")
+    parser.add_argument(
         "--hybrid",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -90,8 +98,6 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         "(--no-hybrid); default: each by what its engine reuses (the Mamba-usable prefix "
         "where the namespace held Mamba state, else the KV prefix)",
     )
-    _limit_options(serve)
-    serve.set_defaults(handler=command_serve, command_parser=serve)
 
 
 def _limit_options(serve: argparse.ArgumentParser) -> None:

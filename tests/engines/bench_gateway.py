@@ -55,7 +55,6 @@ import platform
 import random
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -74,6 +73,7 @@ import redis
 from registry import NodeIndex, PrefixCacheRegistry
 from tests.engines.conftest import BridgeProcess
 from tests.support.engines import BLOCK_SIZE, KV_BLOCKS, VllmEngine, engine_python, own_core
+from tests.support.process_groups import kill_group, stop_group
 from tests.support.servers import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -366,25 +366,13 @@ class Service:
 
     def kill(self) -> None:
         """SIGKILL the process group and reap it."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(30)
+        kill_group(self.process)
         self.process = None
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL after 10 s."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(10)
-        self.kill()
+        stop_group(self.process, 10)
+        self.process = None
 
     def log_tail(self, lines: int = 8) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""

@@ -5,9 +5,7 @@ directory without a word, since it has no engine."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engines import VllmEngine, engine_python, own_core
+from tests.support.process_groups import kill_group, stop_group
 
 collect_ignore_glob = [] if os.environ.get("PCR_ENGINE_TIER") else ["test_*.py"]
 
@@ -67,18 +66,12 @@ class BridgeProcess:
         return self
 
     def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        if self.process is not None:
-            self.process.wait(30)
+        kill_group(self.process)
         self.process = None
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(20)
-        self.kill()
+        stop_group(self.process, 20)
+        self.process = None
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,8 @@ test fails: the fixtures call it in ``finally``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from tests.support.process_groups import kill_group, stop_group
 from tests.support.servers import free_port
 
 BLOCK_SIZE = 32
@@ -167,25 +166,13 @@ class VllmEngine:
     def kill(self) -> None:
         """SIGKILL the engine's whole process group (it leaves its workers behind
         otherwise) and wait for it."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(30)
+        kill_group(self.process)
         self.process = None
 
     def stop(self) -> None:
         """Stop the engine's process group: SIGTERM, then SIGKILL after 20 s."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        self.kill()
+        stop_group(self.process, 20)
+        self.process = None
 
     # -- what it does --------------------------------------------------------------------
 
