@@ -838,6 +838,10 @@ class LatencyRow:
     added_ms: list[float] = field(default_factory=list)
     """Every pair's difference, in the order sent (the first requests follow a fresh
     router's start)."""
+    inside_ms: dict[str, float] = field(default_factory=dict)
+    """The gateway's own account (its /metrics, means over the row): ``before_send``
+    from a request's arrival to its sending upstream, ``request`` from arrival to the
+    reply's last byte."""
 
 
 def latency_row(bench: Bench, spec: RouterSpec, prompts: list[Request]) -> LatencyRow:
@@ -876,6 +880,8 @@ def latency_row(bench: Bench, spec: RouterSpec, prompts: list[Request]) -> Laten
                 else:
                     row.failed += 1
                     errors |= {o.error for o in pair.values() if o.error}
+        if spec.kind == "gateway":
+            row.inside_ms = gateway_means(router.url)
     except (RuntimeError, TimeoutError) as exc:
         errors.add(str(exc)[:400])
     finally:
@@ -890,6 +896,31 @@ def latency_row(bench: Bench, spec: RouterSpec, prompts: list[Request]) -> Laten
     if spec.kind == "gateway":
         row.notes = "; ".join(filter(None, ["--backend with engine 0's namespace only", row.notes]))
     return row
+
+
+def gateway_means(url: str) -> dict[str, float]:
+    """Mean milliseconds of the gateway's overhead and request-duration histograms."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        base = name.split("{", 1)[0]
+        for metric in ("pcr_gateway_overhead_seconds", "pcr_gateway_request_duration_seconds"):
+            for part in ("_sum", "_count"):
+                if base == metric + part:
+                    sums[base] = sums.get(base, 0.0) + float(value)
+    out = {}
+    for key, metric in (
+        ("before_send", "pcr_gateway_overhead_seconds"),
+        ("request", "pcr_gateway_request_duration_seconds"),
+    ):
+        count = sums.get(metric + "_count", 0.0)
+        if count:
+            out[key] = round(sums[metric + "_sum"] / count * 1000, 2)
+    return out
 
 
 def latency_prompts(count: int, seed: int = 11) -> list[Request]:
@@ -1164,6 +1195,7 @@ def run(args: argparse.Namespace) -> int:
                 say(
                     f"latency {lat.router}: added p50 {lat.added_p50_ms} ms, p99 "
                     f"{lat.added_p99_ms} ms, failed {lat.failed}/{lat.requests} {lat.errors[:1]}"
+                    + (f"; inside the gateway (means): {lat.inside_ms}" if lat.inside_ms else "")
                 )
         result = {
             "token_id_prompts": "engine 0's /tokenize of each chat request",
