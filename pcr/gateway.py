@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pcr.common import CommandError, UsageError, _block_size, _scheme, _where
-from pcr.gateway_balance import POLICIES
+from pcr.gateway_balance import POLICIES, REPLICA_ID
 from pcr.serve import (
     SERVE_SCHEMES,
     _bind,
@@ -50,6 +50,15 @@ def _backend(text: str) -> tuple[str, str]:
         return validate_namespace(namespace), validate_engine_url(url)
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _replica_id(text: str) -> str:
+    """An argparse type: a replica id (``REPLICA_ID``)."""
+    if not REPLICA_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            "a replica id is 1 to 200 printable ASCII characters, no spaces"
+        )
+    return text
 
 
 def _number(low: float, what: str, *, zero: bool = False) -> Any:
@@ -130,7 +139,8 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     )
     gateway.add_argument(
         "--replica-id",
-        default="",
+        type=_replica_id,
+        default=None,
         help="this replica's name in the shared load table (default: host-pid)",
     )
     gateway.add_argument(
@@ -224,7 +234,7 @@ def command_gateway(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         policy=args.policy,
         rule=rule,
-        replica_id=args.replica_id,
+        replica_id=args.replica_id or "",
         scrape_interval=args.scrape_interval,
         registry_timeout=args.registry_timeout,
         upstream_timeout=args.upstream_timeout,

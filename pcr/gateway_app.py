@@ -41,6 +41,7 @@ from starlette.routing import Route
 
 from pcr.gateway_balance import (
     POLICIES,
+    REPLICA_ID,
     BackendLoad,
     BalanceRule,
     Choice,
@@ -52,6 +53,7 @@ from pcr.gateway_tokens import PromptTokenizer, prompt_tokens
 from pcr.http_errors import error_content
 from registry.errors import RegistryError
 from registry.hashing import block_hashes
+from registry.keys import gateway_load_channel
 from registry.membership import validate_engine_url
 from registry.validation import prefix_hashes
 
@@ -110,6 +112,8 @@ class GatewayConfig:
                 raise ValueError("a backend needs a namespace")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        if self.replica_id and not REPLICA_ID.fullmatch(self.replica_id):
+            raise ValueError("a replica id is 1 to 200 printable ASCII characters, no spaces")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
             raise TypeError("block_size must be an int")
         if not 1 <= self.block_size <= 1 << 20:
@@ -168,6 +172,13 @@ class GatewayState:
         self.mean_prefill = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._peers: dict[str, _Peer] = {}
+        """The other replicas' load: from each exchange, and as it changes (pushed)."""
+        self._seq = time.time_ns() // 1000  # numbers this replica's published load (a
+        # replica restarted under the same id continues above its old numbers)
+        self._shared_at = 0.0
+        self._sharing: asyncio.Task[None] | None = None
+        self._share_again = False
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -189,7 +200,8 @@ class GatewayState:
         with contextlib.suppress(RegistryError, TimeoutError):
             await self._discover()
         loops = [self._every(self.config.discover_interval, self._discover)]
-        loops.append(self._every(self.config.share_interval, self._share))
+        loops.append(self._every(self.config.share_interval, self._tick))
+        loops.append(self._listen())
         if self.config.scrape_interval > 0:
             loops.append(self._every(self.config.scrape_interval, self._scrape))
         self._tasks = [asyncio.ensure_future(loop) for loop in loops]
@@ -199,7 +211,8 @@ class GatewayState:
         ``asyncio.wait_for`` on Python 3.11, so each is cancelled again until it ends, and
         the loops also stop at their flag), then the HTTP client."""
         self._stopping = True
-        pending = {t for t in self._tasks if not t.done()}
+        tasks = [*self._tasks, *([self._sharing] if self._sharing is not None else [])]
+        pending = {t for t in tasks if not t.done()}
         for _ in range(20):
             if not pending:
                 break
@@ -239,37 +252,122 @@ class GatewayState:
                 del self.backends[namespace]
 
     async def _share(self) -> None:
-        """Publish this replica's load and take the others' (one round trip)."""
-        now = time.monotonic()
+        """Publish this replica's load and take the others' (one round trip; the
+        script also pushes it to the other replicas, ``_listen``)."""
+        now = self._shared_at = time.monotonic()
         half_life = self.config.rule.half_life
+        self._seq += 1
         mine = {
-            ns: [
-                b.load.in_flight,
-                round(b.load.pending, 1),
-                round(b.load.recent.now(now, half_life), 1),
-            ]
-            for ns, b in self.backends.items()
+            "seq": self._seq,
+            "load": {
+                ns: [
+                    b.load.in_flight,
+                    round(b.load.pending, 1),
+                    round(b.load.recent.now(now, half_life), 1),
+                ]
+                for ns, b in self.backends.items()
+            },
         }
-        ttl_ms = max(1000, round(self.config.share_interval * 10_000))
         router, gate = self.registry.ready()
         try:
             async with asyncio.timeout(max(1.0, self.config.registry_timeout)), gate.turn():
                 others = await router.exchange_load(
-                    self.replica, ttl_ms, json.dumps(mine, separators=(",", ":"))
+                    self.replica, self._ttl_ms(), json.dumps(mine, separators=(",", ":"))
                 )
         except (RegistryError, TimeoutError) as exc:
-            others = []  # Redis away: balance on what this replica knows
+            self._peers.clear()  # Redis away: balance on what this replica knows
             self._registry(False, exc)
         else:
             if not self.registry_up and time.monotonic() >= self.registry_retry_at:
                 self._registry(True)
+            known = self._peers
+            self._peers = {}
+            for replica, payload in others.items():
+                peer = _peer(payload, now)
+                if peer is None:
+                    continue
+                held = known.get(replica)
+                self._peers[replica] = held if held is not None and held.seq > peer.seq else peer
+            for replica, held in known.items():  # pushed while the exchange was under way
+                if replica not in self._peers and held.received > now:
+                    self._peers[replica] = held
+        self._apply_peers()
+
+    async def _tick(self) -> None:
+        """The periodic exchange, unless a nudged one ran within half an interval."""
+        if time.monotonic() - self._shared_at >= self.config.share_interval / 2:
+            await self._share()
+
+    def _ttl_ms(self) -> int:
+        """Entries live ten intervals (1 to 60 s)."""
+        return max(1000, min(60_000, round(self.config.share_interval * 10_000)))
+
+    def nudge(self) -> None:
+        """Share now, in the background (a request started or ended): the other replicas
+        see it as it happens, not at the next 100 ms tick. One exchange at a time; a
+        nudge during one makes one more after it."""
+        if self._stopping:
+            return
+        if self._sharing is not None and not self._sharing.done():
+            self._share_again = True
+            return
+        self._sharing = asyncio.ensure_future(self._share_nudged())
+
+    async def _share_nudged(self) -> None:
+        again = True
+        while again and not self._stopping:
+            self._share_again = False
+            with contextlib.suppress(Exception):  # the periodic exchange says why
+                await self._share()
+            again = self._share_again
+
+    async def _listen(self) -> None:
+        """The other replicas' load as they publish it (``lua/gateway_load.lua``
+        pushes every entry it writes); reconnects while Redis is away."""
+        channel = gateway_load_channel(self.registry.key_prefix)
+        while not self._stopping:
+            pubsub = None
+            try:
+                pubsub = self.registry.client.pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(channel)
+                while not self._stopping:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        self._pushed(message.get("data"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: the exchange says so; try again
+                log.debug("gateway load channel: %s", type(exc).__name__)
+                await asyncio.sleep(1.0)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
+
+    def _pushed(self, data: Any) -> None:
+        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
+        replica, _, payload = text.partition(" ")
+        if not replica or replica == self.replica:
+            return
+        peer = _peer(payload, time.monotonic())
+        held = self._peers.get(replica)
+        if peer is not None and (held is None or peer.seq > held.seq):
+            self._peers[replica] = peer
+            self._apply_peers()
+
+    def _apply_peers(self) -> None:
+        """The other replicas' load summed per backend (entries older than the TTL, from
+        a replica that stopped publishing, dropped)."""
+        now = time.monotonic()
+        ttl = self._ttl_ms() / 1000
         totals: dict[str, list[float]] = {}
-        for payload in others:
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                for ns, values in json.loads(payload).items():
-                    total = totals.setdefault(ns, [0.0, 0.0, 0.0])
-                    for i in range(3):
-                        total[i] += max(0.0, float(values[i]))
+        for replica in [r for r, p in self._peers.items() if now - p.received > ttl]:
+            del self._peers[replica]
+        for peer in self._peers.values():
+            for ns, values in peer.load.items():
+                total = totals.setdefault(ns, [0.0, 0.0, 0.0])
+                for i in range(3):
+                    total[i] += values[i]
         for ns, backend in self.backends.items():
             in_flight, pending, recent = totals.get(ns, (0.0, 0.0, 0.0))
             backend.load.remote_in_flight = int(in_flight)
@@ -385,6 +483,34 @@ class GatewayState:
         loads = {b.namespace: b.load for b in backends}
         order = ranked(names, prompt, cached, loads, self.config.rule, time.monotonic())
         return order, outcome
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """Another replica's load as last heard: its number, per backend ``[in flight,
+    pending tokens, recent tokens]``, and when it was heard (this clock)."""
+
+    seq: int
+    load: dict[str, list[float]]
+    received: float
+
+
+def _peer(payload: str, received: float) -> _Peer | None:
+    """A replica's published load, or None for a payload that is not one."""
+    try:
+        data = json.loads(payload)
+        seq = data["seq"]
+        load = {
+            str(ns): [max(0.0, float(values[i])) for i in range(3)]
+            for ns, values in data["load"].items()
+        }
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
+        return None
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        return None
+    if not all(math.isfinite(v) for values in load.values() for v in values):
+        return None
+    return _Peer(seq, load, received)
 
 
 # -- the proxy, in plain ASGI -----------------------------------------------------------
@@ -635,6 +761,7 @@ def _started(
     load.recent.add(float(prefill or 1), time.monotonic(), rule.half_life)
     if prompt:
         state.mean_prefill += (prefill - state.mean_prefill) * 0.05
+    state.nudge()
     if state.metrics.on:
         counted = backend.metrics(state.metrics)
         counted.in_flight.inc()
@@ -647,6 +774,7 @@ def _ended(state: GatewayState, backend: Backend, prefill: int) -> None:
     load = backend.load
     load.in_flight = max(0, load.in_flight - 1)
     load.pending = max(0.0, load.pending - prefill)
+    state.nudge()
     if state.metrics.on:
         backend.metrics(state.metrics).in_flight.dec()
 

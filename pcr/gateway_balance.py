@@ -47,9 +47,13 @@ every ``cached = 0`` it is least-load.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+REPLICA_ID = re.compile(r"[!-~]{1,200}")
+"""A gateway replica's id: its field in ``pcr:gateway:load`` and the first word of what
+it publishes on the load channel."""
 POLICIES = ("prefix", "least-load", "round-robin")
 """``prefix``: the balance rule; ``least-load``: the rule without cached prefixes;
 ``round-robin``: each backend in turn (a baseline)."""

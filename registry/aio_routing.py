@@ -35,6 +35,7 @@ from registry.keys import (
     DEFAULT_KEY_PREFIX,
     NamespaceKeys,
     engines_key,
+    gateway_load_channel,
     gateway_load_key,
     node_index_key,
 )
@@ -213,14 +214,17 @@ class AsyncPrefixRouter:
             raise _translated(exc, f"engine table {key!r}: HGETALL") from exc
         return engine_table(table)
 
-    async def exchange_load(self, replica: str, ttl_ms: int, payload: str) -> list[str]:
-        """Publish one gateway replica's load (expiring after ``ttl_ms``) and read the
-        other live replicas' (``lua/gateway_load.lua``): one round trip."""
+    async def exchange_load(self, replica: str, ttl_ms: int, payload: str) -> dict[str, str]:
+        """Publish one gateway replica's load (expiring after ``ttl_ms``, and on the
+        channel ``gateway_load_channel``) and read the other live replicas' (``lua/
+        gateway_load.lua``): replica id -> payload, one round trip."""
         key = gateway_load_key(self.key_prefix)
+        channel = gateway_load_channel(self.key_prefix)
         replies = await self._run(
-            "gateway_load", (key,), (replica, ttl_ms, payload), f"gateway load {key!r}"
+            "gateway_load", (key,), (replica, ttl_ms, payload, channel), f"gateway load {key!r}"
         )
-        return [r.decode("utf-8", "replace") if isinstance(r, bytes) else str(r) for r in replies]
+        texts = [r.decode("utf-8", "replace") if isinstance(r, bytes) else str(r) for r in replies]
+        return dict(zip(texts[0::2], texts[1::2], strict=False))
 
     # -- running the scripts ----------------------------------------------------------
 

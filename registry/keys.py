@@ -63,6 +63,13 @@ def gateway_load_key(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     return f"{validate_key_prefix(key_prefix)}:gateway:load"
 
 
+def gateway_load_channel(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """Pub/sub channel: ``"<replica id> <payload>"`` each time a ``pcr gateway`` replica
+    writes its entry of ``gateway_load_key`` (``lua/gateway_load.lua``), so the others
+    see a request start or end as it happens."""
+    return f"{validate_key_prefix(key_prefix)}:gateway:load-changes"
+
+
 @dataclass(frozen=True)
 class NamespaceKeys:
     """The keys and the channel of one namespace (one block pool)."""

@@ -211,6 +211,105 @@ def test_two_replicas_see_each_others_requests_in_flight(
         both.stop()
 
 
+def test_a_replica_sees_another_replicas_request_as_it_starts_and_ends(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    """Two replicas in-process whose periodic exchange is a minute apart: a request held
+    in flight through replica one is counted by replica two, and its end too, before any
+    periodic exchange could say so: each start and end is pushed on the load channel."""
+    from pcr.gateway_app import GatewayConfig
+    from tests.system.test_serve import Served
+
+    prefix = f"gr{uuid.uuid4().hex[:6]}"
+    backends = dict(zip(names, (e.url for e in engines), strict=True))
+    replicas = [
+        Served(
+            redis_server.url,
+            prefix,
+            gateway=GatewayConfig(
+                backends=backends, block_size=BLOCK, replica_id=rid, share_interval=60
+            ),
+        )
+        for rid in ("one", "two")
+    ]
+    one, two = replicas
+    engines[0].release.clear()
+    engines[1].release.clear()
+    thread = threading.Thread(
+        target=one.http.post,
+        args=("/v1/completions",),
+        kwargs={"json": {"model": "tiny", "prompt": [7] * 40}, "timeout": 60},
+    )
+    try:
+        thread.start()
+        held = engines[0] if wait_in_flight_any(engines) is engines[0] else engines[1]
+        other_replicas = lambda: {  # noqa: E731
+            ns: v["other_replicas"] for ns, v in two.http.get("/health").json()["in_flight"].items()
+        }
+        held_name = names[engines.index(held)]
+        wait_until(lambda: other_replicas()[held_name] == 1, 30, "replica two seeing it")
+        engines[0].release.set()
+        engines[1].release.set()
+        thread.join(60)
+        wait_until(lambda: other_replicas()[held_name] == 0, 30, "replica two seeing it end")
+    finally:
+        engines[0].release.set()
+        engines[1].release.set()
+        thread.join(60)
+        for served in replicas:
+            served.close()
+
+
+def wait_in_flight_any(engines: list[FakeEngine]) -> FakeEngine:
+    found: list[FakeEngine] = []
+
+    def any_in_flight() -> bool:
+        found[:] = [e for e in engines if e.in_flight]
+        return bool(found)
+
+    wait_until(any_in_flight, 30, "a request in flight at an engine")
+    return found[0]
+
+
+def test_the_load_exchange_returns_the_others_and_pushes_each_entry(
+    redis_server: RedisServer,
+) -> None:
+    """``lua/gateway_load.lua`` through ``AsyncPrefixRouter.exchange_load``: each call
+    returns the other live replicas' entries by id, publishes its own on the channel, and
+    an entry past its TTL is gone."""
+    import asyncio
+
+    from registry.aio_routing import AsyncPrefixRouter, async_client_from_url
+    from registry.keys import gateway_load_channel
+
+    prefix = f"gl{uuid.uuid4().hex[:6]}"
+
+    async def scenario() -> None:
+        client = async_client_from_url(redis_server.url)
+        router = AsyncPrefixRouter(client, prefix)
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(gateway_load_channel(prefix))
+        try:
+            assert await router.exchange_load("a", 60_000, '{"seq":1}') == {}
+            assert await router.exchange_load("b", 1, '{"seq":7}') == {"a": '{"seq":1}'}
+            heard = []
+            deadline = asyncio.get_running_loop().time() + 30
+            while len(heard) < 2:  # None: the subscription's own confirmation, or nothing yet
+                assert asyncio.get_running_loop().time() < deadline, heard
+                message = await pubsub.get_message(timeout=1)
+                if message is not None:
+                    heard.append(message["data"])
+            assert heard == [b'a {"seq":1}', b'b {"seq":7}']
+            while await router.exchange_load("a", 60_000, '{"seq":2}'):
+                await asyncio.sleep(0.01)  # until b's 1 ms entry has expired
+            assert await client.hkeys(f"{prefix}:gateway:load") == [b"a"]
+        finally:
+            await pubsub.aclose()
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_engines_announced_in_redis_become_backends(
     redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
 ) -> None:

@@ -856,3 +856,37 @@ def test_a_backend_answering_500_is_passed_through_not_retried(
             a.received
         )
         assert in_flight(served) == 0
+
+
+def test_a_fault_inside_the_gateway_is_500_in_the_openai_shape(redis_server: RedisServer) -> None:
+    """A bug in the gateway's own code (here: its choice raises, with the request's
+    marker in the message) while proxying, in-process: 500 in the OpenAI shape naming
+    only the exception's type, no traceback, no marker; the next request is served."""
+    from pcr.gateway_app import GatewayConfig
+    from tests.system.test_serve import Served
+
+    engine = FakeEngine("e0").start()
+    served = Served(
+        redis_server.url,
+        f"gw{uuid.uuid4().hex[:8]}",
+        gateway=GatewayConfig(backends={"e0": engine.url}, block_size=16),
+    )
+    try:
+        state = served.app.state.gateway
+        choose = state.choose
+
+        async def broken(tokens: Any) -> Any:
+            raise RuntimeError(MARKER)
+
+        state.choose = broken
+        reply = served.http.post("/v1/completions", json={"model": "m", "prompt": [5] * 40})
+        body = assert_openai_error(reply, 500)
+        assert "RuntimeError" in body["message"], body
+        assert not engine.received
+        state.choose = choose
+        reply = served.http.post("/v1/completions", json={"model": "m", "prompt": [5] * 40})
+        assert reply.status_code == 200, reply.text
+        assert len(engine.received) == 1
+    finally:
+        served.close()
+        engine.stop()

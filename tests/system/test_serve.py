@@ -49,7 +49,7 @@ H = block_hashes(TOKENS, 16)  # 12 blocks
 class Served:
     """The app of ``create_app`` on uvicorn in a thread, on a free loopback port, run as
     ``pcr serve`` runs it (``uvicorn_config``: its protocol deadlines). ``options`` are
-    ``create_app``'s (``max_connections``, ``pool_timeout``) and ``uvicorn_config``'s
+    ``create_app``'s (``max_connections``, ``pool_timeout``, ``gateway``) and ``uvicorn_config``'s
     (``header_timeout``, ``body_timeout``, ``keep_alive_timeout``)."""
 
     def __init__(
@@ -58,7 +58,9 @@ class Served:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         app_options = {
-            k: options.pop(k) for k in ("max_connections", "pool_timeout") if k in options
+            k: options.pop(k)
+            for k in ("max_connections", "pool_timeout", "gateway")
+            if k in options
         }
         self.app = create_app(url, key_prefix=key_prefix, hybrid=hybrid, **app_options)
         config = uvicorn_config(
