@@ -409,9 +409,11 @@ class GatewayState:
         backend.load.kv_usage = usage
 
     def _mark(self, backend: Backend, *, up: bool) -> None:
+        """Whether ``backend`` took a connection just now: one that refused is passed
+        over for ``REFUSED_FOR`` seconds, one that answered (its /metrics) is a candidate
+        again at once (an engine back from a restart gets requests from its next scrape)."""
         backend.up = up
-        if not up:
-            backend.refused_until = time.monotonic() + REFUSED_FOR
+        backend.refused_until = 0.0 if up else time.monotonic() + REFUSED_FOR
         if self.metrics.on:
             self.metrics.backend_up.labels(backend.namespace).set(1 if up else 0)
 
@@ -724,13 +726,14 @@ async def _forward(
             if watch.left:
                 _count_error(state, backend, "cancelled")
             raise
+        end = _Ending(state, backend, prefill)
         try:
             if stream:
-                await _streamed(state, backend, upstream, send, arrived, watch)
+                await _streamed(state, backend, upstream, send, arrived, watch, end)
             else:
-                await _whole(state, backend, upstream, send, arrived, watch)
+                await _whole(state, backend, upstream, send, arrived, watch, end)
         finally:
-            _ended(state, backend, prefill)
+            end()
         return
     watch.stop()
     await _answer_error(send, 503, "no backend could take the request")
@@ -779,6 +782,21 @@ def _ended(state: GatewayState, backend: Backend, prefill: int) -> None:
         backend.metrics(state.metrics).in_flight.dec()
 
 
+class _Ending:
+    """``_ended`` once: called before a reply's last bytes go to the client (so the
+    other replicas hear of the end before the client can send its next request to one
+    of them), and again, as a no-op, when the exchange is over whatever happened."""
+
+    def __init__(self, state: GatewayState, backend: Backend, prefill: int) -> None:
+        self.args = (state, backend, prefill)
+        self.done = False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            _ended(*self.args)
+
+
 def _count_error(state: GatewayState, backend: Backend, kind: str) -> None:
     if state.metrics.on:
         counted = backend.metrics(state.metrics)
@@ -823,6 +841,7 @@ async def _whole(
     send: Send,
     arrived: float,
     watch: _ClientWatch,
+    end: _Ending,
 ) -> None:
     """A reply read whole; a client that leaves meanwhile cancels it (``_ClientWatch``)."""
     try:
@@ -840,6 +859,7 @@ async def _whole(
         return
     upstream.release()
     watch.stop()
+    end()
     _answered(state, backend, upstream.status, arrived, first_byte=True)
     await _respond(send, upstream.status, content, _raw_reply_headers(upstream))
 
@@ -868,6 +888,7 @@ async def _streamed(
     send: Send,
     arrived: float,
     watch: _ClientWatch,
+    end: _Ending,
 ) -> None:
     """The backend's chunks as they come; a client that leaves closes the upstream
     (``_ClientWatch`` cancels this task); a reply broken off ends with an error event."""
@@ -896,6 +917,7 @@ async def _streamed(
             broken = True
             _count_error(state, backend, "protocol")
         watch.stop()
+        end()
         last = _stream_error(backend) if broken and events else b""
         await send({"type": "http.response.body", "body": last})  # say so, as engines do
     finally:
