@@ -898,6 +898,23 @@ def latency_row(bench: Bench, spec: RouterSpec, prompts: list[Request]) -> Laten
     return row
 
 
+def commit() -> str:
+    """The checkout's commit, with ``+changes`` when the tree differs from it."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (sha or "unknown") + ("+changes" if dirty else "")
+
+
 def gateway_means(url: str) -> dict[str, float]:
     """Mean milliseconds of the gateway's overhead and request-duration histograms."""
     try:
@@ -1088,7 +1105,7 @@ def run(args: argparse.Namespace) -> int:
     model = Path(model_dir)
     log_dir = Path(os.environ.get("PCR_ENGINE_LOGS") or tempfile.mkdtemp(prefix="bench-gw-"))
     today = datetime.date.today().isoformat()
-    out = args.json or ROOT / "benchmarks" / "results" / f"gateway-{today}.json"
+    out = args.json or ROOT / "benchmarks" / "results" / f"gateway-{today}-{commit()}.json"
     groups = (
         args.groups.split(",")
         if args.groups
@@ -1215,6 +1232,7 @@ def run(args: argparse.Namespace) -> int:
     duration = time.monotonic() - started
     document = {
         "date": today,
+        "commit": commit(),
         "duration_s": round(duration, 1),
         "quick": bool(args.quick),
         "groups": groups,
