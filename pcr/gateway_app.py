@@ -306,8 +306,8 @@ class GatewayState:
         """Share now, in the background (a request started or ended): the other replicas
         see it as it happens, not at the next 100 ms tick. One exchange at a time; a
         nudge during one makes one more after it."""
-        if self._stopping:
-            return
+        if self._stopping or (not self.registry_up and time.monotonic() < self.registry_retry_at):
+            return  # Redis known away: the periodic exchange finds out when it is back
         if self._sharing is not None and not self._sharing.done():
             self._share_again = True
             return
