@@ -485,6 +485,7 @@ class Router:
             "--policy", self.spec.policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
             "--worker-startup-check-interval", "1",
+            "--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL),
             "--log-level", "warning",
         ]  # fmt: skip
         if self.spec.policy == "cache_aware":
@@ -754,11 +755,21 @@ class PhaseRunner:
         fill(self.row, self.outcomes, self.wall, totals)
 
 
+HEALTH_CHECK_INTERVAL = 2
+"""vllm-router's runtime health checks, every 2 s here (its default is 60 s, with 2
+successes needed to take a worker back): an engine back from a restart is re-admitted
+within the settling wait below, as the gateway re-admits it at its next /metrics scrape."""
+RESTART_SETTLE = 3 * HEALTH_CHECK_INTERVAL + 4.0
+"""Seconds every router gets, after the restarted engine serves again, to see it back
+before the phase that measures its empty cache."""
+
+
 def engine_restart_row(
     bench: Bench, spec: RouterSpec, name: str, requests: list[Request], form: str
 ) -> Row:
     """Kill engine 0 after half the requests and start it again, empty, on the same ports;
-    a quarter of the requests go while it is down, the rest once it serves again."""
+    a quarter of the requests go while it is down, the rest once it serves again and the
+    router has had ``RESTART_SETTLE`` seconds to see it back."""
     row = Row("engine-restart", spec.label, name, form, 1)
     reason = bench.available(spec)
     if reason:
@@ -778,6 +789,7 @@ def engine_restart_row(
             runner.phase("engine 0 down", [router.url], requests[half : half + quarter])
             engine.wait_ready()
             back = time.monotonic() - killed
+            time.sleep(RESTART_SETTLE)  # the routers' own health checks, not a result
             runner.phase("after restart", [router.url], requests[half + quarter :])
             runner.finish()
     except (RuntimeError, TimeoutError) as exc:
