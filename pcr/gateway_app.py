@@ -541,10 +541,10 @@ class Proxy:
 
 
 class ProxyRoutes:
-    """ASGI middleware, the app's outermost: ``POST`` to a proxied path goes straight to
-    the ``Proxy`` in plain ASGI (no routing, no other middleware: the proxy applies the
-    body limit itself); every other request goes on to the app, whose router has the
-    same endpoint and answers 405 for other methods on these paths."""
+    """ASGI middleware, inside only the outermost (``_Faults``): ``POST`` to a proxied
+    path goes straight to the ``Proxy`` in plain ASGI (no routing, no other middleware:
+    the proxy applies the body limit itself); every other request goes on to the app,
+    whose router has the same endpoint and answers 405 for other methods on these paths."""
 
     def __init__(self, app: Any, proxy: Proxy) -> None:
         self.app = app

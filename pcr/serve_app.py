@@ -586,16 +586,56 @@ async def _registry_fault(request: Request, exc: RegistryError) -> JSONResponse:
     return _registry_error(exc, _openai(request))
 
 
-async def _internal(request: Request, exc: Exception) -> JSONResponse:
-    return _error(500, "internal error", type(exc).__name__, openai=_openai(request))
-
-
 HANDLERS: dict[int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]] = {
     RequestValidationError: _invalid,
     HTTPException: _http_error,
     RegistryError: _registry_fault,
-    Exception: _internal,
 }
+"""The errors with a handler of their own; any other exception is ``_Faults``'."""
+
+
+class _Faults:
+    """The app's outermost middleware: an exception of the service's own code (a bug)
+    before the response started is answered 500 ``internal error`` naming only its type,
+    logged with its traceback, and goes no further. Starlette's own outermost layer would
+    answer it too, but then raise it on, and uvicorn closes the connection of a request
+    whose app raised: a keep-alive client's next request on it would fail unanswered.
+    After the response started there is no answer to give: it is raised on, and the
+    connection closed."""
+
+    def __init__(self, app: Any, openai: bool = False) -> None:
+        self.app = app
+        self.openai = openai
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: MutableMapping[str, Any]) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("internal error on %s %s", scope["method"], scope["path"], exc_info=exc)
+            body = error_body("internal error", type(exc).__name__, 500, openai=self.openai)
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ]
+            await send({"type": "http.response.start", "status": 500, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
 
 
 # -- the endpoints -----------------------------------------------------------------------
@@ -764,13 +804,14 @@ def create_app(
     app.router.route_class = ExactRoute
     _add_routes(app, health_check=routing is None)
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES, openai=routing is not None)
-    if routing is not None:  # its middleware last: the outermost
+    if routing is not None:  # its middleware next to last: inside `_Faults` only
         from pcr.gateway_app import add_gateway_routes
 
         too_large = error_body(
             ERROR_KINDS[413], f"bodies are limited to {MAX_BODY_BYTES:,} bytes", 413, openai=True
         )
         add_gateway_routes(app, MAX_BODY_BYTES, too_large)
+    app.add_middleware(_Faults, openai=routing is not None)  # the outermost of all ours
     return app
 
 

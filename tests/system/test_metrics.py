@@ -242,7 +242,17 @@ def test_collectors_per_namespace_and_leases(client: Any) -> None:
 
 
 def test_disabled_registers_nothing() -> None:
+    """With the metrics off, the library's operations put nothing on the process'
+    default registry (which may hold other collectors: ``pcr gateway``'s own, made by
+    an earlier test in this process, are not the library's)."""
+    import prometheus_client
+
+    def names() -> set[str]:
+        return {m.name for m in prometheus_client.REGISTRY.collect() if m.name.startswith("pcr_")}
+
     assert metrics.active is None
+    before = names()
+    assert all(name.startswith("pcr_gateway_") for name in before), before
     server = fakeredis.FakeRedis()
     reg = PrefixCacheRegistry(server, "node-a")
     reg.claim()
@@ -250,10 +260,7 @@ def test_disabled_registers_nothing() -> None:
     assert reg.match_kv_prefix(H) == ([1], H[0])
     assert not metrics.register_pool(FakePool("node-a"))
     assert not metrics.register_owner(reg)
-    import prometheus_client
-
-    names = {m.name for m in prometheus_client.REGISTRY.collect()}
-    assert not any(name.startswith("pcr_") for name in names)
+    assert names() == before
     target = CollectorRegistry()
     metrics.enable_metrics(target)
     try:

@@ -211,6 +211,13 @@ def test_an_idle_connection_to_a_primary_failed_over_while_stalled_is_not_used(
     try:
         owner.register_kv([1], [H[0]])
         assert reader.match_kv_prefix(H) == ([1], H[0])  # the reader's pooled connection
+        # Replication is asynchronous: stopped before the replica has the entry, the
+        # promoted replica would rightly answer without it.
+        replica_client = replica.client()
+        try:
+            wait_until(lambda: replica_client.hlen(owner.keys.kv) == 1, what="replicated")
+        finally:
+            replica_client.close()
         master.process.send_signal(signal.SIGSTOP)
         wait_until(lambda: _named_port(sentinel) == replica.port, what="switch-master")
         wait_until(lambda: _lands(owner), what="a write on the promoted replica")

@@ -288,6 +288,38 @@ def test_pipelined_requests_are_answered_in_order(edge: Served) -> None:
     assert statuses == [200, 200, 404], received[:600]
 
 
+def test_a_service_fault_keeps_the_connection(edge: Served) -> None:
+    """A fault of the service itself (its router raises) is answered 500 and the
+    connection goes on: the requests pipelined behind it on the same connection are
+    answered too (a closed connection would leave a keep-alive client's next request
+    unanswered)."""
+    router = edge.app.state.registry.router
+
+    async def broken(*_args: Any) -> Any:
+        raise RuntimeError(MARKER)
+
+    score = json.dumps({"block_hashes": [1]}).encode()
+    request = (
+        b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + b"Content-Length: %d\r\n\r\n" % len(score)
+        + score
+        + b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n"
+        + b"GET /v1/nope HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    router.decide = broken
+    try:
+        started = time.monotonic()
+        with connect(edge.port) as sock:
+            sock.sendall(request)
+            received = read_until_closed(sock, started)
+    finally:
+        del router.decide
+    statuses = [int(part[:3]) for part in received.split(b"HTTP/1.1 ")[1:] if part[:3].isdigit()]
+    assert statuses == [500, 200, 404], received[:600]
+    assert MARKER.encode() not in received
+    assert b"Traceback" not in received
+
+
 def test_headers_sent_a_byte_at_a_time_are_cut_off(edge: Served) -> None:
     """Slowloris: each byte restarts uvicorn's keep-alive timer, never the header
     deadline; meanwhile the service answers other clients."""
