@@ -386,6 +386,60 @@ local function index_change(shard, id_text, change, epoch, list, from, to)
   return count
 end
 
+-- Change records (registry/fleet_view.py): every write that changed a namespace's maps
+-- publishes one record of what it changed, in this script, on the fleet's channel
+-- "<key prefix>:fleet:changes", which every router's in-process view follows:
+--   "<namespace> <incarnation> <seq> <part> <part> ..."
+-- numbered by meta's `change_seq` (1, 2, ... within the incarnation: a view that sees a
+-- number skipped, or a new incarnation, reloads the namespace), each part an operation
+-- letter pair followed by its hashes: 'k+' KV entries set, 'k-' KV entries removed,
+-- 'm+' Mamba entries set (the namespace is a hybrid model's node), 'm-' Mamba entries
+-- removed; or one letter alone: 'K' the KV map emptied, 'M' the Mamba map emptied, 'C'
+-- claimed (both emptied, no longer known as hybrid), 'L' load the namespace again from
+-- its maps, 'G' the namespace collected. A fenced or refused write returns before it and
+-- publishes nothing. The key prefix and the namespace come from the meta key in KEYS
+-- (neither may contain '{' or '}'); the channel is not a key.
+-- `parts` is a list of strings; `record_changes` does nothing for an empty list.
+-- Calls:   HGET (history), HINCRBY, PUBLISH
+local function publish_change(meta_key, incarnation, seq, text)
+  local prefix, namespace = string.match(meta_key, '^(.-):{(.*)}:meta$')
+  redis.call('PUBLISH', prefix .. ':fleet:changes',
+    namespace .. ' ' .. incarnation .. ' ' .. seq .. ' ' .. text)
+end
+
+local function record_changes(meta_key, parts)
+  if #parts == 0 then
+    return
+  end
+  local incarnation = history(meta_key)
+  local seq = digits(redis.call('HINCRBY', meta_key, 'change_seq', 1))
+  publish_change(meta_key, incarnation, seq, table.concat(parts, ' '))
+end
+
+-- The record 'G' of a namespace about to be collected (its meta deleted): numbered
+-- after its last record; nothing for a namespace that has no history.
+local function record_gone(meta_key)
+  local fields = redis.call('HMGET', meta_key, 'incarnation', 'change_seq')
+  if fields[1] then
+    publish_change(meta_key, fields[1], digits((tonumber(fields[2]) or 0) + 1), 'G')
+  end
+end
+
+-- Append the operation `op` and the values list[from..to] to `parts`, when there is at
+-- least one value (with `step` 2: every other value, the hashes of hash, id pairs).
+local function add_part(parts, op, list, from, to, step)
+  if to < from then
+    return
+  end
+  local n = #parts
+  n = n + 1
+  parts[n] = op
+  for i = from, to, step or 1 do
+    n = n + 1
+    parts[n] = list[i]
+  end
+end
+
 -- The hashes of the hash, block id pairs ARGV[from..]: a list, and its length.
 local function pair_hashes(from)
   local hashes, count = {}, 0

@@ -45,7 +45,7 @@
 --            the own hashes listed in KV, unlisted from KV, listed in Mamba, unlisted
 --            from Mamba by these batches (each hash's final state; after a clear the
 --            caller rebuilds the index bits instead) }
--- Calls:   GET, HGET, HSET, HMGET, HDEL, UNLINK, SET
+-- Calls:   GET, HGET, HSET, HMGET, HDEL, UNLINK, HINCRBY, TIME, PUBLISH (the change record), SET
 local early = begin_write(KEYS[4])
 if early then return early end
 
@@ -293,4 +293,13 @@ local function split(changes)
 end
 local kv_on, kv_off = split(in_kv)
 local mamba_on, mamba_off = split(in_mamba)
+local parts = {'L'}  -- after a clear, what the batch left is read again
+if cleared == 0 then
+  parts = {}
+  add_part(parts, 'k-', kv_off, 1, #kv_off)
+  add_part(parts, 'k+', kv_on, 1, #kv_on)
+  add_part(parts, 'm-', mamba_off, 1, #mamba_off)
+  add_part(parts, 'm+', mamba_on, 1, #mamba_on)
+end
+record_changes(KEYS[4], parts)
 return finish_write({stored, removed, unknown, cleared, kv_on, kv_off, mamba_on, mamba_off})

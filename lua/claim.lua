@@ -43,4 +43,5 @@ else
   redis.call('HDEL', KEYS[4], 'mirror_epoch', 'mirror_owner')
 end
 local notice = publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'clear', '')
+record_changes(KEYS[4], {'C'})
 return finish_write({epoch, lease_until, notice})

@@ -9,7 +9,12 @@
 --
 -- Returns: integer, 1 if there was anything to drop, else 0 (a retry: the first
 --          copy's reply); error STALE_EPOCH when the caller's epoch was superseded.
--- Calls:   GET, HGET, UNLINK (the hash is freed off the main thread), SET
+-- Calls:   GET, HGET, UNLINK (the hash is freed off the main thread), HSET, HINCRBY, TIME,
+--          PUBLISH (the change record), SET
 local early = begin_write(KEYS[3])
 if early then return early end
-return finish_write(redis.call('UNLINK', KEYS[2]))
+local removed = redis.call('UNLINK', KEYS[2])
+if removed > 0 then
+  record_changes(KEYS[3], {'K'})
+end
+return finish_write(removed)

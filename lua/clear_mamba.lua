@@ -19,4 +19,5 @@ if early then return early end
 if redis.call('UNLINK', KEYS[2]) == 0 then
   return finish_write('')
 end
+record_changes(KEYS[3], {'M'})
 return finish_write(publish_notice(KEYS[3], KEYS[4], ARGV[4], ARGV[5], 'clear', ''))

@@ -33,13 +33,18 @@ if early then return early end
 local kv_hashes = {}
 local removed = remove_fields(KEYS[2], ARGV, 8, #ARGV, kv_hashes, nil)
 local notice = ''
+local parts = {}
+add_part(parts, 'k-', kv_hashes, 1, removed)
 if removed > 0 and redis.call('EXISTS', KEYS[3]) == 1 then
   local mamba_hashes, pair_texts = {}, {}
-  if remove_fields(KEYS[3], kv_hashes, 1, removed, mamba_hashes, pair_texts) > 0 then
+  local cascaded = remove_fields(KEYS[3], kv_hashes, 1, removed, mamba_hashes, pair_texts)
+  if cascaded > 0 then
     notice = publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'cascade',
       table.concat(pair_texts, ' '))
+    add_part(parts, 'm-', mamba_hashes, 1, cascaded)
   end
 end
+record_changes(KEYS[4], parts)
 local reply = {removed, notice}
 if removed ~= #ARGV - 7 then
   reply[1] = kv_hashes

@@ -26,7 +26,11 @@ local early = begin_write(KEYS[3])
 if early then return early end
 local hashes, pair_texts = {}, {}
 local notice = ''
-if remove_fields(KEYS[2], ARGV, 8, #ARGV, hashes, pair_texts) > 0 then
+local removed = remove_fields(KEYS[2], ARGV, 8, #ARGV, hashes, pair_texts)
+if removed > 0 then
+  local parts = {}
+  add_part(parts, 'm-', hashes, 1, removed)
+  record_changes(KEYS[3], parts)
   notice = publish_notice(KEYS[3], KEYS[4], ARGV[4], ARGV[5], 'evict',
     table.concat(pair_texts, ' '))
 end

@@ -70,19 +70,25 @@ local function put(key, first, last)
 end
 
 -- register_kv.lua
+local parts = {}  -- the change record of the whole run
+
 local function register_kv(first, last)
   put(KEYS[2], first, last)
+  add_part(parts, 'k+', ARGV, first, last, 2)
 end
 
 -- evict_kv.lua: KV entries, then the Mamba entries of the hashes removed (one notice).
 local function evict_kv(first, last)
   local kv_hashes = {}
   local removed = remove_fields(KEYS[2], ARGV, first, last, kv_hashes, nil)
+  add_part(parts, 'k-', kv_hashes, 1, removed)
   if removed > 0 and redis.call('EXISTS', KEYS[3]) == 1 then
     local mamba_hashes, pair_texts = {}, {}
-    if remove_fields(KEYS[3], kv_hashes, 1, removed, mamba_hashes, pair_texts) > 0 then
+    local cascaded = remove_fields(KEYS[3], kv_hashes, 1, removed, mamba_hashes, pair_texts)
+    if cascaded > 0 then
       publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'cascade',
         table.concat(pair_texts, ' '))
+      add_part(parts, 'm-', mamba_hashes, 1, cascaded)
     end
   end
 end
@@ -91,6 +97,7 @@ end
 local function register_mamba(first, last)
   history(KEYS[4])
   local pair_texts = set_mamba_pairs(KEYS[3], KEYS[4], first, last)
+  add_part(parts, 'm+', ARGV, first, last, 2)
   if #pair_texts > 0 then
     publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'replace', table.concat(pair_texts, ' '))
   end
@@ -99,13 +106,21 @@ end
 -- evict_mamba.lua
 local function evict_mamba(first, last)
   local hashes, pair_texts = {}, {}
-  if remove_fields(KEYS[3], ARGV, first, last, hashes, pair_texts) > 0 then
+  local removed = remove_fields(KEYS[3], ARGV, first, last, hashes, pair_texts)
+  add_part(parts, 'm-', hashes, 1, removed)
+  if removed > 0 then
     publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'evict', table.concat(pair_texts, ' '))
   end
 end
 
 -- clear_kv.lua, clear_mamba.lua, reset.lua
 local function clear(code)
+  if code ~= 'M' then  -- what was emptied: 'K' (clear_kv), 'M' (clear_mamba), both (reset)
+    parts[#parts + 1] = 'K'
+  end
+  if code ~= 'K' then
+    parts[#parts + 1] = 'M'
+  end
   if code ~= 'M' then
     redis.call('UNLINK', KEYS[2])
   end
@@ -137,4 +152,5 @@ while at <= n do
   end
   applied = applied + 1
 end
+record_changes(KEYS[4], parts)
 return finish_write({applied, redis.call('HGET', KEYS[4], 'notice_seq') or ''})

@@ -19,7 +19,7 @@
 --          (the writer rebuilds its bits), -2 shard not reachable here (the writer sends
 --          index_update instead) }; a retried request returns the first copy's reply;
 --          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
--- Calls:   GET, HGET, HSET, SET; with upkeep HMGET, HDEL
+-- Calls:   GET, HGET, HSET, SET, HINCRBY, PUBLISH; with upkeep HMGET, HDEL
 local early = begin_write(KEYS[3])
 if early then return early end
 local n = #ARGV
@@ -27,4 +27,7 @@ local added = 0
 for first = 6, n, CHUNK do
   added = added + redis.call('HSET', KEYS[2], unpack(ARGV, first, math.min(first + CHUNK - 1, n)))
 end
+local parts = {}
+add_part(parts, 'k+', ARGV, 6, n, 2)
+record_changes(KEYS[3], parts)
 return finish_indexed(added, 4, 'kv+', 6, true)

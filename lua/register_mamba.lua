@@ -32,6 +32,9 @@ if early then return early end
 history(KEYS[3])  -- stamps count in the current history's numbers
 local pair_texts = set_mamba_pairs(KEYS[2], KEYS[3], 8, #ARGV)
 local notice = ''
+local parts = {}
+add_part(parts, 'm+', ARGV, 8, #ARGV, 2)
+record_changes(KEYS[3], parts)
 if #pair_texts > 0 then
   notice = publish_notice(KEYS[3], KEYS[4], ARGV[4], ARGV[5], 'replace',
     table.concat(pair_texts, ' '))

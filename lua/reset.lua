@@ -18,8 +18,12 @@
 -- Calls:   GET, HGET, UNLINK, HSET, HINCRBY, TIME, XADD, PUBLISH, SET
 local early = begin_write(KEYS[4])
 if early then return early end
-redis.call('UNLINK', KEYS[2])
+local kv_removed = redis.call('UNLINK', KEYS[2])
 if redis.call('UNLINK', KEYS[3]) == 0 then
+  if kv_removed > 0 then
+    record_changes(KEYS[4], {'K'})
+  end
   return finish_write('')
 end
+record_changes(KEYS[4], {'K', 'M'})
 return finish_write(publish_notice(KEYS[4], KEYS[5], ARGV[4], ARGV[5], 'clear', ''))

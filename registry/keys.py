@@ -57,6 +57,13 @@ def engines_key(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     return f"{validate_key_prefix(key_prefix)}:engines"
 
 
+def fleet_changes_channel(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """Pub/sub channel of every namespace's change records, ``"<namespace> <incarnation>
+    <seq> <parts>"`` (``lua/_prelude.lua`` ``record_changes``), which each router's
+    in-process fleet view follows (``registry/fleet/view.py``)."""
+    return f"{validate_key_prefix(key_prefix)}:fleet:changes"
+
+
 def gateway_load_key(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """HASH gateway replica id -> ``"<expires ms> <payload>"``: what each ``pcr gateway``
     replica has in flight per backend (``lua/gateway_load.lua``). Not tagged."""

@@ -72,6 +72,7 @@ OPERATIONS = (
     "index_update",
     "index_scrub",
     "fleet_members",
+    "fleet_snapshot",
     "gateway_load",
 )
 

@@ -1,0 +1,564 @@
+"""The fleet's view in a router's own memory: which namespaces hold each block hash, fed
+by the change records every write publishes in its own script.
+
+Every script that changes a namespace's maps (the owner's writes, a mirror's batches,
+``pcr bridge``'s batches, claims, clears, ``gc``) publishes one record on the channel
+``<key prefix>:fleet:changes`` in the same step (``lua/_prelude.lua``
+``record_changes``): ``"<namespace> <incarnation> <seq> <parts>"``, numbered 1, 2, ...
+within the namespace's incarnation by meta's ``change_seq``. A write refused by fencing
+returns before it, so a fenced owner's writes never reach a view.
+
+A ``FleetView`` subscribes to the channel, then loads each namespace it follows in one
+read-only script (``lua/fleet_snapshot.lua``: both maps' hashes and the number of the
+last record they include), and applies the records after it. A number skipped, a new
+incarnation, a reconnect or the periodic resync make it load the namespace (or every
+namespace) again: the maps in Redis stay the truth, the view a copy that may lag
+(by the time a record takes to arrive) but converges. Membership comes from the node
+index, refreshed every ``live_cache_ttl`` seconds, as the routers read it.
+
+Scoring is memory work proportional to the prompt's matched part: the prompt's hashes
+are looked up one after another (``dict.get`` in C, runs of equal holders grouped in C)
+until no namespace still holds every block so far; the namespaces that match are
+answered, the other live ones (with 0) only when asked for (``everyone=True``). A hash
+maps to an int: bit ``2 * slot`` the KV entry of the namespace in ``slot``, bit
+``2 * slot + 1`` its Mamba entry.
+
+One thread (``start``) follows the channel; scoring may run on any thread, at the same
+time (each lookup is one atomic dict operation; a decision may see a record half
+applied, as a router may see the fleet between two writes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import groupby, repeat
+from typing import Any
+
+from registry.errors import REDIS_ERRORS, RegistryError
+from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, fleet_changes_channel
+from registry.membership import NodeIndex
+from registry.routing import NodeScore, checked_hybrid
+from registry.scripts import ScriptRunner
+from registry.validation import prefix_hashes
+
+log = logging.getLogger(__name__)
+
+LOAD_BATCH = 64
+"""Namespaces loaded per round trip (``fleet_snapshot``), at a cold start or a resync."""
+
+
+@dataclass
+class _Source:
+    """One namespace as the view holds it."""
+
+    slot: int
+    incarnation: bytes = b""
+    seq: int = 0
+    hybrid: bool = False  # it held Mamba state since its owner's claim (meta's mamba_seen)
+    kv: set[int] = field(default_factory=set)
+    mamba: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Live:
+    """The live namespaces as the scorer reads them, replaced whole."""
+
+    mask: int  # the KV bit of every live namespace's slot
+    names: tuple[str, ...]
+    slots: dict[str, int]
+
+
+@dataclass
+class ViewCounts:
+    """What a view did since it started."""
+
+    records: int = 0  # records applied
+    loads: int = 0  # namespaces loaded from their maps
+    gaps: int = 0  # records out of order, or of a new incarnation: the namespace loaded
+    reconnects: int = 0  # subscriptions (re)made, each followed by loading everything
+    errors: int = 0  # Redis faults the follower waited out
+
+
+class FleetView:
+    """Block hash -> holders for the whole fleet, in this process, following the change
+    records. ``start()`` it (or use it as a context manager), then ``score``."""
+
+    def __init__(
+        self,
+        client: Any,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        *,
+        live_cache_ttl: float = 1.0,
+        resync_interval: float = 60.0,
+    ) -> None:
+        for name, value in (
+            ("live_cache_ttl", live_cache_ttl),
+            ("resync_interval", resync_interval),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds")
+        self.client = client
+        self.key_prefix = key_prefix
+        self.channel = fleet_changes_channel(key_prefix)
+        self.live_cache_ttl = float(live_cache_ttl)
+        self.resync_interval = float(resync_interval)
+        self.counts = ViewCounts()
+        self.blocks: dict[int, int] = {}
+        self._runner = ScriptRunner(client)
+        self._index = NodeIndex(client, key_prefix)
+        self._sources: dict[str, _Source] = {}
+        self._free: list[int] = []
+        self._next_slot = 0
+        self._keys: dict[str, NamespaceKeys] = {}
+        self._live = _Live(0, (), {})
+        self._live_at = float("-inf")
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pubsub: Any = None
+        self._names: list[str | None] = []  # slot -> namespace
+        self._live_read_at = float("-inf")
+        self.ready = threading.Event()  # set once subscribed and loaded
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self, timeout: float | None = 30.0) -> FleetView:
+        """Follow the channel in a daemon thread; wait up to ``timeout`` seconds for the
+        first load (None: do not wait). Raises ``RegistryError`` when it did not finish."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._follow, name="fleet-view", daemon=True)
+            self._thread.start()
+        if timeout is not None and not self.ready.wait(timeout):
+            raise RegistryError(f"the fleet view did not load within {timeout} s")
+        return self
+
+    def close(self) -> None:
+        """Stop following (the view keeps what it holds)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        if self._pubsub is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                self._pubsub.close()
+
+    def __enter__(self) -> FleetView:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # -- scoring -----------------------------------------------------------------------
+
+    def score(
+        self,
+        hashes: Sequence[int],
+        namespaces: Iterable[str] | None = None,
+        *,
+        hybrid: bool | None = None,
+        everyone: bool = False,
+    ) -> dict[str, NodeScore]:
+        """The live namespaces (all, or those given) holding a prefix of ``hashes``,
+        scored as ``PrefixRouter`` scores them (``hybrid`` as there); with
+        ``everyone`` the other live namespaces too, with 0."""
+        hybrid = checked_hybrid(hybrid)
+        wanted = prefix_hashes(hashes)
+        live = self._live
+        mask = live.mask
+        if namespaces is not None:
+            chosen = 0
+            for name in namespaces:
+                slot = live.slots.get(name)
+                if slot is not None:
+                    chosen |= 1 << (2 * slot)
+            mask &= chosen
+        kv_end, mamba_end = walk(self.blocks, wanted, mask, hybrid is not False)
+        names = self._names
+        sources = self._sources
+        scores: dict[str, NodeScore] = {}
+        for slot, kv in kv_end.items():
+            held_by = names[slot]
+            if held_by is None:  # dropped since the live namespaces were read
+                continue
+            name = held_by
+            mamba = mamba_end.get(slot, 0)
+            if hybrid is None:
+                source = sources.get(name)
+                usable = mamba if source is not None and source.hybrid else kv
+            else:
+                usable = mamba if hybrid else kv
+            scores[name] = NodeScore.of(name, kv, mamba, usable)
+        if everyone:
+            wanted_names: Iterable[str] = (
+                live.names
+                if namespaces is None
+                else (n for n in set(namespaces) if n in live.slots)
+            )
+            for name in wanted_names:
+                if name not in scores:
+                    scores[name] = NodeScore.of(name, 0, 0, 0)
+        return scores
+
+    def live_nodes(self) -> list[str]:
+        """The live namespaces as the view last read them (sorted)."""
+        return list(self._live.names)
+
+    def held(self, namespace: str) -> tuple[frozenset[int], frozenset[int]] | None:
+        """(KV hashes, Mamba hashes) the view holds for ``namespace``, or None."""
+        source = self._sources.get(namespace)
+        if source is None:
+            return None
+        return frozenset(source.kv), frozenset(source.mamba)
+
+    # -- read your writes --------------------------------------------------------------
+
+    def sync(self, namespaces: Iterable[str] | None = None, timeout: float = 10.0) -> None:
+        """Wait until the view has applied every write that returned before this call
+        (to ``namespaces``, or to every namespace in the node index) and has read the
+        live namespaces since. Raises ``RegistryError`` after ``timeout`` seconds."""
+        if namespaces is None:
+            names = sorted(set(self._sources) | set(self._index.live()))
+        else:
+            names = list(namespaces)
+        targets = self._positions(names)
+        deadline = time.monotonic() + timeout
+        asked = time.monotonic()
+        self._live_at = float("-inf")  # read the live namespaces again
+        with self._changed:
+            while True:
+                behind = [n for n, at in targets.items() if not self._reached(n, at)]
+                if not behind and self._live_read_at >= asked:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RegistryError(
+                        f"the fleet view did not catch up within {timeout} s "
+                        f"({len(behind)} namespaces behind)"
+                    )
+                self._changed.wait(min(left, 0.05))
+
+    def _positions(self, names: list[str]) -> dict[str, tuple[bytes, int]]:
+        """Each namespace's (incarnation, last record number) as Redis holds it now."""
+        calls = [(self._keys_of(n).meta,) for n in names]
+        pipe = self.client.pipeline(transaction=False)
+        for (meta,) in calls:
+            pipe.hmget(meta, "incarnation", "change_seq")
+        try:
+            replies = pipe.execute()
+        except REDIS_ERRORS as exc:
+            raise RegistryError(f"reading the change records' numbers: {exc}") from exc
+        pairs = zip(names, replies, strict=True)
+        return {name: (_bytes(inc), int(seq or 0)) for name, (inc, seq) in pairs}
+
+    def _reached(self, name: str, at: tuple[bytes, int]) -> bool:
+        incarnation, seq = at
+        source = self._sources.get(name)
+        if not incarnation:
+            return source is None
+        return source is not None and source.incarnation == incarnation and source.seq >= seq
+
+    # -- following (the view's own thread) ---------------------------------------------
+
+    def _follow(self) -> None:
+        delay = 0.05
+        while not self._stop.is_set():
+            try:
+                self._subscribe_and_follow()
+                return
+            except REDIS_ERRORS as exc:
+                self.counts.errors += 1
+                log.warning("fleet view: %s; following again in %.2f s", exc, delay)
+            except RegistryError as exc:
+                self.counts.errors += 1
+                log.warning("fleet view: %s; following again in %.2f s", exc, delay)
+            self._stop.wait(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _subscribe_and_follow(self) -> None:
+        pubsub = self.client.pubsub()
+        self._pubsub = pubsub
+        try:
+            pubsub.subscribe(self.channel)
+            resync_at = time.monotonic() + self.resync_interval
+            while not self._stop.is_set():
+                message = pubsub.get_message(timeout=0.1)
+                while message is not None:
+                    kind = _bytes(message.get("type"))
+                    if kind == b"message":
+                        self._apply(message["data"])
+                    elif kind == b"subscribe":
+                        self._subscribed()
+                    message = pubsub.get_message(timeout=0)
+                now = time.monotonic()
+                if self.ready.is_set() and now - self._live_at >= self.live_cache_ttl:
+                    self._refresh_live()
+                if now >= resync_at:
+                    self._load(sorted(self._sources))
+                    resync_at = now + self.resync_interval
+                with self._changed:
+                    self._changed.notify_all()
+        finally:
+            self._pubsub = None
+            with contextlib.suppress(*REDIS_ERRORS):
+                pubsub.close()
+
+    def _subscribed(self) -> None:
+        """The subscription is (again) in place: the first time, or after redis-py
+        reconnected by itself. Records may have been missed while it was not: everything
+        held is read again, with the live namespaces. A record written meanwhile waits
+        in the socket and is applied or skipped by its number."""
+        self.counts.reconnects += 1
+        self._refresh_live(again=sorted(self._sources))
+        self.ready.set()
+
+    def _refresh_live(self, again: Sequence[str] = ()) -> None:
+        """Read the live namespaces; load those not followed yet (and ``again``)."""
+        names = self._index.live()
+        self._live_at = time.monotonic()
+        unknown = sorted({n for n in names if n not in self._sources}.union(again))
+        if unknown:
+            self._load(unknown)
+        slots = {n: self._sources[n].slot for n in names if n in self._sources}
+        mask = 0
+        for slot in slots.values():
+            mask |= 1 << (2 * slot)
+        self._live = _Live(mask, tuple(sorted(slots)), slots)
+        self._live_read_at = time.monotonic()
+        with self._changed:
+            self._changed.notify_all()
+
+    def _keys_of(self, name: str) -> NamespaceKeys:
+        keys = self._keys.get(name)
+        if keys is None:
+            keys = self._keys[name] = NamespaceKeys(name, self.key_prefix)
+        return keys
+
+    def _load(self, names: Sequence[str]) -> None:
+        """Read ``names`` from their maps (``LOAD_BATCH`` per round trip) and hold
+        exactly that, at the record number it includes."""
+        for first in range(0, len(names), LOAD_BATCH):
+            part = names[first : first + LOAD_BATCH]
+            calls = []
+            for name in part:
+                keys = self._keys_of(name)
+                calls.append(((keys.kv, keys.mamba, keys.meta), ()))
+            replies = self._runner.run_many(
+                "fleet_snapshot", calls, context="loading the fleet view", write=False
+            )
+            for name, reply in zip(part, replies, strict=True):
+                self._hold(name, reply)
+        with self._changed:
+            self._changed.notify_all()
+
+    def _hold(self, name: str, reply: Sequence[Any]) -> None:
+        incarnation = _bytes(reply[0])
+        self.counts.loads += 1
+        if not incarnation:
+            self._drop(name)
+            return
+        source = self._source(name)
+        kv = set(map(int, _bytes(reply[3]).split()))
+        mamba = set(map(int, _bytes(reply[4]).split()))
+        self._set(source, kv, mamba)
+        source.incarnation = incarnation
+        source.seq = int(reply[1])
+        source.hybrid = bool(reply[2])
+
+    def _source(self, name: str) -> _Source:
+        source = self._sources.get(name)
+        if source is None:
+            if self._free:
+                slot = self._free.pop()
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+                self._names.append(None)
+            source = _Source(slot)
+            self._names[slot] = name
+            self._sources[name] = source
+        return source
+
+    def _drop(self, name: str) -> None:
+        source = self._sources.pop(name, None)
+        if source is None:
+            return
+        self._set(source, set(), set())
+        self._names[source.slot] = None
+        self._free.append(source.slot)
+        live = self._live
+        if name in live.slots:
+            slots = {n: s for n, s in live.slots.items() if n != name}
+            self._live = _Live(live.mask & ~(1 << (2 * source.slot)), tuple(sorted(slots)), slots)
+
+    def _set(self, source: _Source, kv: set[int], mamba: set[int]) -> None:
+        """Make the view hold exactly ``kv`` and ``mamba`` for ``source``."""
+        self._change(source, kv - source.kv, source.kv - kv, 0)
+        self._change(source, mamba - source.mamba, source.mamba - mamba, 1)
+        source.kv = kv
+        source.mamba = mamba
+
+    def _change(
+        self, source: _Source, added: Iterable[int], removed: Iterable[int], kind: int
+    ) -> None:
+        """Set ``source``'s bit of ``kind`` (0 KV, 1 Mamba) for ``added``, clear it for
+        ``removed`` (the source's own sets are the caller's)."""
+        bit = 1 << (2 * source.slot + kind)
+        blocks = self.blocks
+        get = blocks.get
+        for h in added:
+            blocks[h] = get(h, 0) | bit
+        for h in removed:
+            value = get(h, 0) & ~bit
+            if value:
+                blocks[h] = value
+            else:
+                blocks.pop(h, None)
+
+    def _apply(self, data: Any) -> None:
+        """One change record."""
+        tokens = _bytes(data).split()
+        if len(tokens) < 4:
+            log.warning("fleet view: a change record without parts, skipped")
+            return
+        name = tokens[0].decode("utf-8", "replace")
+        incarnation = tokens[1]
+        try:
+            seq = int(tokens[2])
+        except ValueError:
+            log.warning("fleet view: a change record with a bad number, skipped")
+            return
+        source = self._sources.get(name)
+        if source is None:
+            if tokens[3] != b"G":
+                self._load([name])
+            return
+        if source.incarnation == incarnation and seq <= source.seq:
+            return  # included in what was loaded
+        if source.incarnation != incarnation or seq != source.seq + 1:
+            self.counts.gaps += 1
+            self._load([name])
+            return
+        source.seq = seq
+        self.counts.records += 1
+        for op, hashes in _parts(tokens[3:]):
+            if not self._op(name, source, op, hashes):
+                return
+
+    def _op(self, name: str, source: _Source, op: bytes, hashes: list[int]) -> bool:
+        """Apply one part; False when the rest of the record no longer applies."""
+        if op == b"k+":
+            fresh = set(hashes) - source.kv
+            self._change(source, fresh, (), 0)
+            source.kv |= fresh
+        elif op == b"k-":
+            gone = source.kv.intersection(hashes)
+            self._change(source, (), gone, 0)
+            source.kv -= gone
+        elif op == b"m+":
+            fresh = set(hashes) - source.mamba
+            self._change(source, fresh, (), 1)
+            source.mamba |= fresh
+            source.hybrid = True
+        elif op == b"m-":
+            gone = source.mamba.intersection(hashes)
+            self._change(source, (), gone, 1)
+            source.mamba -= gone
+        elif op == b"K":
+            self._set(source, set(), source.mamba)
+        elif op == b"M":
+            self._set(source, source.kv, set())
+        elif op == b"C":
+            self._set(source, set(), set())
+            source.hybrid = False
+        elif op == b"G":
+            self._drop(name)
+            return False
+        else:  # 'L', or a part this view does not know: read the namespace again
+            self._load([name])
+            return False
+        return True
+
+    def memory(self) -> dict[str, int]:
+        """Rough sizes: distinct hashes, (namespace, hash) pairs held."""
+        pairs = sum(len(s.kv) + len(s.mamba) for s in self._sources.values())
+        return {"hashes": len(self.blocks), "pairs": pairs, "namespaces": len(self._sources)}
+
+
+def walk(
+    blocks: dict[int, int], hashes: Sequence[int], mask: int, hybrid: bool
+) -> tuple[dict[int, int], dict[int, int]]:
+    """For the slots whose KV bit is in ``mask`` and that hold the prompt's first block:
+    ({slot: where its KV prefix ends}, {slot: one past its farthest Mamba entry inside
+    it}). Stops at the first position no slot of the mask still holds every block to."""
+    kv_end: dict[int, int] = {}
+    if not mask or not hashes:
+        return kv_end, {}
+    values = map(blocks.get, hashes, repeat(0))
+    runs = groupby(values)
+    alive = mask
+    position = 0
+    checkpoints: list[tuple[int, int]] = []
+    first = True
+    for value, run in runs:
+        if first:
+            alive &= value
+            first = False
+            if not alive:
+                return kv_end, {}
+        else:
+            still = alive & value
+            if still != alive:
+                _record(alive ^ still, position, kv_end)
+                alive = still
+                if not alive:
+                    break
+        position += len(list(run))
+        if hybrid:
+            held = (value >> 1) & alive
+            if held:
+                checkpoints.append((position - 1, held))
+    if alive:
+        _record(alive, position, kv_end)
+    mamba_end: dict[int, int] = {}
+    found = 0
+    for at, held in reversed(checkpoints):
+        fresh = held & ~found
+        if fresh:
+            found |= fresh
+            _record(fresh, at + 1, mamba_end)
+    return kv_end, mamba_end
+
+
+def _record(members: int, position: int, into: dict[int, int]) -> None:
+    """``into[slot] = position`` for each slot whose KV bit is set in ``members``."""
+    while members:
+        lowest = members & -members
+        into[(lowest.bit_length() - 1) >> 1] = position
+        members ^= lowest
+
+
+def _parts(tokens: Sequence[bytes]) -> Iterator[tuple[bytes, list[int]]]:
+    """A record's parts: (operation, its hashes)."""
+    op: bytes | None = None
+    hashes: list[int] = []
+    for token in tokens:
+        if token[:1].isdigit():
+            hashes.append(int(token))
+            continue
+        if op is not None:
+            yield op, hashes
+        op, hashes = token, []
+    if op is not None:
+        yield op, hashes
+
+
+def _bytes(value: Any) -> bytes:
+    if value is None:
+        return b""
+    if isinstance(value, bytes):
+        return value
+    return str(value).encode()
