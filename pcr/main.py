@@ -209,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(or on --redis-url only, which may then be a redis+cluster:// URL)",
     )
     bench.add_argument(
+        "--view",
+        action="store_true",
+        help="instead: one routing decision from the in-process fleet view beside Dynamo's "
+        "RadixTree (pip install ai-dynamo-runtime), fed the same fleet, at 16, 64, 256 and "
+        "1,024 nodes (16 and 256 with --quick); no Redis",
+    )
+    bench.add_argument(
+        "--best-case",
+        action="store_true",
+        help="with --view: also the labelled best case (every node holding one chain)",
+    )
+    bench.add_argument(
         "--json", metavar="FILE", help="also write the figures to FILE (checked before the run)"
     )
     bench.set_defaults(handler=_command_bench, command_parser=bench)

@@ -23,6 +23,12 @@ BENCH_SCHEMES = ("redis", "rediss", "unix")
 
 def _command_bench(args: argparse.Namespace) -> int:
     _check_writable(args.json)
+    if args.view and args.fleet:
+        raise UsageError("argument --view: not with --fleet")
+    if args.best_case and not args.view:
+        raise UsageError("argument --best-case: only with --view")
+    if args.view:
+        return _command_bench_view(args)
     if args.fleet:
         return _command_bench_fleet(args)
     from pcr.bench import run as bench
@@ -48,6 +54,20 @@ def _command_bench(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             raise CommandError(str(exc)) from None
     print(bench.format_report(report))
+    if args.json:
+        _write_json(args.json, report)
+    return 0
+
+
+def _command_bench_view(args: argparse.Namespace) -> int:
+    """``pcr bench --view``: the in-process fleet view beside Dynamo's RadixTree."""
+    if args.redis_url:
+        raise UsageError("argument --redis-url: pcr bench --view uses no Redis")
+    from pcr.bench import view
+
+    nodes = (16, 256) if args.quick else (16, 64, 256, 1024)
+    report = view.run(nodes, rounds=2 if args.quick else 10, best=args.best_case)
+    print("\n".join(view.format_report(report)))
     if args.json:
         _write_json(args.json, report)
     return 0

@@ -21,7 +21,9 @@ are looked up one after another (``dict.get`` in C, runs of equal holders groupe
 until no namespace still holds every block so far; the namespaces that match are
 answered, the other live ones (with 0) only when asked for (``everyone=True``). A hash
 maps to an int: bit ``2 * slot`` the KV entry of the namespace in ``slot``, bit
-``2 * slot + 1`` its Mamba entry.
+``2 * slot + 1`` its Mamba entry; a hash one bit alone holds (a conversation's own
+blocks, the most of them) maps to that bit's index inverted (``~index``, negative), so
+it costs a small int whatever the slot, not a bitmap as long as the slot's number.
 
 One thread (``start``) follows the channel; scoring may run on any thread, at the same
 time (each lookup is one atomic dict operation; a decision may see a record half
@@ -48,6 +50,8 @@ from registry.validation import prefix_hashes
 
 log = logging.getLogger(__name__)
 
+MEMO_SIZE = 4096
+"""Holder sets whose namespaces a view remembers (``FleetView._named``)."""
 LOAD_BATCH = 64
 """Namespaces loaded per round trip (``fleet_snapshot``), at a cold start or a resync."""
 
@@ -109,8 +113,11 @@ class FleetView:
         self.resync_interval = float(resync_interval)
         self.counts = ViewCounts()
         self.blocks: dict[int, int] = {}
-        self._runner = ScriptRunner(client)
-        self._index = NodeIndex(client, key_prefix)
+        self._runner: ScriptRunner | None = None
+        self._index: NodeIndex | None = None
+        if client is not None:
+            self._runner = ScriptRunner(client)
+            self._index = NodeIndex(client, key_prefix)
         self._sources: dict[str, _Source] = {}
         self._free: list[int] = []
         self._next_slot = 0
@@ -122,6 +129,8 @@ class FleetView:
         self._thread: threading.Thread | None = None
         self._pubsub: Any = None
         self._names: list[str | None] = []  # slot -> namespace
+        self._memo: dict[int, dict[str, None]] = {}  # KV bits -> their namespaces
+        self._hybrid = 0  # the KV bit of every hybrid model's namespace
         self._live_read_at = float("-inf")
         self.ready = threading.Event()  # set once subscribed and loaded
 
@@ -152,7 +161,59 @@ class FleetView:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
+    @classmethod
+    def detached(cls, namespaces: Iterable[str], key_prefix: str = DEFAULT_KEY_PREFIX) -> FleetView:
+        """A view that talks to no server: ``namespaces`` live and empty (incarnation
+        ``0``, no record yet), changed only by ``apply``. For benchmarks and tests of the
+        records themselves; a record that would need the server (a gap, ``L``) raises."""
+        view = cls(None, key_prefix)
+        for name in namespaces:
+            source = view._source(name)
+            source.incarnation = b"0"
+        view._set_live(list(view._sources))
+        view.ready.set()
+        return view
+
+    def apply(self, record: bytes) -> None:
+        """Apply one change record, as if it came from the channel."""
+        self._apply(record)
+
     # -- scoring -----------------------------------------------------------------------
+
+    def match(
+        self,
+        hashes: Sequence[int],
+        namespaces: Iterable[str] | None = None,
+        *,
+        hybrid: bool | None = None,
+    ) -> dict[str, int]:
+        """The live namespaces (all, or those given) holding a prefix of ``hashes``,
+        each with its usable prefix in blocks (what routing ranks by, ``hybrid`` as in
+        ``PrefixRouter``): the cheap form of ``score``, one decision's answer."""
+        hybrid = checked_hybrid(hybrid)
+        ends, checkpoints = self._walk(hashes, namespaces, hybrid is not False)
+        named = self._named
+        usable: dict[str, int] = {}
+        if hybrid is False:
+            for position, bits in ends:
+                usable.update(dict.fromkeys(named(bits), position))
+            return usable
+        reuses_mamba = self._hybrid if hybrid is None else -1
+        if not reuses_mamba:  # no hybrid model's node: the KV prefixes
+            for position, bits in ends:
+                usable.update(dict.fromkeys(named(bits), position))
+            return usable
+        for position, bits in ends:
+            plain = bits & ~reuses_mamba
+            if plain:
+                usable.update(dict.fromkeys(named(plain), position))
+            if bits != plain:  # hybrid nodes: 0 unless a checkpoint is found below
+                usable.update(dict.fromkeys(named(bits & reuses_mamba), 0))
+        for position, bits in checkpoints:
+            mamba = bits & reuses_mamba
+            if mamba:
+                usable.update(dict.fromkeys(named(mamba), position))
+        return usable
 
     def score(
         self,
@@ -166,42 +227,83 @@ class FleetView:
         scored as ``PrefixRouter`` scores them (``hybrid`` as there); with
         ``everyone`` the other live namespaces too, with 0."""
         hybrid = checked_hybrid(hybrid)
-        wanted = prefix_hashes(hashes)
-        live = self._live
-        mask = live.mask
-        if namespaces is not None:
-            chosen = 0
-            for name in namespaces:
-                slot = live.slots.get(name)
-                if slot is not None:
-                    chosen |= 1 << (2 * slot)
-            mask &= chosen
-        kv_end, mamba_end = walk(self.blocks, wanted, mask, hybrid is not False)
-        names = self._names
+        ends, checkpoints = self._walk(hashes, namespaces, hybrid is not False)
+        named = self._named
+        kv: dict[str, int] = {}
+        for position, bits in ends:
+            kv.update(dict.fromkeys(named(bits), position))
+        mamba: dict[str, int] = {}
+        for position, bits in checkpoints:
+            mamba.update(dict.fromkeys(named(bits), position))
         sources = self._sources
         scores: dict[str, NodeScore] = {}
-        for slot, kv in kv_end.items():
-            held_by = names[slot]
-            if held_by is None:  # dropped since the live namespaces were read
-                continue
-            name = held_by
-            mamba = mamba_end.get(slot, 0)
+        for name, end in kv.items():
+            farthest = mamba.get(name, 0)
             if hybrid is None:
                 source = sources.get(name)
-                usable = mamba if source is not None and source.hybrid else kv
+                usable = farthest if source is not None and source.hybrid else end
             else:
-                usable = mamba if hybrid else kv
-            scores[name] = NodeScore.of(name, kv, mamba, usable)
+                usable = farthest if hybrid else end
+            scores[name] = NodeScore.of(name, end, farthest, usable)
         if everyone:
-            wanted_names: Iterable[str] = (
+            live = self._live
+            wanted: Iterable[str] = (
                 live.names
                 if namespaces is None
                 else (n for n in set(namespaces) if n in live.slots)
             )
-            for name in wanted_names:
+            for name in wanted:
                 if name not in scores:
                     scores[name] = NodeScore.of(name, 0, 0, 0)
         return scores
+
+    def _walk(
+        self, hashes: Sequence[int], namespaces: Iterable[str] | None, hybrid: bool
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """``walk`` over the prompt, whose hashes are checked as far as it read them
+        (the rest can change no answer: no prefix runs past a block no one holds), or
+        all of them where it read none."""
+        items = hashes if type(hashes) is list else list(_iterable(hashes))
+        try:
+            ends, checkpoints, read = walk(self.blocks, items, self._mask(namespaces), hybrid)
+        except TypeError:  # an unhashable "hash": the clear error
+            prefix_hashes(items)
+            raise
+        prefix_hashes(items[:read] if read else items)  # raises on a bad hash
+        return ends, checkpoints
+
+    def _mask(self, namespaces: Iterable[str] | None) -> int:
+        """The KV bits of the live namespaces (all, or those of ``namespaces``)."""
+        live = self._live
+        if namespaces is None:
+            return live.mask
+        chosen = 0
+        for name in namespaces:
+            slot = live.slots.get(name)
+            if slot is not None:
+                chosen |= 1 << (2 * slot)
+        return live.mask & chosen
+
+    def _named(self, bits: int) -> dict[str, None]:
+        """The namespaces whose KV bit is set in ``bits``, as dict keys (remembered: the
+        same sets come back decision after decision while the fleet holds still; a
+        dict, because ``dict.fromkeys`` of a dict is the quickest way to an answer)."""
+        names = self._memo.get(bits)
+        if names is None:
+            slots = self._names
+            found = []
+            members = bits
+            while members:
+                lowest = members & -members
+                name = slots[(lowest.bit_length() - 1) >> 1]
+                if name is not None:  # dropped since the live namespaces were read
+                    found.append(name)
+                members ^= lowest
+            names = dict.fromkeys(found)
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo = {}
+            self._memo[bits] = names
+        return names
 
     def live_nodes(self) -> list[str]:
         """The live namespaces as the view last read them (sorted)."""
@@ -220,8 +322,9 @@ class FleetView:
         """Wait until the view has applied every write that returned before this call
         (to ``namespaces``, or to every namespace in the node index) and has read the
         live namespaces since. Raises ``RegistryError`` after ``timeout`` seconds."""
+        index = self._server()[1]
         if namespaces is None:
-            names = sorted(set(self._sources) | set(self._index.live()))
+            names = sorted(set(self._sources) | set(index.live()))
         else:
             names = list(namespaces)
         targets = self._positions(names)
@@ -317,19 +420,27 @@ class FleetView:
 
     def _refresh_live(self, again: Sequence[str] = ()) -> None:
         """Read the live namespaces; load those not followed yet (and ``again``)."""
-        names = self._index.live()
+        names = self._server()[1].live()
         self._live_at = time.monotonic()
         unknown = sorted({n for n in names if n not in self._sources}.union(again))
         if unknown:
             self._load(unknown)
+        self._set_live(names)
+        self._live_read_at = time.monotonic()
+        with self._changed:
+            self._changed.notify_all()
+
+    def _server(self) -> tuple[ScriptRunner, NodeIndex]:
+        if self._runner is None or self._index is None:
+            raise RegistryError("a detached fleet view has no server to read")
+        return self._runner, self._index
+
+    def _set_live(self, names: Iterable[str]) -> None:
         slots = {n: self._sources[n].slot for n in names if n in self._sources}
         mask = 0
         for slot in slots.values():
             mask |= 1 << (2 * slot)
         self._live = _Live(mask, tuple(sorted(slots)), slots)
-        self._live_read_at = time.monotonic()
-        with self._changed:
-            self._changed.notify_all()
 
     def _keys_of(self, name: str) -> NamespaceKeys:
         keys = self._keys.get(name)
@@ -346,7 +457,7 @@ class FleetView:
             for name in part:
                 keys = self._keys_of(name)
                 calls.append(((keys.kv, keys.mamba, keys.meta), ()))
-            replies = self._runner.run_many(
+            replies = self._server()[0].run_many(
                 "fleet_snapshot", calls, context="loading the fleet view", write=False
             )
             for name, reply in zip(part, replies, strict=True):
@@ -366,7 +477,7 @@ class FleetView:
         self._set(source, kv, mamba)
         source.incarnation = incarnation
         source.seq = int(reply[1])
-        source.hybrid = bool(reply[2])
+        self._set_hybrid(source, bool(reply[2]))
 
     def _source(self, name: str) -> _Source:
         source = self._sources.get(name)
@@ -382,12 +493,19 @@ class FleetView:
             self._sources[name] = source
         return source
 
+    def _set_hybrid(self, source: _Source, hybrid: bool) -> None:
+        source.hybrid = hybrid
+        bit = 1 << (2 * source.slot)
+        self._hybrid = self._hybrid | bit if hybrid else self._hybrid & ~bit
+
     def _drop(self, name: str) -> None:
         source = self._sources.pop(name, None)
         if source is None:
             return
         self._set(source, set(), set())
         self._names[source.slot] = None
+        self._memo = {}
+        self._set_hybrid(source, False)
         self._free.append(source.slot)
         live = self._live
         if name in live.slots:
@@ -406,17 +524,33 @@ class FleetView:
     ) -> None:
         """Set ``source``'s bit of ``kind`` (0 KV, 1 Mamba) for ``added``, clear it for
         ``removed`` (the source's own sets are the caller's)."""
-        bit = 1 << (2 * source.slot + kind)
+        index = 2 * source.slot + kind
+        bit = 1 << index
+        only = ~index  # the value of a hash this bit alone holds
         blocks = self.blocks
         get = blocks.get
         for h in added:
-            blocks[h] = get(h, 0) | bit
+            value = get(h)
+            if value is None:
+                blocks[h] = only
+                continue
+            if value < 0:
+                value = 1 << ~value
+            value |= bit
+            blocks[h] = only if value == bit else value
         for h in removed:
-            value = get(h, 0) & ~bit
-            if value:
+            value = get(h)
+            if value is None:
+                continue
+            if value < 0:
+                value = 1 << ~value
+            value &= ~bit
+            if not value:
+                del blocks[h]
+            elif value & (value - 1):
                 blocks[h] = value
-            else:
-                blocks.pop(h, None)
+            else:  # one holder left
+                blocks[h] = ~(value.bit_length() - 1)
 
     def _apply(self, data: Any) -> None:
         """One change record."""
@@ -462,7 +596,7 @@ class FleetView:
             fresh = set(hashes) - source.mamba
             self._change(source, fresh, (), 1)
             source.mamba |= fresh
-            source.hybrid = True
+            self._set_hybrid(source, True)
         elif op == b"m-":
             gone = source.mamba.intersection(hashes)
             self._change(source, (), gone, 1)
@@ -473,7 +607,7 @@ class FleetView:
             self._set(source, source.kv, set())
         elif op == b"C":
             self._set(source, set(), set())
-            source.hybrid = False
+            self._set_hybrid(source, False)
         elif op == b"G":
             self._drop(name)
             return False
@@ -490,55 +624,52 @@ class FleetView:
 
 def walk(
     blocks: dict[int, int], hashes: Sequence[int], mask: int, hybrid: bool
-) -> tuple[dict[int, int], dict[int, int]]:
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
     """For the slots whose KV bit is in ``mask`` and that hold the prompt's first block:
-    ({slot: where its KV prefix ends}, {slot: one past its farthest Mamba entry inside
-    it}). Stops at the first position no slot of the mask still holds every block to."""
-    kv_end: dict[int, int] = {}
+    ([(where their KV prefix ends, their KV bits)], [(one past their farthest Mamba
+    entry inside that prefix, their KV bits)], how many hashes were read), a slot in at
+    most one entry of each. Stops at the first position no slot of the mask still holds
+    every block to."""
+    ends: list[tuple[int, int]] = []
     if not mask or not hashes:
-        return kv_end, {}
-    values = map(blocks.get, hashes, repeat(0))
-    runs = groupby(values)
+        return ends, [], 0
+    runs = groupby(map(blocks.get, hashes, repeat(0)))
     alive = mask
     position = 0
     checkpoints: list[tuple[int, int]] = []
     first = True
+    read = len(hashes)
     for value, run in runs:
+        if value < 0:  # one holder: its bit's index, inverted
+            value = 1 << ~value
         if first:
             alive &= value
             first = False
             if not alive:
-                return kv_end, {}
+                return ends, [], 1
         else:
             still = alive & value
             if still != alive:
-                _record(alive ^ still, position, kv_end)
+                ends.append((position, alive ^ still))
                 alive = still
                 if not alive:
+                    read = position + 1
                     break
         position += len(list(run))
         if hybrid:
             held = (value >> 1) & alive
             if held:
-                checkpoints.append((position - 1, held))
+                checkpoints.append((position, held))
     if alive:
-        _record(alive, position, kv_end)
-    mamba_end: dict[int, int] = {}
+        ends.append((position, alive))
+    farthest: list[tuple[int, int]] = []
     found = 0
     for at, held in reversed(checkpoints):
         fresh = held & ~found
         if fresh:
             found |= fresh
-            _record(fresh, at + 1, mamba_end)
-    return kv_end, mamba_end
-
-
-def _record(members: int, position: int, into: dict[int, int]) -> None:
-    """``into[slot] = position`` for each slot whose KV bit is set in ``members``."""
-    while members:
-        lowest = members & -members
-        into[(lowest.bit_length() - 1) >> 1] = position
-        members ^= lowest
+            farthest.append((at, fresh))
+    return ends, farthest, read
 
 
 def _parts(tokens: Sequence[bytes]) -> Iterator[tuple[bytes, list[int]]]:
@@ -554,6 +685,12 @@ def _parts(tokens: Sequence[bytes]) -> Iterator[tuple[bytes, list[int]]]:
         op, hashes = token, []
     if op is not None:
         yield op, hashes
+
+
+def _iterable(hashes: object) -> Iterable[Any]:
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+        raise TypeError(f"hashes must be a sequence of ints, not {type(hashes).__name__}")
+    return hashes
 
 
 def _bytes(value: Any) -> bytes:

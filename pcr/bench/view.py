@@ -1,0 +1,238 @@
+"""``pcr bench --view``: one routing decision from the in-process fleet view
+(``registry/fleet/view.py``) beside Dynamo's ``RadixTree``, fed the same fleet, with
+equal answers checked; and the view's memory per (node, block) pair.
+
+The fleet (the realistic workload; ``--best-case`` adds the labelled best case): each
+of W workers holds 16 conversations. A conversation is one of 8 system prompts of 128
+blocks, chosen by Zipf popularity (s = 1.1), followed by its own turns (64 to 192
+blocks: about 4,000 blocks per worker). Evictions left each worker a prefix of each
+conversation: a quarter of them cut inside the system prompt, the rest inside the
+turns. The prompts routed: 64 of 512 blocks, each a system prompt by the same
+popularity followed by, in turn, the blocks of a conversation some worker holds and
+new ones (a conversation going on), or only new blocks (a one-off prompt).
+
+Both sides receive the fleet as events: the view as change records (``k+`` with the
+blocks of each conversation, the same text its scripts publish), the tree as Dynamo's
+``stored`` events (each conversation from its root, parent by parent). A decision is
+``FleetView.match(hashes)`` (the workers that match, each with its usable prefix) against
+``RadixTree.find_matches(hashes)`` (the workers that match, each with its matched
+blocks); both in this process, on the same prompts, alternating.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from dataclasses import dataclass
+from typing import Any
+
+from registry.fleet.view import FleetView
+
+SYSTEM_PROMPTS = 8
+SYSTEM_BLOCKS = 128
+CONVERSATIONS = 16
+TURN_BLOCKS = (64, 192)
+PROMPTS = 64
+PROMPT_BLOCKS = 512
+ZIPF_S = 1.1
+
+
+@dataclass
+class Fleet:
+    """Who holds what: per worker, the chains it holds (each a list of hashes)."""
+
+    held: dict[str, list[list[int]]]
+    prompts: list[list[int]]
+    label: str
+
+    @property
+    def pairs(self) -> int:
+        return sum(len({h for chain in chains for h in chain}) for chains in self.held.values())
+
+
+def _zipf(rng: random.Random, n: int) -> int:
+    weights = [1 / (k + 1) ** ZIPF_S for k in range(n)]
+    return rng.choices(range(n), weights)[0]
+
+
+def realistic(workers: int, seed: int = 27) -> Fleet:
+    """The realistic fleet above."""
+    rng = random.Random(seed)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(1, 2**63) for _ in range(n)]
+
+    systems = [fresh(SYSTEM_BLOCKS) for _ in range(SYSTEM_PROMPTS)]
+    held: dict[str, list[list[int]]] = {}
+    conversations: list[list[int]] = []
+    for w in range(workers):
+        chains = []
+        for _ in range(CONVERSATIONS):
+            system = systems[_zipf(rng, SYSTEM_PROMPTS)]
+            chain = system + fresh(rng.randint(*TURN_BLOCKS))
+            conversations.append(chain)
+            if rng.random() < 0.25:
+                cut = rng.randint(1, SYSTEM_BLOCKS)  # evicted into the system prompt
+            else:
+                cut = rng.randint(SYSTEM_BLOCKS + 1, len(chain))
+            chains.append(chain[:cut])
+        held[f"worker-{w:04d}"] = chains
+    prompts = []
+    for i in range(PROMPTS):
+        # A conversation going on, or a one-off prompt.
+        base = rng.choice(conversations) if i % 2 == 0 else systems[_zipf(rng, SYSTEM_PROMPTS)]
+        prompts.append((base + fresh(PROMPT_BLOCKS))[:PROMPT_BLOCKS])
+    return Fleet(held, prompts, "realistic")
+
+
+def best_case(workers: int, seed: int = 27) -> Fleet:
+    """Every worker holds the same 4,096-block chain; the prompts are its prefix and
+    new blocks (labelled best case: one holder set along the whole chain)."""
+    rng = random.Random(seed)
+    chain = [rng.randrange(1, 2**63) for _ in range(4096)]
+    held = {f"worker-{w:04d}": [chain] for w in range(workers)}
+    prompts = [chain[: rng.randint(1, PROMPT_BLOCKS)] for _ in range(PROMPTS)]
+    prompts = [(p + [rng.randrange(1, 2**63) for _ in range(PROMPT_BLOCKS)])[:PROMPT_BLOCKS]
+               for p in prompts]  # fmt: skip
+    return Fleet(held, prompts, "best case: one chain held by all")
+
+
+def records(fleet: Fleet) -> list[bytes]:
+    """The fleet as change records, one per conversation."""
+    out = []
+    for name, chains in fleet.held.items():
+        for seq, chain in enumerate(chains, start=1):
+            out.append(f"{name} 0 {seq} k+ {' '.join(map(str, chain))}".encode())
+    return out
+
+
+def dynamo_events(fleet: Fleet) -> list[tuple[int, bytes]]:
+    """The fleet as Dynamo ``stored`` events, one per conversation, from its root."""
+    out = []
+    event_id = 0
+    for worker, chains in enumerate(fleet.held.values()):
+        for chain in chains:
+            event_id += 1
+            blocks = [{"block_hash": h, "tokens_hash": h} for h in chain]
+            data = {"stored": {"parent_hash": None, "blocks": blocks}}
+            out.append((worker, json.dumps({"event_id": event_id, "data": data}).encode()))
+    return out
+
+
+def _radix_tree() -> Any:
+    try:
+        from dynamo._core import RadixTree
+    except ImportError:
+        return None
+    return RadixTree()
+
+
+def measure(fleet: Fleet, rounds: int) -> dict[str, Any]:
+    """One fleet: build both, check the answers, time the decisions."""
+    names = list(fleet.held)
+    gc.collect()
+    tracemalloc.start()
+    view = FleetView.detached(names)
+    started = time.perf_counter()
+    for record in records(fleet):
+        view.apply(record)
+    applied_s = time.perf_counter() - started
+    view_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    pairs = fleet.pairs
+    row: dict[str, Any] = {
+        "workload": fleet.label,
+        "nodes": len(names),
+        "pairs": pairs,
+        "view_bytes_per_pair": round(view_bytes / pairs, 1),
+        "view_records_per_s": round(len(names) * CONVERSATIONS / applied_s),
+    }
+    tree = _radix_tree()
+    if tree is not None:
+        for worker, event in dynamo_events(fleet):
+            tree.apply_event(worker, event)
+        row["answers_equal"] = _compare(view, tree, fleet, names)
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(rounds):
+        for prompt in fleet.prompts:
+            t0 = time.perf_counter_ns()
+            view.match(prompt)
+            t1 = time.perf_counter_ns()
+            ours.append(t1 - t0)
+            if tree is not None:
+                t0 = time.perf_counter_ns()
+                tree.find_matches(prompt)
+                t1 = time.perf_counter_ns()
+                theirs.append(t1 - t0)
+    row["view_p50_us"] = round(statistics.median(ours) / 1000, 1)
+    row["view_p99_us"] = round(_p99(ours) / 1000, 1)
+    if theirs:
+        row["radix_p50_us"] = round(statistics.median(theirs) / 1000, 1)
+        row["radix_p99_us"] = round(_p99(theirs) / 1000, 1)
+        row["ratio_p50"] = round(row["view_p50_us"] / row["radix_p50_us"], 2)
+    return row
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def _compare(view: FleetView, tree: Any, fleet: Fleet, names: list[str]) -> bool:
+    """Whether both answer every prompt with the same workers and prefixes."""
+    for prompt in fleet.prompts:
+        ours = view.match(prompt)
+        if ours != {n: s.kv_prefix for n, s in view.score(prompt).items()}:
+            return False
+        found = tree.find_matches(prompt).scores
+        theirs = {names[worker]: blocks for (worker, _rank), blocks in found.items() if blocks}
+        if ours != theirs:
+            return False
+    return True
+
+
+def run(nodes: tuple[int, ...], *, rounds: int, best: bool) -> dict[str, Any]:
+    rows = []
+    for n in nodes:
+        rows.append(measure(realistic(n), rounds))
+        if best:
+            rows.append(measure(best_case(n), rounds))
+    realistic_rows = [r for r in rows if r["workload"] == "realistic"]
+    growth = None
+    if len(realistic_rows) > 1:
+        growth = round(realistic_rows[-1]["view_p50_us"] / realistic_rows[0]["view_p50_us"], 2)
+    return {
+        "python": sys.version.split()[0],
+        "radix_tree": _radix_tree() is not None,
+        "rows": rows,
+        "view_growth_p50": growth,
+    }
+
+
+def format_report(report: dict[str, Any]) -> list[str]:
+    lines = [
+        "one routing decision, in process: FleetView.match against Dynamo's "
+        "RadixTree.find_matches (p50 / p99, µs)",
+        f"{'workload':<34} {'nodes':>6} {'view':>15} {'RadixTree':>15} {'ratio':>6} "
+        f"{'equal':>6} {'B/pair':>7}",
+    ]
+    for r in report["rows"]:
+        radix = f"{r['radix_p50_us']} / {r['radix_p99_us']}" if "radix_p50_us" in r else "-"
+        lines.append(
+            f"{r['workload']:<34} {r['nodes']:>6} "
+            f"{str(r['view_p50_us']) + ' / ' + str(r['view_p99_us']):>15} {radix:>15} "
+            f"{r.get('ratio_p50', '-')!s:>6} {r.get('answers_equal', '-')!s:>6} "
+            f"{r['view_bytes_per_pair']:>7}"
+        )
+    if not report["radix_tree"]:
+        lines.append("(Dynamo's RadixTree not installed: pip install ai-dynamo-runtime)")
+    if report["view_growth_p50"] is not None:
+        lines.append(f"view p50 growth from the smallest to the largest fleet: "
+                     f"{report['view_growth_p50']}x")  # fmt: skip
+    return lines
