@@ -52,6 +52,7 @@ from pcr.gateway_metrics import BackendMetrics, GatewayMetrics
 from pcr.gateway_tokens import PromptTokenizer, prompt_tokens
 from pcr.http_errors import error_content
 from registry.errors import RegistryError
+from registry.fleet.view import FleetView
 from registry.hashing import block_hashes
 from registry.keys import gateway_load_channel
 from registry.membership import validate_engine_url
@@ -65,6 +66,9 @@ ERROR_KIND = {
     502: "bad gateway",
     503: "unavailable",
 }
+VIEW_STALE_S = 3.0
+"""Seconds without a successful read of the live namespaces after which the fleet view
+is taken as away (it reads them every second): routing by load until it follows again."""
 HASH_IN_LOOP = 4_096
 """Token lists longer than this are hashed in a worker thread."""
 SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
@@ -104,8 +108,14 @@ class GatewayConfig:
     registry_timeout: float = 0.25
     connect_timeout: float = 2.0
     upstream_timeout: float = 600.0
+    view: bool = True
+    """Score from the fleet's view in this process (``registry.fleet.view``, fed by the
+    change records the writes publish): no Redis round trip per request. False: ask
+    Redis on every request (the async router)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.view, bool):
+            raise TypeError("view must be True or False")
         for namespace, url in self.backends.items():
             validate_engine_url(url)
             if not namespace:
@@ -179,6 +189,7 @@ class GatewayState:
         self._shared_at = 0.0
         self._sharing: asyncio.Task[None] | None = None
         self._share_again = False
+        self.view: FleetView | None = None
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -197,6 +208,9 @@ class GatewayState:
             auto_decompress=False,  # bytes pass through as the engine sent them
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
+        if self.config.view and self.config.policy == "prefix":
+            client = await asyncio.to_thread(self.registry.sync)
+            self.view = FleetView(client, self.registry.key_prefix).start(timeout=None)
         with contextlib.suppress(RegistryError, TimeoutError):
             await self._discover()
         loops = [self._every(self.config.discover_interval, self._discover)]
@@ -221,6 +235,8 @@ class GatewayState:
             _done, pending = await asyncio.wait(pending, timeout=0.25)
         for task in pending:
             log.warning("a background task did not stop: %s", task.get_coro())
+        if self.view is not None:
+            await asyncio.to_thread(self.view.close)
         if self.http is not None:
             await self.http.close()
 
@@ -295,6 +311,7 @@ class GatewayState:
 
     async def _tick(self) -> None:
         """The periodic exchange, unless a nudged one ran within half an interval."""
+        self.registry_reachable()
         if time.monotonic() - self._shared_at >= self.config.share_interval / 2:
             await self._share()
 
@@ -432,6 +449,8 @@ class GatewayState:
         if not self.registry_up and now < self.registry_retry_at:
             return None
         size = self.config.block_size
+        if self.view is not None:
+            return await self._viewed(names, tokens)
         try:
             if len(tokens) > HASH_IN_LOOP:
                 hashes = await asyncio.to_thread(block_hashes, tokens, size)
@@ -446,6 +465,32 @@ class GatewayState:
             return None
         self._registry(True)
         return {n: cached_tokens(s.usable, size, len(tokens)) for n, s in scores.items()}
+
+    async def _viewed(self, names: list[str], tokens: list[int]) -> dict[str, int] | None:
+        """``cached`` from the fleet view: memory work, no Redis round trip. None while
+        the view has not heard from Redis for ``VIEW_STALE_S`` seconds (it may then hold
+        what the engines no longer do)."""
+        view = self.view
+        assert view is not None
+        if not self.registry_reachable():
+            return None
+        size = self.config.block_size
+        if len(tokens) > HASH_IN_LOOP:
+            hashes = await asyncio.to_thread(block_hashes, tokens, size)
+        else:
+            hashes = block_hashes(tokens, size)
+        usable = view.match(hashes, names, hybrid=self.registry.hybrid)
+        self._registry(True)
+        return {n: cached_tokens(blocks, size, len(tokens)) for n, blocks in usable.items()}
+
+    def registry_reachable(self) -> bool:
+        """Whether routing can use the registry now (with the fleet view: whether it is
+        following Redis; else: whether the last routing call reached it)."""
+        if self.view is not None:
+            fresh = self.view.fresh(VIEW_STALE_S)
+            if fresh != self.registry_up:
+                self._registry(fresh, RegistryError("the fleet view is not following Redis"))
+        return self.registry_up
 
     def _registry(self, up: bool, exc: BaseException | None = None) -> None:
         if up != self.registry_up:
@@ -969,10 +1014,11 @@ async def health(request: Request) -> JSONResponse:
         b.namespace: "up" if b.refused_until <= now else "refusing" for b in state.backends.values()
     }
     status = 200 if any(v == "up" for v in backends.values()) else 503
+    up = state.registry_reachable()
     body = {
         "status": "ok" if status == 200 else "unavailable",
-        "registry": "reachable" if state.registry_up else "away",
-        "routing": state.config.policy if state.registry_up else "load",
+        "registry": "reachable" if up else "away",
+        "routing": state.config.policy if up else "load",
         "backends": backends,
         "in_flight": {
             b.namespace: {"here": b.load.in_flight, "other_replicas": b.load.remote_in_flight}

@@ -305,6 +305,12 @@ class FleetView:
             self._memo[bits] = names
         return names
 
+    def fresh(self, max_age: float) -> bool:
+        """Whether the view has loaded and read the live namespaces from Redis within
+        the last ``max_age`` seconds (it does every ``live_cache_ttl``): a view that has
+        not may hold what the engines no longer do."""
+        return self.ready.is_set() and time.monotonic() - self._live_read_at <= max_age
+
     def live_nodes(self) -> list[str]:
         """The live namespaces as the view last read them (sorted)."""
         return list(self._live.names)
@@ -372,11 +378,9 @@ class FleetView:
             try:
                 self._subscribe_and_follow()
                 return
-            except REDIS_ERRORS as exc:
+            except (*REDIS_ERRORS, RegistryError) as exc:
                 self.counts.errors += 1
-                log.warning("fleet view: %s; following again in %.2f s", exc, delay)
-            except RegistryError as exc:
-                self.counts.errors += 1
+                self._live_read_at = float("-inf")  # not following: not fresh
                 log.warning("fleet view: %s; following again in %.2f s", exc, delay)
             self._stop.wait(delay)
             delay = min(delay * 2, 2.0)
