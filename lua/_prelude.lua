@@ -6,7 +6,8 @@
 --     would round hashes above 2^53, so `tonumber` is never applied to a hash; numbers
 --     above 2^53 or over 14 digits (notice numbers, epochs) travel as strings too;
 --   * `unpack` is chunked (CHUNK values at a time): Lua's C stack holds about 8,000;
---   * every key comes from KEYS; the channel name is not a key and comes from ARGV; one
+--   * every key comes from KEYS; the channel name is not a key and comes from ARGV (the
+--     change records' channel is built from the meta key's prefix: record_changes); one
 --     exception: the fleet-index shard an owner's write updates (finish_indexed), named
 --     in ARGV because on a cluster it shares the node, not the slot;
 --   * a write script opens with WRITE_ARGV: ARGV[1] the caller's owner epoch ('' for a

@@ -153,7 +153,14 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         "--registry-timeout",
         type=_number(0, "--registry-timeout"),
         default=0.25,
-        help="seconds a routing decision waits for Redis before routing by load (default 0.25)",
+        help="with --no-view: seconds a routing decision waits for Redis before routing by "
+        "load (default 0.25)",
+    )
+    gateway.add_argument(
+        "--no-view",
+        action="store_true",
+        help="ask Redis on every request (waiting at most --registry-timeout) instead of "
+        "scoring from the fleet view this process follows",
     )
     gateway.add_argument(
         "--upstream-timeout",
@@ -238,6 +245,7 @@ def command_gateway(args: argparse.Namespace) -> int:
         scrape_interval=args.scrape_interval,
         registry_timeout=args.registry_timeout,
         upstream_timeout=args.upstream_timeout,
+        view=not args.no_view,
     )
     server_class = _server_class()
     _enable_metrics()

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from registry import metrics as _metrics
 from registry.errors import translate
@@ -38,6 +38,9 @@ from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
 from registry.scripts import ScriptRunner, is_cluster, script_sha
 from registry.validation import prefix_hashes
+
+if TYPE_CHECKING:
+    from registry.fleet.view import FleetView
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,16 @@ class PrefixRouter:
         hybrid: bool | None = None,
         live_cache_ttl: float = 1.0,
         exact: bool = False,
+        view: FleetView | None = None,
     ) -> None:
         if not isinstance(exact, bool):
             raise TypeError("exact must be True or False")
+        if view is not None and exact:
+            raise ValueError("a router scores exactly or from a fleet view, not both")
+        self.view = view
+        """A started ``registry.fleet.view.FleetView`` to score from (memory work, no
+        round trip; it may lag the writes by the time a change record takes to arrive:
+        ``view.sync()`` waits for them), or None: from the fleet index in Redis."""
         self.client = client
         self.key_prefix = key_prefix
         self.hybrid = checked_hybrid(hybrid)
@@ -118,6 +128,8 @@ class PrefixRouter:
     def _score(
         self, hashes: Sequence[int], namespaces: Iterable[str] | None
     ) -> dict[str, NodeScore]:
+        if self.view is not None:
+            return self.view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
         if not self.exact:
             return self._score_indexed(prefix_hashes(hashes), namespaces)
         packed = pack_hashes(hashes)
@@ -178,12 +190,40 @@ class PrefixRouter:
     ) -> str | None:
         """The live node with the longest usable prefix; ties go to the lowest ``load``
         (missing = 0), then to the first namespace in sort order. None if none is live."""
+        if self.view is not None and _metrics.active is None:
+            return self._best_viewed(hashes, load, namespaces)
         scores = self.score(hashes, namespaces)
         choice = best_of(scores, load)
         observer = _metrics.active
         if observer is not None:
             observer.routed(scores, choice, hashes)
         return choice
+
+    def _best_viewed(
+        self,
+        hashes: Sequence[int],
+        load: Mapping[str, float] | None,
+        namespaces: Iterable[str] | None,
+    ) -> str | None:
+        """``best`` from the view's matches only (no score built for the others); the
+        live nodes are all looked at only when none matches."""
+        view = self.view
+        assert view is not None
+        chosen = None if namespaces is None else chosen_namespaces(namespaces)
+        usable = view.match(hashes, chosen, hybrid=self.hybrid)
+        loads = load or {}
+        if usable:
+            top = max(usable.values())
+            if top > 0:
+                tied = [n for n, u in usable.items() if u == top]
+                return min(tied, key=lambda n: (loads.get(n, 0), n))
+        live = view.live_nodes()
+        if chosen is not None:
+            wanted = set(chosen)
+            live = [n for n in live if n in wanted]
+        if not live:
+            return None
+        return min(live, key=lambda n: (loads.get(n, 0), n))
 
     def _run_pipeline(self, names: list[str], packed: bytes) -> list[Any]:
         calls = score_calls(names, packed, self.key_prefix, self._keys, hybrid=self.hybrid)

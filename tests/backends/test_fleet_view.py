@@ -89,6 +89,7 @@ def test_the_view_equals_the_maps_over_random_histories(
     view = view_of()
     live = set(names)
     exact = PrefixRouter(redis_backend.client(), prefix, exact=True)
+    routed = PrefixRouter(redis_backend.client(), prefix, view=view)
     for step in range(160):
         name = rng.choice(names)
         reg = regs[name]
@@ -132,6 +133,14 @@ def test_the_view_equals_the_maps_over_random_histories(
                 assert viewed(view, prompt, everyone=True) == want, step
                 matching = viewed(view, prompt)
                 assert matching == {n: s for n, s in want.items() if s[0] > 0}
+                assert {
+                    n: (s.kv_prefix, s.mamba_prefix, s.usable)
+                    for n, s in routed.score(prompt).items()
+                } == want
+                loads = {n: rng.choice([0, 1, 2]) for n in live}
+                top = max(s[2] for s in want.values())
+                best = min((n for n, s in want.items() if s[2] == top), key=lambda n: (loads[n], n))
+                assert routed.best(prompt, loads) == best
                 for n, s in exact.score(prompt).items():
                     if chain_shaped(regs[n].entries()[0], prompt):
                         assert (s.kv_prefix, s.mamba_prefix, s.usable) == want[n], (step, n)

@@ -456,13 +456,14 @@ def test_a_client_that_leaves_a_stream_cancels_it(redis_server: RedisServer) -> 
 # -- 5 and 6. Redis killed, Redis frozen ---------------------------------------------------
 
 
-def test_redis_killed_mid_run_fails_no_request(own_server: RedisServer) -> None:
+@pytest.mark.parametrize("mode", [[], ["--no-view"]], ids=["view", "no-view"])
+def test_redis_killed_mid_run_fails_no_request(own_server: RedisServer, mode: list[str]) -> None:
     """60 requests (token-id completions and chat completions in turn), Redis killed
     after 20: none fails. ``/health`` (still 200) says the registry is away, the gauge
     ``pcr_gateway_registry_up`` is 0 and the decisions made without it are counted
     ``registry_away``. Redis back on the same port: the registry is ``reachable`` again."""
     a, b = FakeEngine("a"), FakeEngine("b")
-    with running(own_server.url, [a, b]) as served:
+    with running(own_server.url, [a, b], *mode) as served:
         failed = []
         for n in range(60):
             if n == 20:
@@ -495,8 +496,9 @@ def test_redis_killed_mid_run_fails_no_request(own_server: RedisServer) -> None:
         assert health(served)["routing"] == "prefix"
 
 
+@pytest.mark.parametrize("mode", [[], ["--no-view"]], ids=["view", "no-view"])
 def test_redis_frozen_does_not_slow_requests_past_the_registry_timeout(
-    own_server: RedisServer,
+    own_server: RedisServer, mode: list[str]
 ) -> None:
     """Redis frozen (SIGSTOP, so connections open and nothing answers): each request is
     still answered 200 within 1.5 s, though Redis' own read timeout is 2 s (the gateway
@@ -506,7 +508,7 @@ def test_redis_frozen_does_not_slow_requests_past_the_registry_timeout(
     assert own_server.process is not None
     pid = own_server.process.pid
     a, b = FakeEngine("a"), FakeEngine("b")
-    with running(own_server.url, [a, b], "--registry-timeout", "0.25") as served:
+    with running(own_server.url, [a, b], "--registry-timeout", "0.25", *mode) as served:
         assert post(served, "/v1/completions", completion(0)).status_code == 200
         assert health(served)["registry"] == "reachable"
         os.kill(pid, signal.SIGSTOP)
