@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: one routing decision from the in-process fleet view beside Dynamo's "
         "RadixTree (pip install ai-dynamo-runtime), fed the same fleet, at 16, 64, 256 and "
-        "1,024 nodes (16 and 256 with --quick); no Redis",
+        "1,024 nodes (16 and 256 with --quick); then, on a redis-server of its own, a "
+        "write's way to a view, a cold start and a write's cost",
     )
     bench.add_argument(
         "--best-case",

@@ -60,14 +60,21 @@ def _command_bench(args: argparse.Namespace) -> int:
 
 
 def _command_bench_view(args: argparse.Namespace) -> int:
-    """``pcr bench --view``: the in-process fleet view beside Dynamo's RadixTree."""
+    """``pcr bench --view``: the in-process fleet view beside Dynamo's RadixTree; then,
+    on a redis-server of its own, a write's way to a view, a cold start, a write's cost."""
     if args.redis_url:
         raise UsageError("argument --redis-url: pcr bench --view uses no Redis")
     from pcr.bench import view
 
     nodes = (16, 256) if args.quick else (16, 64, 256, 1024)
     report = view.run(nodes, rounds=2 if args.quick else 10, best=args.best_case)
-    print("\n".join(view.format_report(report)))
+    print("\n".join(view.format_report(report)), flush=True)
+    try:
+        with RedisServer() as server, _talking(f"Redis at 127.0.0.1:{server.port}"):
+            report["redis"] = view.measure_redis(server.url, quick=args.quick)
+    except RuntimeError as exc:
+        raise CommandError(str(exc)) from None
+    print("\n".join(view.format_redis(report["redis"])))
     if args.json:
         _write_json(args.json, report)
     return 0

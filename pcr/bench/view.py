@@ -236,3 +236,81 @@ def format_report(report: dict[str, Any]) -> list[str]:
         lines.append(f"view p50 growth from the smallest to the largest fleet: "
                      f"{report['view_growth_p50']}x")  # fmt: skip
     return lines
+
+
+# -- against a redis-server: a write seen by a view, a cold start, a write's cost ------------
+
+
+def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
+    """On a server of its own (flushed): how long an owner's write takes to reach a
+    view following it (from the write's call to the view holding it, one process, the
+    view's own thread); a view's cold start over 256 namespaces x 4,096 blocks (64 x
+    1,024 with ``quick``); and ``register_kv`` / ``evict_kv`` of 32 blocks with and
+    without the fleet index's upkeep (the change record is in both)."""
+    from registry import PrefixCacheRegistry
+    from registry.client import client_from_url
+
+    client = client_from_url(url)
+    client.flushall()
+    out: dict[str, Any] = {}
+    rng = random.Random(3)
+    owner = PrefixCacheRegistry(client, "writer")
+    owner.claim(lease_ttl=600)
+    view = FleetView(client_from_url(url)).start()
+    try:
+        seen = []
+        for i in range(100 if quick else 1000):
+            h = rng.randrange(1, 2**63)
+            t0 = time.perf_counter()
+            owner.register_kv([i], [h])
+            while h not in view.blocks:
+                time.sleep(0)
+            seen.append(time.perf_counter() - t0)
+        out["write_to_view_p50_ms"] = round(statistics.median(seen) * 1000, 3)
+        out["write_to_view_p99_ms"] = round(_p99(seen) * 1000, 3)
+    finally:
+        view.close()
+    namespaces, blocks = (64, 1024) if quick else (256, 4096)
+    chain = [rng.randrange(1, 2**63) for _ in range(blocks)]
+    for n in range(namespaces):
+        reg = PrefixCacheRegistry(client, f"cold-{n:04d}", fleet_index=False)
+        reg.claim(lease_ttl=600)
+        cut = rng.randint(blocks // 2, blocks)
+        own = [rng.randrange(1, 2**63) for _ in range(blocks - cut)]
+        reg.register_kv(range(blocks), chain[:cut] + own)
+    t0 = time.perf_counter()
+    cold = FleetView(client_from_url(url)).start(timeout=120)
+    out["cold_start_s"] = round(time.perf_counter() - t0, 2)
+    out["cold_start_fleet"] = f"{namespaces} x {blocks}"
+    cold.close()
+    for label, indexed in (("with_index", True), ("records_only", False)):
+        reg = PrefixCacheRegistry(client, f"cost-{label}", fleet_index=indexed)
+        reg.claim(lease_ttl=600)
+        registers, evicts = [], []
+        for _ in range(50 if quick else 300):
+            hashes = [rng.randrange(1, 2**63) for _ in range(32)]
+            t0 = time.perf_counter()
+            reg.register_kv(range(32), hashes)
+            t1 = time.perf_counter()
+            reg.evict_kv(hashes)
+            t2 = time.perf_counter()
+            registers.append(t1 - t0)
+            evicts.append(t2 - t1)
+        out[f"register_kv_{label}_us"] = round(statistics.median(registers) * 1e6, 1)
+        out[f"evict_kv_{label}_us"] = round(statistics.median(evicts) * 1e6, 1)
+    client.close()
+    return out
+
+
+def format_redis(row: dict[str, Any]) -> list[str]:
+    return [
+        "",
+        "against a redis-server of its own (one process; the view in its own thread):",
+        f"  an owner's write seen by a view: p50 {row['write_to_view_p50_ms']} ms, "
+        f"p99 {row['write_to_view_p99_ms']} ms",
+        f"  a view's cold start over {row['cold_start_fleet']} blocks: {row['cold_start_s']} s",
+        f"  register_kv of 32 blocks: {row['register_kv_with_index_us']} µs with the fleet "
+        f"index's upkeep, {row['register_kv_records_only_us']} µs without (records in both)",
+        f"  evict_kv of 32 blocks: {row['evict_kv_with_index_us']} µs with, "
+        f"{row['evict_kv_records_only_us']} µs without",
+    ]

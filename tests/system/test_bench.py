@@ -149,6 +149,44 @@ def test_quick_fleet_bench_reports_every_deployment_and_size(tmp_path: Path) -> 
     assert "quick fleet run" in done.stdout
 
 
+@pytest.mark.redis_server
+def test_quick_view_bench_reports_equal_answers_and_sane_figures(tmp_path: Path) -> None:
+    """``pcr bench --view --quick``: both fleet sizes, answers equal to Dynamo's tree
+    where it is installed, and the Redis figures (never a speed asserted)."""
+    require_redis_server()
+    out = tmp_path / "view.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pcr", "bench", "--view", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [r["nodes"] for r in report["rows"]] == [16, 256]
+    for row in report["rows"]:
+        assert row["workload"] == "realistic"
+        assert 0 < row["view_p50_us"] <= row["view_p99_us"]
+        assert row["view_bytes_per_pair"] > 0
+        if report["radix_tree"]:
+            assert row["answers_equal"] is True
+    redis = report["redis"]
+    assert 0 < redis["write_to_view_p50_ms"] <= redis["write_to_view_p99_ms"]
+    assert redis["cold_start_s"] > 0
+    assert redis["register_kv_with_index_us"] > 0
+    assert redis["register_kv_records_only_us"] > 0
+    assert "RadixTree" in done.stdout
+
+
+def test_view_bench_refuses_what_it_does_not_use() -> None:
+    for extra in (["--fleet"], ["--redis-url", "redis://127.0.0.1:9/0"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "pcr", "bench", "--view", *extra],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1
+        assert "Traceback" not in done.stderr
+
+
 def test_fleet_bench_refuses_a_sentinel_url() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pcr", "bench", "--fleet", "--redis-url",

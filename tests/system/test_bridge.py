@@ -24,6 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from registry import NodeIndex, NodeScore, PrefixCacheRegistry, PrefixRouter
+from registry.fleet.view import FleetView
 from registry.hashing import block_hashes
 from tests.support.servers import RedisServer
 from tests.support.waiting import wait_until
@@ -63,6 +64,7 @@ class Rig:
         self.client = client
         self.engines: list[EnginePublisher] = []
         self.bridges: list[Bridge] = []
+        self._view: FleetView | None = None
 
     def engine(self, **options: Any) -> EnginePublisher:
         engine = EnginePublisher(**options)
@@ -97,11 +99,25 @@ class Rig:
                 subscribed(engine)
         return bridge
 
+    def view_agrees(self, namespace: str) -> None:
+        """A fleet view following the change records (started at the first call) holds
+        exactly the namespace's two maps once it has applied every write so far."""
+        if self._view is None:
+            self._view = FleetView(self.client).start()
+        self._view.sync([namespace])
+        held = self._view.held(namespace)
+        kv_map, mamba_map = kv(self.client, namespace), mamba(self.client, namespace)
+        if not kv_map and not mamba_map and held is None:
+            return
+        assert held == (frozenset(kv_map), frozenset(mamba_map))
+
     def close(self) -> None:
         for bridge in self.bridges:
             bridge.stop()
         for engine in self.engines:
             engine.close()
+        if self._view is not None:
+            self._view.close()
 
 
 def subscribed(engine: EnginePublisher, timeout: float = WAIT) -> None:
@@ -392,6 +408,7 @@ def test_removed_removes_exactly_those_prefixes_and_cleared_empties(rig: Rig, cl
     assert kv(client, ns) == listed((p, 1))
     assert_quiet(bridge, ns, "orphans")
     alive(bridge)
+    rig.view_agrees(ns)
 
 
 def test_a_block_held_twice_stays_listed_until_its_last_copy_goes(rig: Rig, client: Any) -> None:
@@ -541,6 +558,7 @@ def test_hybrid_groups_feed_the_mamba_map(rig: Rig, client: Any) -> None:
     c = counts(bridge, ns)
     assert (c["blocks_stored"], c["blocks_removed"], c["unknown_removals"]) == (7, 1, 0)
     assert_quiet(bridge, ns)
+    rig.view_agrees(ns)
 
 
 def test_sliding_window_and_unknown_groups_are_skipped(rig: Rig, client: Any) -> None:
@@ -814,6 +832,7 @@ def test_an_engine_restart_restarts_the_namespace(rig: Rig, client: Any, history
     c = counts(bridge, ns)
     assert (c["engine_restarts"], c["restarts"], c["gaps"], c["orphans"]) == (1, 1, 0, 0)
     alive(bridge)
+    rig.view_agrees(ns)
 
 
 def test_an_engine_restart_whose_first_batches_were_lost(rig: Rig, client: Any) -> None:
