@@ -283,19 +283,23 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
     out["cold_start_s"] = round(time.perf_counter() - t0, 2)
     out["cold_start_fleet"] = f"{namespaces} x {blocks}"
     cold.close()
+    owners = {}
     for label, indexed in (("with_index", True), ("records_only", False)):
-        reg = PrefixCacheRegistry(client, f"cost-{label}", fleet_index=indexed)
-        reg.claim(lease_ttl=600)
-        registers, evicts = [], []
-        for _ in range(50 if quick else 300):
+        owners[label] = PrefixCacheRegistry(client, f"cost-{label}", fleet_index=indexed)
+        owners[label].claim(lease_ttl=600)
+    timed: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in owners}
+    for i in range(100 if quick else 600):
+        order = list(owners.items())
+        for label, reg in order if i % 2 else order[::-1]:  # side by side, in turn
             hashes = [rng.randrange(1, 2**63) for _ in range(32)]
             t0 = time.perf_counter()
             reg.register_kv(range(32), hashes)
             t1 = time.perf_counter()
             reg.evict_kv(hashes)
             t2 = time.perf_counter()
-            registers.append(t1 - t0)
-            evicts.append(t2 - t1)
+            timed[label][0].append(t1 - t0)
+            timed[label][1].append(t2 - t1)
+    for label, (registers, evicts) in timed.items():
         out[f"register_kv_{label}_us"] = round(statistics.median(registers) * 1e6, 1)
         out[f"evict_kv_{label}_us"] = round(statistics.median(evicts) * 1e6, 1)
     client.close()
