@@ -79,6 +79,12 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     )
     redis_options(serve, url_default)
     listen_options(serve, 8000)
+    serve.add_argument(
+        "--view",
+        action="store_true",
+        help="score from a fleet view this process follows (no Redis round trip per "
+        "request; it may lag a write by the time its change record takes to arrive)",
+    )
     _limit_options(serve)
     serve.set_defaults(handler=command_serve, command_parser=serve)
 
@@ -469,6 +475,7 @@ def command_serve(args: argparse.Namespace) -> int:
         hybrid=args.hybrid,
         max_connections=args.max_connections,
         pool_timeout=args.pool_timeout,
+        view=args.view,
     )
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -44,6 +44,7 @@ from registry import metrics as registry_metrics
 from registry.aio_routing import AsyncPrefixRouter, async_client_from_url, bounded_async_options
 from registry.client import CLUSTER_SCHEMES, client_from_url
 from registry.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
+from registry.fleet.view import FleetView
 from registry.hashing import block_hashes
 from registry.keys import DEFAULT_KEY_PREFIX, MAX_NAME_LENGTH, validate_namespace
 from registry.membership import NodeIndex
@@ -408,8 +409,11 @@ class State:
         hybrid: bool | None,
         max_connections: int,
         pool_timeout: float,
+        view: bool = False,
     ) -> None:
         self.url = url
+        self.follow = view  # score from a fleet view (registry.fleet.view)
+        self.view: FleetView | None = None
         self.key_prefix = key_prefix
         self.hybrid = hybrid
         self.max_connections = max_connections
@@ -434,7 +438,16 @@ class State:
     async def open(self) -> None:
         options = bounded_async_options(self.cluster, max_connections=self.max_connections)
         self.client = async_client_from_url(self.url, **options)
-        self.router = AsyncPrefixRouter(self.client, self.key_prefix, hybrid=self.hybrid)
+        if self.follow:
+            try:
+                client = await asyncio.to_thread(self.sync)
+            except RegistryError as exc:  # a cluster not there yet: scored from Redis
+                log.warning("the fleet view could not start: %s", exc)
+            else:
+                self.view = FleetView(client, self.key_prefix).start(timeout=None)
+        self.router = AsyncPrefixRouter(
+            self.client, self.key_prefix, hybrid=self.hybrid, view=self.view
+        )
         self.gate = Gate(self.max_connections, self.pool_timeout)
         try:
             async with self.gate.turn():
@@ -459,6 +472,8 @@ class State:
             return self.sync_client
 
     async def close(self) -> None:
+        if self.view is not None:
+            await asyncio.to_thread(self.view.close)
         if self.client is not None:
             with contextlib.suppress(Exception):
                 await self.client.aclose()
@@ -773,18 +788,23 @@ def create_app(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     pool_timeout: float = DEFAULT_POOL_TIMEOUT,
     gateway: Any = None,
+    view: bool = False,
 ) -> FastAPI:
     """The scoring service for the registry at ``url``: at most ``max_connections``
     requests use Redis at once, the others wait up to ``pool_timeout`` seconds. With
     ``gateway`` (a ``pcr.gateway_app.GatewayConfig``) also the OpenAI-compatible router
-    in front of the engines (``pcr gateway``), whose errors take the OpenAI shape."""
+    in front of the engines (``pcr gateway``), whose errors take the OpenAI shape. With
+    ``view``, ``/v1/score`` scores from a fleet view the app follows (``pcr serve
+    --view``) while it follows Redis, and from Redis otherwise."""
+    if not isinstance(view, bool):
+        raise TypeError("view must be True or False")
     if isinstance(max_connections, bool) or not isinstance(max_connections, int):
         raise TypeError("max_connections must be an int")
     if max_connections < 1:
         raise ValueError("max_connections must be at least 1")
     if not isinstance(pool_timeout, (int, float)) or not 0 < pool_timeout < math.inf:
         raise ValueError("pool_timeout must be a positive finite number of seconds")
-    state = State(url, key_prefix, hybrid, max_connections, float(pool_timeout))
+    state = State(url, key_prefix, hybrid, max_connections, float(pool_timeout), view)
     lifespan = state.lifespan
     routing = None
     if gateway is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, NoScriptError, ResponseError
@@ -41,6 +41,7 @@ from registry.keys import (
 )
 from registry.membership import engine_table, split_members, warn_invalid
 from registry.routing import (
+    VIEW_STALE_S,
     BareState,
     IndexPlan,
     NodeScore,
@@ -62,6 +63,9 @@ from registry.scripts import (
 )
 from registry.validation import prefix_hashes
 
+if TYPE_CHECKING:
+    from registry.fleet.view import FleetView
+
 T = TypeVar("T")
 
 INDEX_SCRIPTS = ("fleet_members", "score")
@@ -81,10 +85,15 @@ class AsyncPrefixRouter:
         hybrid: bool | None = None,
         live_cache_ttl: float = 1.0,
         exact: bool = False,
+        view: FleetView | None = None,
     ) -> None:
         if not isinstance(exact, bool):
             raise TypeError("exact must be True or False")
+        if view is not None and exact:
+            raise ValueError("a router scores exactly or from a fleet view, not both")
         self.exact = exact
+        self.view = view
+        """As ``PrefixRouter.view``: scored from in memory while it follows Redis."""
         self._fleet = FleetKeys(key_prefix)
         self._bare: BareState = (0, frozenset(), float("-inf"))
         self._known = MemberList()  # the member table as last read (by version)
@@ -140,6 +149,9 @@ class AsyncPrefixRouter:
     async def _score(
         self, hashes: Sequence[int], namespaces: Iterable[str] | None
     ) -> dict[str, NodeScore]:
+        view = self.view
+        if view is not None and view.fresh(VIEW_STALE_S):
+            return view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
         if not self.exact:
             return await self._score_indexed(prefix_hashes(hashes), namespaces)
         packed = pack_hashes(hashes)

@@ -42,6 +42,10 @@ from registry.validation import prefix_hashes
 if TYPE_CHECKING:
     from registry.fleet.view import FleetView
 
+VIEW_STALE_S = 3.0
+"""A router with a fleet view asks Redis instead once the view has not read the live
+namespaces for this long (``registry.fleet.view.STALE_S``)."""
+
 
 @dataclass(frozen=True)
 class NodeScore:
@@ -86,7 +90,8 @@ class PrefixRouter:
         self.view = view
         """A started ``registry.fleet.view.FleetView`` to score from (memory work, no
         round trip; it may lag the writes by the time a change record takes to arrive:
-        ``view.sync()`` waits for them), or None: from the fleet index in Redis."""
+        ``view.sync()`` waits for them) while it follows Redis, asking Redis when it has
+        not for ``VIEW_STALE_S`` seconds; or None: from the fleet index in Redis."""
         self.client = client
         self.key_prefix = key_prefix
         self.hybrid = checked_hybrid(hybrid)
@@ -128,8 +133,9 @@ class PrefixRouter:
     def _score(
         self, hashes: Sequence[int], namespaces: Iterable[str] | None
     ) -> dict[str, NodeScore]:
-        if self.view is not None:
-            return self.view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
+        view = self.view
+        if view is not None and view.fresh(VIEW_STALE_S):
+            return view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
         if not self.exact:
             return self._score_indexed(prefix_hashes(hashes), namespaces)
         packed = pack_hashes(hashes)
@@ -190,7 +196,8 @@ class PrefixRouter:
     ) -> str | None:
         """The live node with the longest usable prefix; ties go to the lowest ``load``
         (missing = 0), then to the first namespace in sort order. None if none is live."""
-        if self.view is not None and _metrics.active is None:
+        view = self.view
+        if view is not None and _metrics.active is None and view.fresh(VIEW_STALE_S):
             return self._best_viewed(hashes, load, namespaces)
         scores = self.score(hashes, namespaces)
         choice = best_of(scores, load)

@@ -50,6 +50,9 @@ from registry.validation import prefix_hashes
 
 log = logging.getLogger(__name__)
 
+STALE_S = 3.0
+"""Seconds without a successful read of the live namespaces after which a router stops
+scoring from its view and asks Redis (``fresh``); the view reads them every second."""
 MEMO_SIZE = 4096
 """Holder sets whose namespaces a view remembers (``FleetView._named``)."""
 LOAD_BATCH = 64
@@ -171,6 +174,7 @@ class FleetView:
             source = view._source(name)
             source.incarnation = b"0"
         view._set_live(list(view._sources))
+        view._live_read_at = float("inf")  # nothing to follow: always as fresh as it is
         view.ready.set()
         return view
 

@@ -59,7 +59,7 @@ class Served:
         self.base = f"http://127.0.0.1:{self.port}"
         app_options = {
             k: options.pop(k)
-            for k in ("max_connections", "pool_timeout", "gateway")
+            for k in ("max_connections", "pool_timeout", "gateway", "view")
             if k in options
         }
         self.app = create_app(url, key_prefix=key_prefix, hybrid=hybrid, **app_options)
@@ -161,6 +161,45 @@ def test_score_equals_the_sync_router(
         expected = router.best(H[:5], load=load, namespaces=["node-b", "node-c"])
         assert service.score(body).json()["best"] == expected
     client.close()
+
+
+def test_a_service_with_a_fleet_view_scores_as_the_sync_router(
+    own_server: RedisServer, prefix: str
+) -> None:
+    """``pcr serve --view``: once the view has applied the writes, every score equals
+    the sync router's; a write after it reaches the scores; Redis killed: the view
+    stops following and the scores are 503 as without it; Redis back: 200 again."""
+    client = own_server.client()
+    nodes = fill(client, prefix)
+    router = PrefixRouter(client, prefix)
+    served = Served(own_server.url, prefix, view=True)
+    try:
+        view = served.app.state.registry.view
+        assert view is not None
+        wait_until(view.ready.is_set, what="the view loaded")
+        view.sync()
+        for prompt in (H, H[:6], H[:1], [], [*H[:4], -1, *H[5:]]):
+            body = served.score({"block_hashes": prompt}).json()
+            assert from_reply(body) == as_dict(router.score(prompt))
+            assert body["best"] == router.best(prompt)
+        nodes["node-d"].register_kv(range(12), H)  # now level with node-a
+        view.sync()
+        body = served.score({"block_hashes": H, "load": {"node-a": 3}}).json()
+        assert body["nodes"]["node-d"]["kv_prefix"] == 12
+        assert body["best"] == "node-d"
+        assert view.counts.records >= 1
+        own_server.kill()
+        wait_until(lambda: not view.fresh(3.0), what="the view to stop following")
+        reply = served.score({"block_hashes": H})
+        assert reply.status_code == 503, reply.text
+        own_server.restart()
+        fill(client, prefix)
+        wait_until(lambda: view.fresh(3.0), what="the view to follow again")
+        view.sync()
+        assert from_reply(served.score({"block_hashes": H}).json()) == as_dict(router.score(H))
+    finally:
+        served.close()
+        client.close()
 
 
 def test_no_hybrid_service_ranks_by_kv(redis_server: RedisServer, prefix: str) -> None:
