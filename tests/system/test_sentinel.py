@@ -283,3 +283,41 @@ def test_bad_sentinel_urls() -> None:
             PrefixCacheRegistry.from_url(url, "n")
     with pytest.raises(ValueError, match="standalone master"):
         PrefixCacheRegistry.from_url("redis+sentinel://h:1/m", "n", cluster=True)
+
+
+def test_a_fleet_view_follows_the_promoted_replica(
+    sentinel_setup: tuple[RedisServer, RedisServer, int],
+) -> None:
+    """The primary is killed and the replica promoted: the fleet view (on the Sentinel
+    URL) subscribes to the new primary, reads everything again and holds exactly its
+    maps, the write made after the failover included."""
+    from registry.client import client_from_url
+    from registry.fleet.view import FleetView
+
+    master, replica, sentinel_port = sentinel_setup
+    url = f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster"
+    owner = PrefixCacheRegistry.from_url(url, "node-v", socket_timeout=1)
+    owner.claim(lease_ttl=120)
+    owner.register_kv([1, 2], H[:2])
+    sentinel = redis.Redis(port=sentinel_port, decode_responses=True, socket_timeout=2)
+    view = FleetView(client_from_url(url, socket_timeout=1)).start()
+    replica_client = replica.client()
+    try:
+        view.sync(["node-v"])
+        assert view.held("node-v") == (frozenset(H[:2]), frozenset())
+        wait_until(lambda: replica_client.hlen(owner.keys.kv) == 2, what="replicated")
+        master.kill()
+        wait_until(lambda: _named_port(sentinel) == replica.port, what="switch-master")
+        wait_until(lambda: _lands(owner), what="a write on the promoted replica")
+        view.sync(["node-v"], timeout=30)
+        kv_map, mamba_map = owner.entries()
+        assert view.held("node-v") == (frozenset(kv_map), frozenset(mamba_map))
+        assert set(kv_map) == set(H[:2])  # the write after the failover: H[1] again
+        owner.register_kv([3], [H[2]])
+        view.sync(["node-v"], timeout=30)
+        assert view.match(H) == {"node-v": 3}
+    finally:
+        view.close()
+        replica_client.close()
+        sentinel.close()
+        owner.client.close()
