@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 STALE_S = 3.0
 """Seconds without a successful read of the live namespaces after which a router stops
 scoring from its view and asks Redis (``fresh``); the view reads them every second."""
-MEMO_SIZE = 4096
-"""Holder sets whose namespaces a view remembers (``FleetView._named``)."""
+MEMO_NAMES = 1 << 18
+"""How many namespaces a view remembers across the holder sets it decoded
+(``FleetView._named``; a few MB), before it forgets them all and starts again."""
 LOAD_BATCH = 64
 """Namespaces loaded per round trip (``fleet_snapshot``), at a cold start or a resync."""
 
@@ -133,6 +134,7 @@ class FleetView:
         self._pubsub: Any = None
         self._names: list[str | None] = []  # slot -> namespace
         self._memo: dict[int, dict[str, None]] = {}  # KV bits -> their namespaces
+        self._memo_names = 0
         self._hybrid = 0  # the KV bit of every hybrid model's namespace
         self._live_read_at = float("-inf")
         self.ready = threading.Event()  # set once subscribed and loaded
@@ -304,8 +306,10 @@ class FleetView:
                     found.append(name)
                 members ^= lowest
             names = dict.fromkeys(found)
-            if len(self._memo) >= MEMO_SIZE:
+            self._memo_names += len(found) + 1
+            if self._memo_names > MEMO_NAMES:
                 self._memo = {}
+                self._memo_names = len(found) + 1
             self._memo[bits] = names
         return names
 
@@ -513,6 +517,7 @@ class FleetView:
         self._set(source, set(), set())
         self._names[source.slot] = None
         self._memo = {}
+        self._memo_names = 0
         self._set_hybrid(source, False)
         self._free.append(source.slot)
         live = self._live
