@@ -7,7 +7,7 @@
 --     above 2^53 or over 14 digits (notice numbers, epochs) travel as strings too;
 --   * `unpack` is chunked (CHUNK values at a time): Lua's C stack holds about 8,000;
 --   * every key comes from KEYS; the channel name is not a key and comes from ARGV (the
---     change records' channel is built from the meta key's prefix: record_changes); one
+--     change records' channel is built from the meta key: record_changes); one
 --     exception: the fleet-index shard an owner's write updates (finish_indexed), named
 --     in ARGV because on a cluster it shares the node, not the slot;
 --   * a write script opens with WRITE_ARGV: ARGV[1] the caller's owner epoch ('' for a
@@ -387,9 +387,10 @@ local function index_change(shard, id_text, change, epoch, list, from, to)
   return count
 end
 
--- Change records (registry/fleet_view.py): every write that changed a namespace's maps
--- publishes one record of what it changed, in this script, on the fleet's channel
--- "<key prefix>:fleet:changes", which every router's in-process view follows:
+-- Change records (registry/fleet/view.py): every write that changed a namespace's maps
+-- publishes one record of what it changed, in this script, on the namespace's channel
+-- "pcr:{node-0}:changes" (inside a node user's ACL channel pattern, and no namespace
+-- can publish another's), which every router's in-process view follows by pattern:
 --   "<namespace> <incarnation> <seq> <part> <part> ..."
 -- numbered by meta's `change_seq` (1, 2, ... within the incarnation: a view that sees a
 -- number skipped, or a new incarnation, reloads the namespace), each part an operation
@@ -398,13 +399,14 @@ end
 -- removed; or one letter alone: 'K' the KV map emptied, 'M' the Mamba map emptied, 'C'
 -- claimed (both emptied, no longer known as hybrid), 'L' load the namespace again from
 -- its maps, 'G' the namespace collected. A fenced or refused write returns before it and
--- publishes nothing. The key prefix and the namespace come from the meta key in KEYS
--- (neither may contain '{' or '}'); the channel is not a key.
+-- publishes nothing. The channel and the namespace come from the meta key in KEYS
+-- (neither the key prefix nor a namespace may contain '{' or '}'); a channel is not a key.
 -- `parts` is a list of strings; `record_changes` does nothing for an empty list.
 -- Calls:   HGET (history), HINCRBY, PUBLISH
 local function publish_change(meta_key, incarnation, seq, text)
-  local prefix, namespace = string.match(meta_key, '^(.-):{(.*)}:meta$')
-  redis.call('PUBLISH', prefix .. ':fleet:changes',
+  local base = string.sub(meta_key, 1, -6)  -- "pcr:{node-0}" of "pcr:{node-0}:meta"
+  local namespace = string.match(base, '{(.*)}$')
+  redis.call('PUBLISH', base .. ':changes',
     namespace .. ' ' .. incarnation .. ' ' .. seq .. ' ' .. text)
 end
 

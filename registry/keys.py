@@ -57,11 +57,12 @@ def engines_key(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     return f"{validate_key_prefix(key_prefix)}:engines"
 
 
-def fleet_changes_channel(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
-    """Pub/sub channel of every namespace's change records, ``"<namespace> <incarnation>
-    <seq> <parts>"`` (``lua/_prelude.lua`` ``record_changes``), which each router's
-    in-process fleet view follows (``registry/fleet/view.py``)."""
-    return f"{validate_key_prefix(key_prefix)}:fleet:changes"
+def fleet_changes_pattern(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The pub/sub pattern of every namespace's change-record channel
+    (``NamespaceKeys.changes_channel``), which each router's in-process fleet view
+    follows (``registry/fleet/view.py``); glob characters of the prefix escaped."""
+    escaped = "".join("\\" + c if c in "*?[]\\" else c for c in validate_key_prefix(key_prefix))
+    return f"{escaped}:{{*}}:changes"
 
 
 def gateway_load_key(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
@@ -118,6 +119,12 @@ class NamespaceKeys:
     def mamba_evicted_channel(self) -> str:
         """Pub/sub channel on which eviction notices are published."""
         return f"{self.base}:mamba-evicted"
+
+    @property
+    def changes_channel(self) -> str:
+        """Pub/sub channel of the namespace's change records, ``"<namespace>
+        <incarnation> <seq> <parts>"`` (``lua/_prelude.lua`` ``record_changes``)."""
+        return f"{self.base}:changes"
 
     @property
     def engine_blocks(self) -> str:

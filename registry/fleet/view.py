@@ -2,13 +2,15 @@
 by the change records every write publishes in its own script.
 
 Every script that changes a namespace's maps (the owner's writes, a mirror's batches,
-``pcr bridge``'s batches, claims, clears, ``gc``) publishes one record on the channel
-``<key prefix>:fleet:changes`` in the same step (``lua/_prelude.lua``
+``pcr bridge``'s batches, claims, clears, ``gc``) publishes one record on the
+namespace's channel ``pcr:{NS}:changes`` in the same step (``lua/_prelude.lua``
 ``record_changes``): ``"<namespace> <incarnation> <seq> <parts>"``, numbered 1, 2, ...
 within the namespace's incarnation by meta's ``change_seq``. A write refused by fencing
 returns before it, so a fenced owner's writes never reach a view.
 
-A ``FleetView`` subscribes to the channel, then loads each namespace it follows in one
+A ``FleetView`` subscribes to every namespace's channel (one pattern,
+``pcr:{*}:changes``; a record that names another namespace than its channel's is
+skipped), then loads each namespace it follows in one
 read-only script (``lua/fleet_snapshot.lua``: both maps' hashes and the number of the
 last record they include), and applies the records after it. A number skipped, a new
 incarnation, a reconnect or the periodic resync make it load the namespace (or every
@@ -42,7 +44,7 @@ from itertools import groupby, repeat
 from typing import Any
 
 from registry.errors import REDIS_ERRORS, RegistryError
-from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, fleet_changes_channel
+from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, fleet_changes_pattern
 from registry.membership import NodeIndex
 from registry.routing import NodeScore, checked_hybrid
 from registry.scripts import ScriptRunner
@@ -90,6 +92,7 @@ class ViewCounts:
     gaps: int = 0  # records out of order, or of a new incarnation: the namespace loaded
     reconnects: int = 0  # subscriptions (re)made, each followed by loading everything
     errors: int = 0  # Redis faults the follower waited out
+    skipped: int = 0  # records that were not records, or named another namespace
 
 
 class FleetView:
@@ -112,7 +115,8 @@ class FleetView:
                 raise ValueError(f"{name} must be a positive number of seconds")
         self.client = client
         self.key_prefix = key_prefix
-        self.channel = fleet_changes_channel(key_prefix)
+        self.pattern = fleet_changes_pattern(key_prefix)
+        self._channel_start = f"{key_prefix}:{{".encode()
         self.live_cache_ttl = float(live_cache_ttl)
         self.resync_interval = float(resync_interval)
         self.counts = ViewCounts()
@@ -397,15 +401,15 @@ class FleetView:
         pubsub = self.client.pubsub()
         self._pubsub = pubsub
         try:
-            pubsub.subscribe(self.channel)
+            pubsub.psubscribe(self.pattern)
             resync_at = time.monotonic() + self.resync_interval
             while not self._stop.is_set():
                 message = pubsub.get_message(timeout=0.1)
                 while message is not None:
                     kind = _bytes(message.get("type"))
-                    if kind == b"message":
-                        self._apply(message["data"])
-                    elif kind == b"subscribe":
+                    if kind == b"pmessage":
+                        self._received(message.get("channel"), message["data"])
+                    elif kind == b"psubscribe":
                         self._subscribed()
                     message = pubsub.get_message(timeout=0)
                 now = time.monotonic()
@@ -565,11 +569,26 @@ class FleetView:
             else:  # one holder left
                 blocks[h] = ~(value.bit_length() - 1)
 
+    def _received(self, channel: Any, data: Any) -> None:
+        """A record from the channel: applied only when the namespace it names is the
+        channel's (a node user may publish on its own namespace's channel, never on
+        another's: a record naming another is skipped)."""
+        name = _bytes(channel)
+        start = self._channel_start
+        if not (name.startswith(start) and name.endswith(b"}:changes")):
+            return
+        record = _bytes(data)
+        if record.partition(b" ")[0] != name[len(start) : -len(b"}:changes")]:
+            self.counts.skipped += 1
+            return
+        self._apply(record)
+
     def _apply(self, data: Any) -> None:
         """One change record."""
         tokens = _bytes(data).split()
         if len(tokens) < 4:
             log.warning("fleet view: a change record without parts, skipped")
+            self.counts.skipped += 1
             return
         name = tokens[0].decode("utf-8", "replace")
         incarnation = tokens[1]
@@ -577,6 +596,7 @@ class FleetView:
             seq = int(tokens[2])
         except ValueError:
             log.warning("fleet view: a change record with a bad number, skipped")
+            self.counts.skipped += 1
             return
         source = self._sources.get(name)
         if source is None:

@@ -23,7 +23,7 @@ import pytest
 
 from registry import PrefixCacheRegistry, PrefixRouter, StaleEpochError, collect_dead
 from registry.fleet.view import FleetView
-from registry.keys import fleet_changes_channel
+from registry.keys import NamespaceKeys
 from tests.backends.test_fleet_index import chain_shaped, direct
 from tests.support.backends import Backend, expire_lease
 from tests.support.waiting import wait_until
@@ -175,16 +175,24 @@ def test_a_lost_record_or_garbage_on_the_channel_ends_with_the_maps(
     reg.register_kv(range(5), chain[:5])
     view = view_of()
     client = redis_backend.client()
-    channel = fleet_changes_channel(prefix)
+    channel = NamespaceKeys(name, prefix).changes_channel
     for junk in (b"", b"x", b"%s 1 2" % name.encode(), b"%s inc notanumber k+ 5" % name.encode(),
                  b"\xff\xfe k+ 1", b"nobody 1 1 k+ 12"):  # fmt: skip
         client.publish(channel, junk)
+    # A record on another namespace's channel naming this one (what a node user allowed
+    # only its own channel could try): skipped, whatever its numbers.
+    other = NamespaceKeys(f"o-{name}", prefix).changes_channel
+    seq = int(client.hget(reg.keys.meta, "change_seq"))
+    incarnation = client.hget(reg.keys.meta, "incarnation").decode()
+    client.publish(other, f"{name} {incarnation} {seq + 1} k+ {chain[19]}")
     # A record lost: its number taken without the record reaching anyone.
     client.hincrby(reg.keys.meta, "change_seq", 1)
     reg.register_kv(range(10), chain[:10])
     view.sync()
     assert viewed(view, chain) == {name: (10, 0, 10)}
     assert view.counts.gaps >= 1
+    assert view.counts.skipped >= 6
+    assert chain[19] not in view.blocks
     # A record with the right number but of another incarnation: loaded again.
     seq = int(client.hget(reg.keys.meta, "change_seq"))
     client.publish(channel, f"{name} 123 {seq + 1} k+ {chain[15]}")
