@@ -22,6 +22,7 @@ blocks); both in this process, on the same prompts, alternating.
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import random
 import statistics
@@ -125,11 +126,13 @@ def dynamo_events(fleet: Fleet) -> list[tuple[int, bytes]]:
 
 
 def _radix_tree() -> Any:
+    """A new Dynamo ``RadixTree``, or None without ``ai-dynamo-runtime`` (an optional
+    bench dependency: not in any extra, it pins an older pydantic)."""
     try:
-        from dynamo._core import RadixTree
+        core = importlib.import_module("dynamo._core")
     except ImportError:
         return None
-    return RadixTree()
+    return core.RadixTree()
 
 
 def measure(fleet: Fleet, rounds: int) -> dict[str, Any]:
