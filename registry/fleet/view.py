@@ -394,6 +394,10 @@ class FleetView:
                 self.counts.errors += 1
                 self._live_read_at = float("-inf")  # not following: not fresh
                 log.warning("fleet view: %s; following again in %.2f s", exc, delay)
+            except Exception:  # a bug here must not leave the view stale for good
+                self.counts.errors += 1
+                self._live_read_at = float("-inf")
+                log.exception("fleet view: unexpected error; following again in %.2f s", delay)
             self._stop.wait(delay)
             delay = min(delay * 2, 2.0)
 

@@ -251,3 +251,28 @@ def test_the_view_follows_a_server_killed_and_restarted_empty(own_server: Any) -
         assert viewed(view, chain) == {"node-k": (16, 0, 16)}
     finally:
         view.close()
+
+
+def test_an_unexpected_fault_while_following_is_survived(
+    redis_backend: Backend, prefix: str, view_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in applying a record (here: the first application raises) is logged; the
+    view follows again, reads everything again and ends equal to the maps."""
+    name = f"u-{uuid.uuid4().hex[:6]}"
+    reg = owner(redis_backend, name, prefix)
+    view = view_of()
+    apply = FleetView._apply
+    calls = []
+
+    def broken(self: FleetView, data: Any) -> None:
+        calls.append(data)
+        if len(calls) == 1:
+            raise KeyError("a bug")
+        apply(self, data)
+
+    monkeypatch.setattr(FleetView, "_apply", broken)
+    chain = list(range(5000, 5008))
+    reg.register_kv(range(8), chain)
+    wait_until(lambda: view.counts.errors >= 1, what="the fault")
+    view.sync()
+    assert viewed(view, chain) == {name: (8, 0, 8)}
