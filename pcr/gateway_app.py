@@ -69,6 +69,8 @@ ERROR_KIND = {
 VIEW_STALE_S = 3.0
 """Seconds without a successful read of the live namespaces after which the fleet view
 is taken as away (it reads them every second): routing by load until it follows again."""
+VIEW_START_S = 5.0
+"""Seconds the gateway waits at start for its fleet view's first load."""
 HASH_IN_LOOP = 4_096
 """Token lists longer than this are hashed in a worker thread."""
 SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
@@ -211,6 +213,9 @@ class GatewayState:
         if self.config.view and self.config.policy == "prefix":
             client = await asyncio.to_thread(self.registry.sync)
             self.view = FleetView(client, self.registry.key_prefix).start(timeout=None)
+            # Its first load before the first request (at most VIEW_START_S: with Redis
+            # away the gateway starts anyway, routing by load until the view follows).
+            await asyncio.to_thread(self.view.ready.wait, VIEW_START_S)
         with contextlib.suppress(RegistryError, TimeoutError):
             await self._discover()
         loops = [self._every(self.config.discover_interval, self._discover)]
