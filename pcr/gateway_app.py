@@ -66,9 +66,6 @@ ERROR_KIND = {
     502: "bad gateway",
     503: "unavailable",
 }
-VIEW_STALE_S = 3.0
-"""Seconds without a successful read of the live namespaces after which the fleet view
-is taken as away (it reads them every second): routing by load until it follows again."""
 VIEW_START_S = 5.0
 """Seconds the gateway waits at start for its fleet view's first load."""
 HASH_IN_LOOP = 4_096
@@ -473,8 +470,8 @@ class GatewayState:
 
     async def _viewed(self, names: list[str], tokens: list[int]) -> dict[str, int] | None:
         """``cached`` from the fleet view: memory work, no Redis round trip. None while
-        the view has not heard from Redis for ``VIEW_STALE_S`` seconds (it may then hold
-        what the engines no longer do)."""
+        the view is not ``fresh`` (it has not heard from Redis for ``STALE_S`` seconds and
+        may hold what the engines no longer do)."""
         view = self.view
         assert view is not None
         if not self.registry_reachable():
@@ -492,7 +489,7 @@ class GatewayState:
         """Whether routing can use the registry now (with the fleet view: whether it is
         following Redis; else: whether the last routing call reached it)."""
         if self.view is not None:
-            fresh = self.view.fresh(VIEW_STALE_S)
+            fresh = self.view.fresh()
             if fresh != self.registry_up:
                 self._registry(fresh, RegistryError("the fleet view is not following Redis"))
         return self.registry_up

@@ -41,7 +41,6 @@ from registry.keys import (
 )
 from registry.membership import engine_table, split_members, warn_invalid
 from registry.routing import (
-    VIEW_STALE_S,
     BareState,
     IndexPlan,
     NodeScore,
@@ -150,7 +149,7 @@ class AsyncPrefixRouter:
         self, hashes: Sequence[int], namespaces: Iterable[str] | None
     ) -> dict[str, NodeScore]:
         view = self.view
-        if view is not None and view.fresh(VIEW_STALE_S):
+        if view is not None and view.fresh():
             return view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
         if not self.exact:
             return await self._score_indexed(prefix_hashes(hashes), namespaces)

@@ -42,10 +42,6 @@ from registry.validation import prefix_hashes
 if TYPE_CHECKING:
     from registry.fleet.view import FleetView
 
-VIEW_STALE_S = 3.0
-"""A router with a fleet view asks Redis instead once the view has not read the live
-namespaces for this long (``registry.fleet.view.STALE_S``)."""
-
 
 @dataclass(frozen=True)
 class NodeScore:
@@ -91,7 +87,7 @@ class PrefixRouter:
         """A started ``registry.fleet.view.FleetView`` to score from (memory work, no
         round trip; it may lag the writes by the time a change record takes to arrive:
         ``view.sync()`` waits for them) while it follows Redis, asking Redis when it has
-        not for ``VIEW_STALE_S`` seconds; or None: from the fleet index in Redis."""
+        not for ``registry.fleet.view.STALE_S`` seconds; or None: from the fleet index in Redis."""
         self.client = client
         self.key_prefix = key_prefix
         self.hybrid = checked_hybrid(hybrid)
@@ -134,7 +130,7 @@ class PrefixRouter:
         self, hashes: Sequence[int], namespaces: Iterable[str] | None
     ) -> dict[str, NodeScore]:
         view = self.view
-        if view is not None and view.fresh(VIEW_STALE_S):
+        if view is not None and view.fresh():
             return view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
         if not self.exact:
             return self._score_indexed(prefix_hashes(hashes), namespaces)
@@ -197,7 +193,7 @@ class PrefixRouter:
         """The live node with the longest usable prefix; ties go to the lowest ``load``
         (missing = 0), then to the first namespace in sort order. None if none is live."""
         view = self.view
-        if view is not None and _metrics.active is None and view.fresh(VIEW_STALE_S):
+        if view is not None and _metrics.active is None and view.fresh():
             return self._best_viewed(hashes, load, namespaces)
         scores = self.score(hashes, namespaces)
         choice = best_of(scores, load)

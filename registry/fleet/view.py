@@ -53,8 +53,9 @@ from registry.validation import prefix_hashes
 log = logging.getLogger(__name__)
 
 STALE_S = 3.0
-"""Seconds without a successful read of the live namespaces after which a router stops
-scoring from its view and asks Redis (``fresh``); the view reads them every second."""
+"""Seconds without a successful read of the live namespaces after which a view is not
+``fresh``: routers ask Redis instead, the gateway routes by load. It reads them every
+second."""
 MEMO_NAMES = 1 << 18
 """How many namespaces a view remembers across the holder sets it decoded
 (``FleetView._named``; a few MB), before it forgets them all and starts again."""
@@ -131,7 +132,7 @@ class FleetView:
         self._next_slot = 0
         self._keys: dict[str, NamespaceKeys] = {}
         self._live = _Live(0, (), {})
-        self._live_at = float("-inf")
+        self._read_live = threading.Event()  # sync() asks for the live namespaces now
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -317,10 +318,11 @@ class FleetView:
             self._memo[bits] = names
         return names
 
-    def fresh(self, max_age: float) -> bool:
+    def fresh(self, max_age: float = STALE_S) -> bool:
         """Whether the view has loaded and read the live namespaces from Redis within
         the last ``max_age`` seconds (it does every ``live_cache_ttl``): a view that has
-        not may hold what the engines no longer do."""
+        not may hold what the engines no longer do. The routers and the gateway score
+        from it only while it is fresh by the default ``STALE_S``."""
         return self.ready.is_set() and time.monotonic() - self._live_read_at <= max_age
 
     def live_nodes(self) -> list[str]:
@@ -348,7 +350,7 @@ class FleetView:
         targets = self._positions(names)
         deadline = time.monotonic() + timeout
         asked = time.monotonic()
-        self._live_at = float("-inf")  # read the live namespaces again
+        self._read_live.set()
         with self._changed:
             while True:
                 behind = [n for n, at in targets.items() if not self._reached(n, at)]
@@ -417,7 +419,10 @@ class FleetView:
                         self._subscribed()
                     message = pubsub.get_message(timeout=0)
                 now = time.monotonic()
-                if self.ready.is_set() and now - self._live_at >= self.live_cache_ttl:
+                if self.ready.is_set() and (
+                    now - self._live_read_at >= self.live_cache_ttl or self._read_live.is_set()
+                ):
+                    self._read_live.clear()
                     self._refresh_live()
                 if now >= resync_at:
                     self._load(sorted(self._sources))
@@ -441,7 +446,6 @@ class FleetView:
     def _refresh_live(self, again: Sequence[str] = ()) -> None:
         """Read the live namespaces; load those not followed yet (and ``again``)."""
         names = self._server()[1].live()
-        self._live_at = time.monotonic()
         unknown = sorted({n for n in names if n not in self._sources}.union(again))
         if unknown:
             self._load(unknown)

@@ -189,12 +189,12 @@ def test_a_service_with_a_fleet_view_scores_as_the_sync_router(
         assert body["best"] == "node-d"
         assert view.counts.records >= 1
         own_server.kill()
-        wait_until(lambda: not view.fresh(3.0), what="the view to stop following")
+        wait_until(lambda: not view.fresh(), what="the view to stop following")
         reply = served.score({"block_hashes": H})
         assert reply.status_code == 503, reply.text
         own_server.restart()
         fill(client, prefix)
-        wait_until(lambda: view.fresh(3.0), what="the view to follow again")
+        wait_until(lambda: view.fresh(), what="the view to follow again")
         view.sync()
         assert from_reply(served.score({"block_hashes": H}).json()) == as_dict(router.score(H))
     finally:
