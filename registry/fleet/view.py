@@ -133,6 +133,7 @@ class FleetView:
         self._keys: dict[str, NamespaceKeys] = {}
         self._live = _Live(0, (), {})
         self._read_live = threading.Event()  # sync() asks for the live namespaces now
+        self._away = False  # said that it stopped following Redis
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -395,7 +396,10 @@ class FleetView:
             except (*REDIS_ERRORS, RegistryError) as exc:
                 self.counts.errors += 1
                 self._live_read_at = float("-inf")  # not following: not fresh
-                log.warning("fleet view: %s; following again in %.2f s", exc, delay)
+                # One warning when it stops following, not one per retry.
+                say = log.debug if self._away else log.warning
+                say("fleet view: %s; following again in %.2f s", exc, delay)
+                self._away = True
             except Exception:  # a bug here must not leave the view stale for good
                 self.counts.errors += 1
                 self._live_read_at = float("-inf")
@@ -441,6 +445,9 @@ class FleetView:
         in the socket and is applied or skipped by its number."""
         self.counts.reconnects += 1
         self._refresh_live(again=sorted(self._sources))
+        if self._away:
+            log.warning("fleet view: following Redis again")
+            self._away = False
         self.ready.set()
 
     def _refresh_live(self, again: Sequence[str] = ()) -> None:
