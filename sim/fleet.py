@@ -6,12 +6,14 @@ and a Mamba slot pool (small CPU tensors) with its eviction listener. Every requ
 served the way a hybrid engine would: match the KV prefix, find the farthest Mamba
 checkpoint inside it and restore it, evict to make room, register the new blocks, and
 checkpoint the Mamba state of the prompt's last block. A router sends each request to a
-node, round-robin or by prefix (``PrefixRouter.best``). At the end the run checks that
+node, round-robin or by prefix (``PrefixRouter.best`` from a fleet view kept in
+lockstep with the writes). At the end the run checks that
 the pools and the registry agree (``sim.audit``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -19,6 +21,7 @@ from dataclasses import asdict
 from typing import Any, Protocol
 
 from registry import MirroredRegistry, PrefixRouter, RegistryUnavailable, block_hashes
+from registry.fleet.view import FleetView
 from sim.config import ROUTERS, BridgeConfig, FleetConfig, check_bridge_config, check_fleet_config
 from sim.node import Node, Totals
 from sim.timings import Timings
@@ -104,26 +107,38 @@ def drive(
     away: round-robin) and the seconds it took."""
     names = [n.namespace for n in nodes]
     by_name = dict(zip(names, nodes, strict=True))
-    prefix_router = PrefixRouter(client, config.key_prefix)
-    assigned: dict[str, int] = dict.fromkeys(names, 0)
-    route_fallbacks = 0
-    started = time.perf_counter()
-    for request in Workload(config.workload):
-        for node in nodes:
-            node.heal(totals)
-        target = names[request.number % len(names)]
+    with contextlib.ExitStack() as stack:
+        view = None
         if router == "prefix":
-            hashes = block_hashes(request.tokens, config.block_size)
-            try:
-                with timings.timed("route (score all nodes)"):
-                    target = prefix_router.best(hashes, load=assigned, namespaces=names) or target
-            except RegistryUnavailable:
-                route_fallbacks += 1  # round-robin while Redis is away
-        assigned[target] += 1
-        by_name[target].serve(request, totals)
-        if progress is not None:
-            progress(request.number + 1, config.workload.requests)
-    return assigned, route_fallbacks, time.perf_counter() - started
+            # The router's fleet view, in lockstep: before each decision it has applied
+            # the last request's writes (sync), as a router of a real fleet has within
+            # about a millisecond.
+            view = stack.enter_context(FleetView(client, config.key_prefix))
+        prefix_router = PrefixRouter(client, config.key_prefix, view=view)
+        assigned: dict[str, int] = dict.fromkeys(names, 0)
+        route_fallbacks = 0
+        served: str | None = None
+        started = time.perf_counter()
+        for request in Workload(config.workload):
+            for node in nodes:
+                node.heal(totals)
+            target = names[request.number % len(names)]
+            if view is not None:
+                hashes = block_hashes(request.tokens, config.block_size)
+                try:
+                    with timings.timed("route (score all nodes)"):
+                        if served is not None:
+                            view.sync([served], live=False)
+                        best = prefix_router.best(hashes, load=assigned, namespaces=names)
+                    target = best or target
+                except RegistryUnavailable:
+                    route_fallbacks += 1  # round-robin while Redis is away
+            assigned[target] += 1
+            by_name[target].serve(request, totals)
+            served = target
+            if progress is not None:
+                progress(request.number + 1, config.workload.requests)
+        return assigned, route_fallbacks, time.perf_counter() - started
 
 
 def figures(

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from itertools import groupby, repeat
 from typing import Any
 
-from registry.errors import REDIS_ERRORS, RegistryError
+from registry.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, fleet_changes_pattern
 from registry.membership import NodeIndex
 from registry.routing import NodeScore, checked_hybrid
@@ -339,10 +339,21 @@ class FleetView:
 
     # -- read your writes --------------------------------------------------------------
 
-    def sync(self, namespaces: Iterable[str] | None = None, timeout: float = 10.0) -> None:
+    def sync(
+        self,
+        namespaces: Iterable[str] | None = None,
+        timeout: float = 10.0,
+        *,
+        live: bool = True,
+    ) -> None:
         """Wait until the view has applied every write that returned before this call
-        (to ``namespaces``, or to every namespace in the node index) and has read the
-        live namespaces since. Raises ``RegistryError`` after ``timeout`` seconds."""
+        (to ``namespaces``, or to every namespace in the node index) and, with ``live``,
+        has read the live namespaces since (``live=False``: only where one of them is not
+        among the live ones it holds; for a caller in lockstep with known namespaces, one round trip
+        less). Raises ``RegistryUnavailable`` when Redis did not answer, or the view did
+        not catch up within ``timeout`` seconds."""
+        if not isinstance(live, bool):
+            raise TypeError("live must be True or False")
         index = self._server()[1]
         if namespaces is None:
             names = sorted(set(self._sources) | set(index.live()))
@@ -351,7 +362,10 @@ class FleetView:
         targets = self._positions(names)
         deadline = time.monotonic() + timeout
         asked = time.monotonic()
-        self._read_live.set()
+        if live or any(n not in self._live.slots for n in names):
+            self._read_live.set()
+        else:
+            asked = float("-inf")
         with self._changed:
             while True:
                 behind = [n for n, at in targets.items() if not self._reached(n, at)]
@@ -359,7 +373,7 @@ class FleetView:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RegistryError(
+                    raise RegistryUnavailable(
                         f"the fleet view did not catch up within {timeout} s "
                         f"({len(behind)} namespaces behind)"
                     )
@@ -374,7 +388,8 @@ class FleetView:
         try:
             replies = pipe.execute()
         except REDIS_ERRORS as exc:
-            raise RegistryError(f"reading the change records' numbers: {exc}") from exc
+            error = translate(exc, "fleet view: reading the change records' numbers")
+            raise (error or exc) from exc
         pairs = zip(names, replies, strict=True)
         return {name: (_bytes(inc), int(seq or 0)) for name, (inc, seq) in pairs}
 

@@ -21,7 +21,13 @@ from typing import Any
 
 import pytest
 
-from registry import PrefixCacheRegistry, PrefixRouter, StaleEpochError, collect_dead
+from registry import (
+    PrefixCacheRegistry,
+    PrefixRouter,
+    RegistryUnavailable,
+    StaleEpochError,
+    collect_dead,
+)
 from registry.fleet.view import FleetView
 from registry.keys import NamespaceKeys
 from tests.backends.test_fleet_index import chain_shaped, direct
@@ -276,3 +282,39 @@ def test_an_unexpected_fault_while_following_is_survived(
     wait_until(lambda: view.counts.errors >= 1, what="the fault")
     view.sync()
     assert viewed(view, chain) == {name: (8, 0, 8)}
+
+
+def test_sync_without_a_live_read_still_reads_your_writes(
+    redis_backend: Backend, prefix: str, view_of: Any
+) -> None:
+    """``sync(live=False)`` (the simulation's lockstep) skips the live read for
+    namespaces it follows, yet every write that returned before it is in the view, one
+    by one, and a namespace claimed after the view started is read before it returns."""
+    first = owner(redis_backend, f"s-{uuid.uuid4().hex[:6]}", prefix)
+    view = view_of(live_cache_ttl=3600)  # no live read but the ones sync asks for
+    chain = list(range(6000, 6064))
+    for n in range(1, 65, 7):
+        first.register_kv(range(n), chain[:n])
+        view.sync([first.namespace], live=False)
+        assert viewed(view, chain) == {first.namespace: (n, 0, n)}
+    later = owner(redis_backend, f"s-{uuid.uuid4().hex[:6]}", prefix)
+    later.register_kv(range(3), chain[:3])
+    view.sync([later.namespace], live=False)
+    assert viewed(view, chain)[later.namespace] == (3, 0, 3)
+    with pytest.raises(TypeError):
+        view.sync(live=1)  # type: ignore[arg-type]
+
+
+def test_sync_says_redis_is_away_in_the_retryable_error(own_server: Any) -> None:
+    """With the server gone, ``sync`` raises ``RegistryUnavailable`` (a caller falls
+    back, as the simulation routes round-robin), not a bare redis-py error."""
+    prefix = f"fa{uuid.uuid4().hex[:8]}"
+    reg = PrefixCacheRegistry(own_server.client(), "node-a", key_prefix=prefix)
+    reg.claim(lease_ttl=60)
+    view = FleetView(own_server.client(socket_timeout=2), prefix).start()
+    try:
+        own_server.kill()
+        with pytest.raises(RegistryUnavailable):
+            view.sync(["node-a"], live=False, timeout=5)
+    finally:
+        view.close()
