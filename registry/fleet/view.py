@@ -149,12 +149,13 @@ class FleetView:
 
     def start(self, timeout: float | None = 30.0) -> FleetView:
         """Follow the channel in a daemon thread; wait up to ``timeout`` seconds for the
-        first load (None: do not wait). Raises ``RegistryError`` when it did not finish."""
+        first load (None: do not wait). Raises ``RegistryUnavailable`` (retryable) when it
+        did not finish."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._follow, name="fleet-view", daemon=True)
             self._thread.start()
         if timeout is not None and not self.ready.wait(timeout):
-            raise RegistryError(f"the fleet view did not load within {timeout} s")
+            raise RegistryUnavailable(f"the fleet view did not load within {timeout} s")
         return self
 
     def close(self) -> None:
@@ -349,8 +350,8 @@ class FleetView:
         """Wait until the view has applied every write that returned before this call
         (to ``namespaces``, or to every namespace in the node index) and, with ``live``,
         has read the live namespaces since (``live=False``: only where one of them is not
-        among the live ones it holds; for a caller in lockstep with known namespaces, one round trip
-        less). Raises ``RegistryUnavailable`` when Redis did not answer, or the view did
+        among the live ones it holds; for a caller in lockstep with known namespaces,
+        one round trip less). Raises ``RegistryUnavailable`` when Redis did not answer, or the view did
         not catch up within ``timeout`` seconds."""
         if not isinstance(live, bool):
             raise TypeError("live must be True or False")
