@@ -351,8 +351,8 @@ class FleetView:
         (to ``namespaces``, or to every namespace in the node index) and, with ``live``,
         has read the live namespaces since (``live=False``: only where one of them is not
         among the live ones it holds; for a caller in lockstep with known namespaces,
-        one round trip less). Raises ``RegistryUnavailable`` when Redis did not answer, or the view did
-        not catch up within ``timeout`` seconds."""
+        one round trip less). Raises ``RegistryUnavailable`` when Redis did not answer,
+        or the view did not catch up within ``timeout`` seconds."""
         if not isinstance(live, bool):
             raise TypeError("live must be True or False")
         index = self._server()[1]
