@@ -101,14 +101,18 @@ def test_lost_batches_are_replayed_and_only_the_bridge_writes() -> None:
 def test_engines_that_store_blocks_twice_as_vllm_does(frames: int) -> None:
     """Prompts sent again (retries, regenerations) make the engines store a fully cached
     prompt's last block a second time, as vLLM does; with batches lost and replayed in
-    either reply form, every engine's cache still equals its namespace."""
+    either reply form, every engine's cache still equals its namespace. In lockstep, so a
+    prompt sent again is routed to the node that holds it (without it, whether the bridge
+    applied the first copy before the resend is routed is a race, and no copy may form)."""
     config = FleetConfig(
         nodes=3,
         kv_blocks=256,
         mamba_slots=16,
         workload=WorkloadConfig(requests=120, seed=0, resend=0.3),
     )
-    bridge = BridgeConfig(drop_every=7, lease_ttl=1.5, duplicate_blocks=True, replay_frames=frames)
+    bridge = BridgeConfig(
+        drop_every=7, lease_ttl=1.5, duplicate_blocks=True, replay_frames=frames, lockstep=True
+    )
     run = simulate(fakeredis.FakeRedis(), config, "prefix", bridge=bridge)
     assert set(run["consistency"].values()) == {0}, run["consistency"]
     counts = run["bridge"]
