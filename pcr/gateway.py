@@ -122,8 +122,8 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     gateway.add_argument(
         "--queue-weight",
         type=_number(0, "--queue-weight", zero=True),
-        default=0.25,
-        help="tokens of cost per token of work queued ahead on a backend (default 0.25)",
+        default=0.1,
+        help="tokens of cost per token of work queued ahead on a backend (default 0.1)",
     )
     gateway.add_argument(
         "--spread-weight",

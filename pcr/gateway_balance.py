@@ -63,9 +63,12 @@ POLICIES = ("prefix", "least-load", "round-robin")
 class BalanceRule:
     """The weights of the cost (module docstring)."""
 
-    queue_weight: float = 0.25
+    queue_weight: float = 0.1
     """An engine batches the requests it runs: work queued ahead delays a request's first
-    token by a part of it, not all (BENCHMARKS.md compares weights)."""
+    token by a part of it, not all. Measured on two engines with small caches under four
+    streams, each step up costs hit rate (0, 0.1, 0.25, 0.5: 55.6, 55.5, 54.2, 52.7%, eight
+    runs each; BENCHMARKS.md): requests moved off the engine that caches their
+    conversation."""
     spread_weight: float = 0.5
     half_life: float = 30.0
     """Seconds over which a backend's recent work counts half."""
