@@ -188,6 +188,7 @@ class GatewayState:
         self._shared_at = 0.0
         self._sharing: asyncio.Task[None] | None = None
         self._share_again = False
+        self._untold_until = 0.0  # replies wait for no exchange until then (Redis slow)
         self.view: FleetView | None = None
 
     # -- lifetime ------------------------------------------------------------------------
@@ -215,6 +216,10 @@ class GatewayState:
             await asyncio.to_thread(self.view.ready.wait, VIEW_START_S)
         with contextlib.suppress(RegistryError, TimeoutError):
             await self._discover()
+        # Announce this replica at once: the others learn of it from the push, it of
+        # them from the reply (a replica tells its peers of each request's start and end
+        # only once it knows of some).
+        await self._share_quietly()
         loops = [self._every(self.config.discover_interval, self._discover)]
         loops.append(self._every(self.config.share_interval, self._tick))
         loops.append(self._listen())
@@ -327,17 +332,35 @@ class GatewayState:
         nudge during one makes one more after it."""
         if self._stopping or (not self.registry_up and time.monotonic() < self.registry_retry_at):
             return  # Redis known away: the periodic exchange finds out when it is back
+        if not self._peers:
+            return  # nobody to tell; a replica that starts learns it at the next exchange
         if self._sharing is not None and not self._sharing.done():
             self._share_again = True
             return
         self._sharing = asyncio.ensure_future(self._share_nudged())
 
+    async def tell_peers(self) -> None:
+        """Share this replica's load now, when other replicas are known, and wait until
+        Redis has it (at most ``registry_timeout``; the exchange goes on behind): a
+        reply's end is then known to them before its client can send the next request to
+        one of them, so two replicas choose as one would. Redis away or slower than that:
+        not waited for again for a second."""
+        if self._stopping or not self._peers or time.monotonic() < self._untold_until:
+            return
+        told = asyncio.ensure_future(self._share_quietly())
+        done, _ = await asyncio.wait({told}, timeout=self.config.registry_timeout)
+        if not done or not self.registry_up:
+            self._untold_until = time.monotonic() + 1.0
+
+    async def _share_quietly(self) -> None:
+        with contextlib.suppress(Exception):  # the periodic exchange says why
+            await self._share()
+
     async def _share_nudged(self) -> None:
         again = True
         while again and not self._stopping:
             self._share_again = False
-            with contextlib.suppress(Exception):  # the periodic exchange says why
-                await self._share()
+            await self._share_quietly()
             again = self._share_again
 
     async def _listen(self) -> None:
@@ -578,6 +601,8 @@ class Proxy:
     """The proxied routes' ASGI endpoint: ``proxy`` with the gateway's state and body
     limit."""
 
+    paths = PROXIED
+
     def __init__(self, gateway: GatewayState, limit: int, too_large: bytes) -> None:
         self.gateway = gateway
         self.limit = limit
@@ -585,23 +610,6 @@ class Proxy:
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         await proxy(self, scope, receive, send, PROXIED[scope["path"]])
-
-
-class ProxyRoutes:
-    """ASGI middleware, inside only the outermost (``_Faults``): ``POST`` to a proxied
-    path goes straight to the ``Proxy`` in plain ASGI (no routing, no other middleware:
-    the proxy applies the body limit itself); every other request goes on to the app,
-    whose router has the same endpoint and answers 405 for other methods on these paths."""
-
-    def __init__(self, app: Any, proxy: Proxy) -> None:
-        self.app = app
-        self.proxy = proxy
-
-    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED:
-            await self.proxy(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 async def _respond(
@@ -820,28 +828,38 @@ def _started(
             counted.predicted.inc(choice.cached)
 
 
-def _ended(state: GatewayState, backend: Backend, prefill: int) -> None:
+def _ended(state: GatewayState, backend: Backend, prefill: int, nudge: bool = True) -> None:
     load = backend.load
     load.in_flight = max(0, load.in_flight - 1)
     load.pending = max(0.0, load.pending - prefill)
-    state.nudge()
+    if nudge:
+        state.nudge()
     if state.metrics.on:
         backend.metrics(state.metrics).in_flight.dec()
 
 
 class _Ending:
-    """``_ended`` once: called before a reply's last bytes go to the client (so the
-    other replicas hear of the end before the client can send its next request to one
-    of them), and again, as a no-op, when the exchange is over whatever happened."""
+    """``_ended`` once: awaited (``told``) before a reply's last bytes go to the client,
+    so the other replicas hear of the end before the client can send its next request
+    to one of them; called again, as a no-op, when the exchange is over whatever
+    happened (then the others are told in the background)."""
 
     def __init__(self, state: GatewayState, backend: Backend, prefill: int) -> None:
-        self.args = (state, backend, prefill)
+        self.state = state
+        self.backend = backend
+        self.prefill = prefill
         self.done = False
 
     def __call__(self) -> None:
         if not self.done:
             self.done = True
-            _ended(*self.args)
+            _ended(self.state, self.backend, self.prefill)
+
+    async def told(self) -> None:
+        if not self.done:
+            self.done = True
+            _ended(self.state, self.backend, self.prefill, nudge=False)
+            await self.state.tell_peers()
 
 
 def _count_error(state: GatewayState, backend: Backend, kind: str) -> None:
@@ -906,7 +924,7 @@ async def _whole(
         return
     upstream.release()
     watch.stop()
-    end()
+    await end.told()
     _answered(state, backend, upstream.status, arrived, first_byte=True)
     await _respond(send, upstream.status, content, _raw_reply_headers(upstream))
 
@@ -964,7 +982,7 @@ async def _streamed(
             broken = True
             _count_error(state, backend, "protocol")
         watch.stop()
-        end()
+        await end.told()
         last = _stream_error(backend) if broken and events else b""
         await send({"type": "http.response.body", "body": last})  # say so, as engines do
     finally:
@@ -1030,14 +1048,14 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def add_gateway_routes(app: FastAPI, limit: int, too_large: bytes) -> None:
+def add_gateway_routes(app: FastAPI, limit: int, too_large: bytes) -> Proxy:
     """The gateway's routes: the proxied ones as a plain ASGI endpoint (the body passes
-    through as bytes: no FastAPI parsing or validation on the way), which the outermost
-    middleware ``ProxyRoutes`` also calls directly; ``too_large`` is the 413 answer to a
-    body over ``limit`` bytes."""
+    through as bytes: no FastAPI parsing or validation on the way), returned for the app
+    to call before its own layers (``pcr.serve_app.ScoringApp.proxied``); ``too_large``
+    is the 413 answer to a body over ``limit`` bytes."""
     endpoint = Proxy(app.state.gateway, limit, too_large)
     for path in PROXIED:
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
-    app.add_middleware(ProxyRoutes, proxy=endpoint)
+    return endpoint

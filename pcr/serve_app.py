@@ -771,7 +771,31 @@ def _add_routes(app: FastAPI, *, health_check: bool = True) -> None:
 
 class ScoringApp(FastAPI):
     """FastAPI, with the request schema published as pydantic writes it: FastAPI's
-    OpenAPI models read every bound as a float (2^63-1 would read 9.223372036854776e18)."""
+    OpenAPI models read every bound as a float (2^63-1 would read 9.223372036854776e18);
+    and, for the gateway, its proxied requests taken before FastAPI's own layers."""
+
+    proxied: Any = None
+    """The gateway's ``POST`` routes in plain ASGI (``pcr.gateway_app.Proxy`` inside
+    ``_Faults``), or None: they skip routing and every middleware but ``_Faults`` (the
+    proxy applies the body limit itself); every other request goes through the app,
+    whose router has the same endpoint and answers 405 for other methods on its paths."""
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        proxied = self.proxied
+        if (
+            proxied is not None
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in proxied.app.paths
+        ):
+            await proxied(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
     def openapi(self) -> dict[str, Any]:
         spec = super().openapi()
@@ -824,13 +848,14 @@ def create_app(
     app.router.route_class = ExactRoute
     _add_routes(app, health_check=routing is None)
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES, openai=routing is not None)
-    if routing is not None:  # its middleware next to last: inside `_Faults` only
+    if routing is not None:
         from pcr.gateway_app import add_gateway_routes
 
         too_large = error_body(
             ERROR_KINDS[413], f"bodies are limited to {MAX_BODY_BYTES:,} bytes", 413, openai=True
         )
-        add_gateway_routes(app, MAX_BODY_BYTES, too_large)
+        proxy = add_gateway_routes(app, MAX_BODY_BYTES, too_large)
+        app.proxied = _Faults(proxy, openai=True)
     app.add_middleware(_Faults, openai=routing is not None)  # the outermost of all ours
     return app
 

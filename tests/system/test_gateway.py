@@ -7,7 +7,9 @@ announced in Redis. Faults (refusals, retries, Redis away, bad input) are in
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -258,6 +260,66 @@ def test_a_replica_sees_another_replicas_request_as_it_starts_and_ends(
         thread.join(60)
         for served in replicas:
             served.close()
+
+
+def test_a_lone_replica_exchanges_no_load_per_request_and_replicas_hear_each_end_first(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    """A replica that knows no other sends nothing to Redis per request (its periodic
+    exchange is a minute apart here: no load message while it serves five requests); once
+    a second replica has announced itself, each reply through the first leaves only after
+    Redis holds the first's load without that request, so the next request, sent to
+    either replica, is chosen knowing it ended."""
+    from pcr.gateway_app import GatewayConfig
+    from registry.keys import gateway_load_channel, gateway_load_key
+    from tests.system.test_serve import Served
+
+    prefix = f"gt{uuid.uuid4().hex[:6]}"
+    backends = dict(zip(names, (e.url for e in engines), strict=True))
+    client = redis.Redis.from_url(redis_server.url)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(gateway_load_channel(prefix))
+
+    def replica(rid: str) -> Served:
+        config = GatewayConfig(
+            backends=backends, block_size=BLOCK, replica_id=rid, share_interval=60,
+            registry_timeout=30,
+        )  # fmt: skip
+        return Served(redis_server.url, prefix, gateway=config)
+
+    def heard_until(rid: str) -> list[str]:
+        """The ids of the load messages up to and including ``rid``'s first."""
+        ids: list[str] = []
+        deadline = time.monotonic() + 30
+        while rid not in ids:
+            assert time.monotonic() < deadline, ids
+            message = pubsub.get_message(timeout=1)  # None: a confirmation, or nothing yet
+            if message is not None:
+                ids.append(message["data"].decode().split(" ", 1)[0])
+        return ids
+
+    made: list[Served] = []
+    try:
+        made.append(replica("one"))
+        assert heard_until("one") == ["one"]  # its announcement at start
+        for n in range(5):
+            reply = made[0].http.post("/v1/completions", json={"model": "m", "prompt": [n] * 9})
+            assert reply.status_code == 200
+        made.append(replica("two"))
+        assert heard_until("two") == ["two"]  # nothing from one meanwhile
+        wait_until(lambda: made[0].app.state.gateway._peers, 30, "replica one hearing of two")
+        for n in range(3):
+            reply = made[0].http.post("/v1/completions", json={"model": "m", "prompt": [n] * 9})
+            assert reply.status_code == 200
+            entry = client.hget(gateway_load_key(prefix), "one")
+            assert entry is not None
+            load = json.loads(entry.decode().split(" ", 1)[1])["load"]
+            assert all(values[0] == 0 for values in load.values()), load
+    finally:
+        for served in made:
+            served.close()
+        pubsub.close()
+        client.close()
 
 
 def wait_in_flight_any(engines: list[FakeEngine]) -> FakeEngine:
