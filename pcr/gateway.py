@@ -104,6 +104,12 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         help='a JSON file {"backends": {"NAMESPACE": "URL", ...}}',
     )
     gateway.add_argument(
+        "--no-announced",
+        action="store_true",
+        help="route only to the backends given here, not to engines announced in Redis "
+        "(pcr bridge --engine-url)",
+    )
+    gateway.add_argument(
         "--tokenizer",
         metavar="DIR",
         help="the model's tokenizer directory (tokenizer.json, tokenizer_config.json with "
@@ -246,6 +252,7 @@ def command_gateway(args: argparse.Namespace) -> int:
         registry_timeout=args.registry_timeout,
         upstream_timeout=args.upstream_timeout,
         view=not args.no_view,
+        announced=not args.no_announced,
     )
     server_class = _server_class()
     _enable_metrics()
@@ -263,9 +270,10 @@ def command_gateway(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     known = ", ".join(f"{n}={u}" for n, u in sorted(backends.items())) or "none configured"
+    where = "registry in" if args.no_announced else "and engines announced in"
     print(
-        f"pcr gateway: routing on http://{host}:{port} to {known} (and engines announced in "
-        f"Redis at {_where(args.redis_url)}), policy {args.policy}",
+        f"pcr gateway: routing on http://{host}:{port} to {known} ({where} Redis at "
+        f"{_where(args.redis_url)}), policy {args.policy}",
         flush=True,
     )
     config_uvicorn = uvicorn_config(

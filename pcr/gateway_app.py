@@ -107,6 +107,9 @@ class GatewayConfig:
     registry_timeout: float = 0.25
     connect_timeout: float = 2.0
     upstream_timeout: float = 600.0
+    announced: bool = True
+    """Also route to the engines announced in Redis (``pcr bridge --engine-url``); False:
+    only to ``backends``."""
     view: bool = True
     """Score from the fleet's view in this process (``registry.fleet.view``, fed by the
     change records the writes publish): no Redis round trip per request. False: ask
@@ -115,6 +118,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.view, bool):
             raise TypeError("view must be True or False")
+        if not isinstance(self.announced, bool):
+            raise TypeError("announced must be True or False")
         for namespace, url in self.backends.items():
             validate_engine_url(url)
             if not namespace:
@@ -214,14 +219,16 @@ class GatewayState:
             # Its first load before the first request (at most VIEW_START_S: with Redis
             # away the gateway starts anyway, routing by load until the view follows).
             await asyncio.to_thread(self.view.ready.wait, VIEW_START_S)
-        with contextlib.suppress(RegistryError, TimeoutError):
-            await self._discover()
+        if self.config.announced:
+            with contextlib.suppress(RegistryError, TimeoutError):
+                await self._discover()
         # Announce this replica at once: the others learn of it from the push, it of
         # them from the reply (a replica tells its peers of each request's start and end
         # only once it knows of some).
         await self._share_quietly()
-        loops = [self._every(self.config.discover_interval, self._discover)]
-        loops.append(self._every(self.config.share_interval, self._tick))
+        loops = [self._every(self.config.share_interval, self._tick)]
+        if self.config.announced:
+            loops.append(self._every(self.config.discover_interval, self._discover))
         loops.append(self._listen())
         if self.config.scrape_interval > 0:
             loops.append(self._every(self.config.scrape_interval, self._scrape))

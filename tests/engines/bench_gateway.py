@@ -42,6 +42,12 @@ chat template and tokenizer give (engine 0's ``/tokenize`` of each chat request)
 request asks for 4 tokens at temperature 0 and is streamed: TTFT is the time to the first
 SSE data chunk. One stream sends one request at a time; four streams each take the next
 ready request (a conversation's next turn is ready once its previous turn completed).
+
+Rows whose outcome depends on timing (the 4-stream rows, the replicas group) run
+``--repeat`` times (3 by default); the table after the rows gives their mean and range.
+The replicas group also runs one gateway with the same client, to compare with. The
+latency group sends a few requests directly and through the router before it measures,
+so a fresh router's first connection is not counted.
 """
 
 from __future__ import annotations
@@ -468,6 +474,10 @@ class Router:
             ]
             for i in self.backends:
                 command += ["--backend", f"{bench.namespaces[i]}={bench.engines[i].url}"]
+            if len(self.backends) < len(bench.engines):
+                # Only these: the bridge announces every engine in Redis, and a gateway
+                # routes to announced engines too (the latency rows measure engine 0 alone).
+                command.append("--no-announced")
             return [
                 *command,
                 "--tokenizer", str(bench.model),
@@ -642,6 +652,9 @@ class Row:
     logs: list[str] = field(default_factory=list)
     router_start_s: list[float] = field(default_factory=list)
     """Seconds each router process took to answer ``/health`` (restarts included)."""
+    trial: int = 1
+    """Which run of the same row this is (``--repeat``: rows whose outcome depends on
+    timing run several times)."""
 
 
 def fill(row: Row, outcomes: list[Outcome], wall: float, deltas: list[dict[str, float]]) -> None:
@@ -698,17 +711,24 @@ def main_row(
     return row
 
 
+def numbered(job: Callable[[], Row], trial: int) -> Row:
+    row = job()
+    row.trial = trial
+    return row
+
+
 def replicas_row(
-    bench: Bench, spec: RouterSpec, name: str, requests: list[Request], form: str
+    bench: Bench, spec: RouterSpec, name: str, requests: list[Request], form: str, count: int = 2
 ) -> Row:
-    """Two replicas of ``spec`` behind a client that alternates between them."""
-    row = Row("replicas", spec.label, name, form, 1, replicas=2)
+    """``count`` replicas of ``spec`` behind a client that alternates between them (one:
+    the same client and requests through a single router, to compare with)."""
+    row = Row("replicas", spec.label, name, form, 1, replicas=count)
     reason = bench.available(spec)
     if reason:
         return skipped(row, reason)
     warning = reset_caches(bench)
     try:
-        with routers(bench, spec, count=2) as made:
+        with routers(bench, spec, count=count) as made:
             row.logs = [r.log() for r in made]
             row.router_start_s = [r.start_s for r in made]
             before = snapshot(bench.engines)
@@ -718,8 +738,11 @@ def replicas_row(
             fill(row, outcomes, wall, delta(before, snapshot(bench.engines)))
     except (RuntimeError, TimeoutError) as exc:
         return skipped(row, str(exc)[:400])
-    row.notes = "client alternates requests between two router replicas"
-    if spec.kind == "gateway":
+    if count == 1:
+        row.notes = "one router: what the replicas are compared with"
+    else:
+        row.notes = "client alternates requests between two router replicas"
+    if spec.kind == "gateway" and count > 1:
         row.notes += " (--replica-id bench-a / bench-b, one Redis)"
     if warning:
         row.notes += f"; {warning}"
@@ -856,6 +879,12 @@ class LatencyRow:
     reply's last byte."""
 
 
+LATENCY_WARM_UP = 3
+"""Requests sent directly and through the router before the measured ones: a fresh
+router's first request opens its connection to the engine and pays first-use costs,
+which are not the per-request figure."""
+
+
 def latency_row(bench: Bench, spec: RouterSpec, prompts: list[Request]) -> LatencyRow:
     """The same non-streamed token-id requests, one at a time, straight to engine 0 and
     through ``spec`` routing to engine 0 alone; each prompt is sent once first so that both
@@ -879,6 +908,9 @@ def latency_row(bench: Bench, spec: RouterSpec, prompts: list[Request]) -> Laten
     try:
         router.start()
         with httpx.Client(timeout=REQUEST_TIMEOUT) as client:
+            for target in (engine.url, router.url):  # connections made, first-use costs paid
+                for _ in range(LATENCY_WARM_UP):
+                    send(client, target, prompts[0], "tokens", model, stream=False)
             for i, prompt in enumerate(prompts):
                 send(client, engine.url, prompt, "tokens", model, stream=False)
                 pair: dict[str, Outcome] = {}
@@ -972,6 +1004,28 @@ def num(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
+def summary(rows: list[Row]) -> list[str]:
+    """Rows run more than once: the mean hit rate over the runs, and its range."""
+    runs: dict[tuple[str, str, str, str, int, int], list[float]] = {}
+    for r in rows:
+        if r.hit_rate is not None and r.notes != "not run":
+            key = (r.group, r.router, r.workload, r.form, r.streams, r.replicas)
+            runs.setdefault(key, []).append(r.hit_rate)
+    lines = [
+        "| group | router | workload | form | streams | runs | mean hit rate | range |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (group, router, workload, form, streams, replicas), rates in runs.items():
+        if len(rates) < 2:
+            continue
+        shown = f"{streams}" + (f" x {replicas} replicas" if replicas > 1 else "")
+        lines.append(
+            f"| {group} | {router} | {workload} | {form} | {shown} | {len(rates)} "
+            f"| {pct(sum(rates) / len(rates))} | {pct(min(rates))} to {pct(max(rates))} |"
+        )
+    return lines
+
+
 def markdown(rows: list[Row], latency: list[LatencyRow]) -> str:
     lines = [
         "| group | router | workload | form | streams | requests | failed | hit rate "
@@ -997,6 +1051,7 @@ def markdown(rows: list[Row], latency: list[LatencyRow]) -> str:
             f"| {num(r.ttft_p50_ms)} / {num(r.ttft_p99_ms)} | {num(r.throughput_rps)} "
             f"| {notes.replace('|', '/')} |"
         )
+    lines += ["", *summary(rows)]
     lines += [
         "",
         "| added latency (non-streamed token-id requests to engine 0) | requests | failed "
@@ -1098,6 +1153,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="requests in the latency group (default 40; 8 with --quick)",
     )
     parser.add_argument(
+        "--repeat",
+        type=int,
+        help="runs of each row whose outcome depends on timing: the 4-stream rows and the "
+        "replicas group, with a one-replica gateway row beside it (default 3; 1 with --quick)",
+    )
+    parser.add_argument(
         "--routers",
         help=f"comma-separated router keys (default: all: {','.join(s.key for s in ROUTERS)})",
     )
@@ -1132,8 +1193,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         workloads = [WorkloadSpec("16x5", 16, 5, seed=1), WorkloadSpec("32x6", 32, 6, seed=2)]
         scenario_workload = workloads[0]
-        latency_count = 40
+        latency_count = 100
     latency_count = args.latency_requests or latency_count
+    repeat = args.repeat or (1 if args.quick else 3)
     built = {w.name: build_workload(w) for w in workloads}
 
     started = time.monotonic()
@@ -1192,7 +1254,8 @@ def run(args: argparse.Namespace) -> int:
                 for form in ("chat", "tokens"):
                     for streams in (1, STREAMS):
                         job = partial(main_row, bench, spec, workload.name, requests, form, streams)
-                        plan.append(("main", spec, job))
+                        for trial in range(1, 1 + (repeat if streams > 1 else 1)):
+                            plan.append(("main", spec, partial(numbered, job, trial)))
         scenarios: list[tuple[str, Callable[..., Row], bool]] = [
             ("replicas", replicas_row, False),
             ("engine-restart", engine_restart_row, True),
@@ -1202,7 +1265,14 @@ def run(args: argparse.Namespace) -> int:
             for spec in specs:
                 if group in groups and (with_round_robin or spec is not ROUND_ROBIN):
                     job = partial(make, bench, spec, scenario_workload.name, scenario, "tokens")
-                    plan.append((group, spec, job))
+                    trials = repeat if group == "replicas" else 1
+                    for trial in range(1, 1 + trials):
+                        plan.append((group, spec, partial(numbered, job, trial)))
+                    if group == "replicas" and spec is GATEWAY:  # one replica, same client
+                        one = partial(replicas_row, bench, spec, scenario_workload.name,
+                                      scenario, "tokens", count=1)  # fmt: skip
+                        for trial in range(1, 1 + trials):
+                            plan.append((group, spec, partial(numbered, one, trial)))
         for group, spec, work in plan:
             try:
                 row = work()
@@ -1247,6 +1317,7 @@ def run(args: argparse.Namespace) -> int:
         "commit": commit(),
         "duration_s": round(duration, 1),
         "quick": bool(args.quick),
+        "repeat": repeat,
         "groups": groups,
         "machine": {
             "cpus": os.cpu_count(),
@@ -1315,7 +1386,8 @@ def row_line(row: Row) -> str:
         return f"{head}: not run: {row.errors[:1]}"
     return (
         f"{row.group} {row.router} {row.workload} {row.form} x{row.streams}"
-        f"{' x2 replicas' if row.replicas > 1 else ''}: hit {pct(row.hit_rate)}, "
+        f"{f' x{row.replicas} replicas' if row.replicas > 1 else ''}"
+        f"{f' (run {row.trial})' if row.trial > 1 else ''}: hit {pct(row.hit_rate)}, "
         f"engines {row.per_engine}, failed {row.failed}/{row.requests}, TTFT p50 "
         f"{row.ttft_p50_ms} ms, {row.throughput_rps} req/s"
         + (

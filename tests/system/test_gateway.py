@@ -400,6 +400,29 @@ def test_engines_announced_in_redis_become_backends(
         client.close()
 
 
+def test_no_announced_routes_only_to_the_backends_given(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    """``--no-announced``: an engine announced in Redis before the gateway starts (a
+    gateway reads the table before it serves) is not a backend; every request goes to
+    the one given."""
+    client = redis_server.client()
+    index = NodeIndex(client)
+    index.announce_engine(names[1], engines[1].url)
+    proc = ServeProcess(
+        "--redis-url", redis_server.url, "--block-size", str(BLOCK), "--no-announced",
+        "--backend", f"{names[0]}={engines[0].url}", "--policy", "round-robin",
+        path="/live", command="gateway",
+    ).start()  # fmt: skip
+    try:
+        assert httpx.get(f"{proc.base}/health", timeout=10).json()["backends"] == {names[0]: "up"}
+        assert [complete(proc.base, {"prompt": [1, 2, 3]})["by"] for _ in range(4)] == ["a"] * 4
+    finally:
+        index.forget_engine(names[1])
+        proc.stop()
+        client.close()
+
+
 def test_models_and_round_robin(
     redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
 ) -> None:
