@@ -134,8 +134,8 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     gateway.add_argument(
         "--spread-weight",
         type=_number(0, "--spread-weight", zero=True),
-        default=0.5,
-        help="cost, in prompts, of a backend's excess share of the recent work (default 0.5)",
+        default=1.0,
+        help="cost, in prompts, of a backend's excess share of the recent work (default 1)",
     )
     gateway.add_argument(
         "--half-life",
