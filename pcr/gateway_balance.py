@@ -7,7 +7,7 @@ term that keeps the fleet's caches from collapsing onto one engine; the lowest c
 
     cost(b) = prefill(b)                                  # the prompt's uncached tokens
             + queue_weight  * queued(b)                   # work ahead of it on b
-            + spread_weight * prompt * (N * share(b) - 1) # b's share of recent work
+            + spread_weight * fresh * (N * share(b) - 1)  # b's share of recent work
             + prompt * [kv_usage(b) >= kv_usage_limit]
 
 - ``prefill(b) = prompt - cached(b)``; ``cached(b)`` is the prefix the registry says b's
@@ -28,10 +28,14 @@ term that keeps the fleet's caches from collapsing onto one engine; the lowest c
   engine that first cached a shared system prompt whenever requests come one at a time
   (nothing is ever in flight), and that engine's cache must then hold every conversation
   while the other's sits idle. With two engines and the default weight 1, a backend
-  doing all the recent work costs two prompts more than an idle one: a new
-  conversation (equally cached everywhere but for the system prompt) goes to the idle
-  engine, while a conversation's next turn stays where most of it is cached unless the
-  imbalance outweighs what its cache saves.
+  doing all the recent work costs twice the ``fresh`` tokens more than an idle one.
+- ``fresh = prompt - max over b of cached(b)``: the tokens no backend caches, the work
+  that may go anywhere. The spread moves only that: a turn of a conversation cached on
+  one engine stays there however the recent work is shared (after an engine restarted
+  empty, the other holds every conversation and has done all the recent work: spreading
+  whole prompts would move even fully cached turns to the empty engine), while a new
+  conversation, cached nowhere but for a shared system prompt, goes where the work is
+  lighter.
 - ``kv_usage(b)`` (``vllm:kv_cache_usage_perc``, scraped): an engine whose KV cache is
   full queues or preempts, so it costs one more prompt.
 
@@ -165,17 +169,19 @@ def ranked(
     recent = {n: _recent(loads.get(n), now, rule.half_life) for n in names}
     total = sum(recent.values())
     count = len(names)
+    hits = {n: min(max(0, cached.get(n, 0)), max(0, prompt_tokens)) for n in names}
+    fresh = float(max(0, prompt_tokens) - max(hits.values()))
     out = []
     for name in names:
         load = loads.get(name) or BackendLoad()
-        hit = min(max(0, cached.get(name, 0)), max(0, prompt_tokens))
+        hit = hits[name]
         in_flight = load.in_flight + load.remote_in_flight
         queued = load.pending + load.remote_pending
         queued += rule.request_tokens * max(float(in_flight), load.engine_requests)
         share = (recent[name] + prompt_tokens) / (total + count * prompt_tokens)
         cost = float(prompt_tokens - hit)
         cost += rule.queue_weight * queued
-        cost += rule.spread_weight * prompt_tokens * (count * share - 1.0)
+        cost += rule.spread_weight * fresh * (count * share - 1.0)
         if load.kv_usage >= rule.kv_usage_limit:
             cost += prompt_tokens
         out.append(Choice(name, cost, hit, queued, share))

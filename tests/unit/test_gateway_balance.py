@@ -98,6 +98,16 @@ def test_requests_one_at_a_time_do_not_pile_onto_the_first_engine() -> None:
     assert moved <= 8, moved  # later turns mostly stay home
 
 
+def test_after_an_outage_cached_turns_stay_and_only_new_work_moves() -> None:
+    """Engine b was away: a did all the recent work and holds every conversation (b came
+    back empty). A turn cached on a stays there, however lopsided the recent work (the
+    spread weighs only the tokens no engine caches); a prompt that only a's shared system
+    prompt helps goes to the idle b."""
+    loads = {"a": BackendLoad(recent=Decayed(50_000.0, 0.0))}
+    assert best(600, {"a": 560, "b": 0}, loads) == "a"
+    assert best(600, {"a": 96, "b": 0}, loads) == "b"
+
+
 def test_with_both_weights_zero_the_rule_is_greedy() -> None:
     greedy = BalanceRule(queue_weight=0, spread_weight=0)
     loads = {"a": BackendLoad(in_flight=50, pending=1e6)}
