@@ -43,9 +43,10 @@ request asks for 4 tokens at temperature 0 and is streamed: TTFT is the time to 
 SSE data chunk. One stream sends one request at a time; four streams each take the next
 ready request (a conversation's next turn is ready once its previous turn completed).
 
-Rows whose outcome depends on timing (the 4-stream rows, the replicas group) run
-``--repeat`` times (3 by default); the table after the rows gives their mean and range.
-The replicas group also runs one gateway with the same client, to compare with. The
+Rows whose outcome depends on timing (the 4-stream rows, the replicas and
+engine-restart groups) run ``--repeat`` times (3 by default); the table after the rows
+gives their mean and range. The replicas group also runs one gateway with the same
+client, to compare with. The
 latency group sends a few requests directly and through the router before it measures,
 so a fresh router's first connection is not counted.
 """
@@ -1155,8 +1156,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--repeat",
         type=int,
-        help="runs of each row whose outcome depends on timing: the 4-stream rows and the "
-        "replicas group, with a one-replica gateway row beside it (default 3; 1 with --quick)",
+        help="runs of each row whose outcome depends on timing: the 4-stream rows, the "
+        "replicas group (with a one-replica gateway row beside it) and the engine-restart "
+        "group (default 3; 1 with --quick)",
     )
     parser.add_argument(
         "--routers",
@@ -1265,7 +1267,7 @@ def run(args: argparse.Namespace) -> int:
             for spec in specs:
                 if group in groups and (with_round_robin or spec is not ROUND_ROBIN):
                     job = partial(make, bench, spec, scenario_workload.name, scenario, "tokens")
-                    trials = repeat if group == "replicas" else 1
+                    trials = repeat if group in ("replicas", "engine-restart") else 1
                     for trial in range(1, 1 + trials):
                         plan.append((group, spec, partial(numbered, job, trial)))
                     if group == "replicas" and spec is GATEWAY:  # one replica, same client
