@@ -5,11 +5,11 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-busy test-engines lint typecheck wheel-smoke redis-server clean
+.PHONY: demo test test-busy test-engines lint typecheck wheel-smoke docs redis-server clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -c constraints.txt -e '.[test,dev,embedded,gpu,bridge,metrics,serve,gateway]'
+	$(PIP) install -c constraints.txt -e '.[test,dev,docs,embedded,gpu,bridge,metrics,serve,gateway]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -52,15 +52,19 @@ test-busy: $(STAMP) redis-server
 	bash .ci/busy-test 3
 
 lint: $(STAMP)
-	$(BIN)/ruff check registry gpu sim pcr tests examples
-	$(BIN)/ruff format --check registry gpu sim pcr tests examples
+	$(BIN)/ruff check registry gpu sim pcr tests examples docs
+	$(BIN)/ruff format --check registry gpu sim pcr tests examples docs
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict registry gpu sim pcr
 
+# The documentation site, built strictly (a broken link or reference fails it) into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d site
+
 wheel-smoke: $(STAMP)
 	bash .ci/wheel-smoke
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
