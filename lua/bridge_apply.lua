@@ -41,10 +41,8 @@
 --   (slot: 1..64, the holder character of the event's (group, medium))
 --
 -- Returns: { blocks newly listed in KV, blocks unlisted from KV, removals of blocks
---            that slot did not hold, clears, then for the fleet index (registry/fleet.py)
---            the own hashes listed in KV, unlisted from KV, listed in Mamba, unlisted
---            from Mamba by these batches (each hash's final state; after a clear the
---            caller rebuilds the index bits instead) }
+--            that slot did not hold, clears }; the change record lists each own hash's
+--            final state in both maps (after a clear: 'L', read the namespace again)
 -- Calls:   GET, HGET, HSET, HMGET, HDEL, UNLINK, HINCRBY, TIME, PUBLISH (the change record), SET
 local early = begin_write(KEYS[4])
 if early then return early end
@@ -57,7 +55,7 @@ end
 if ARGV[4] ~= '' then
   local applied = redis.call('HGET', KEYS[4], 'bridge_seq')
   if applied and not_above(ARGV[4], applied) then
-    return finish_write({0, 0, 0, 0, {}, {}, {}, {}})
+    return finish_write({0, 0, 0, 0})
   end
 end
 local meta = {'bridge_engine', ARGV[5], 'bridge_endpoint', ARGV[6]}
@@ -302,4 +300,4 @@ if cleared == 0 then
   add_part(parts, 'm+', mamba_on, 1, #mamba_on)
 end
 record_changes(KEYS[4], parts)
-return finish_write({stored, removed, unknown, cleared, kv_on, kv_off, mamba_on, mamba_off})
+return finish_write({stored, removed, unknown, cleared})

@@ -9,24 +9,18 @@
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
 -- ARGV[4]  pcr:{node-0}:mamba-evicted           channel for the notice
 -- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
--- ARGV[6]  "17" or ""                           the writer's local id in its fleet-index
---                                               group, or '' for no index upkeep here
--- ARGV[7]  pcr:{index-03.2}:blocks or ""        that group's shard (finish_indexed in
---                                               _prelude.lua): the Mamba bits of every
---                                               hash asked for are cleared
--- ARGV[8..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
+-- ARGV[6..] distinct hashes to evict ("8815920390121", ...); -1 already filtered out
 --
 -- Returns: the text of the notice, "<seq>@<incarnation> evict @<ms> <block_id>:<hash> ...",
---          which lists what was removed, or "" when nothing was; with index upkeep
---          here, { that text, index_change's result } (as in register_kv.lua); a
---          retried request returns the first copy's reply;
+--          which lists what was removed, or "" when nothing was; a retried request
+--          returns the first copy's reply;
 --          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
 -- Calls:   GET, HGET, HMGET, HDEL, HSET, HINCRBY, TIME, XADD, PUBLISH, SET
 local early = begin_write(KEYS[3])
 if early then return early end
 local hashes, pair_texts = {}, {}
 local notice = ''
-local removed = remove_fields(KEYS[2], ARGV, 8, #ARGV, hashes, pair_texts)
+local removed = remove_fields(KEYS[2], ARGV, 6, #ARGV, hashes, pair_texts)
 if removed > 0 then
   local parts = {}
   add_part(parts, 'm-', hashes, 1, removed)
@@ -34,4 +28,4 @@ if removed > 0 then
   notice = publish_notice(KEYS[3], KEYS[4], ARGV[4], ARGV[5], 'evict',
     table.concat(pair_texts, ' '))
 end
-return finish_indexed(notice, 6, 'mamba-', 8)
+return finish_write(notice)

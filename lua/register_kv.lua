@@ -1,33 +1,26 @@
--- register_kv: add (hash -> KV block id) entries; last writer wins for an existing hash;
--- and, when asked, set the writer's bits in its fleet-index shard in the same step.
+-- register_kv: add (hash -> KV block id) entries; last writer wins for an existing hash.
 --
 -- KEYS[1]  pcr:{node-0}:reply:5f1c2a9b03e1-7   this request's reply record
 -- KEYS[2]  pcr:{node-0}:kv                      HASH hash -> KV block id
--- KEYS[3]  pcr:{node-0}:meta                    HASH epoch (read for fencing)
+-- KEYS[3]  pcr:{node-0}:meta                    HASH epoch (read for fencing), change_seq
 -- ARGV[1]  "1796024288853123482" or ""          the caller's owner epoch ('' = not an owner)
 -- ARGV[2]  "5f1c2a9b03e1-7"                     request id
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
--- ARGV[4]  "17" or ""                           the writer's local id in its fleet-index
---                                               group, or '' for no index upkeep here
--- ARGV[5]  pcr:{index-03.2}:blocks or ""        that group's shard: why in ARGV, see
---                                               finish_indexed in _prelude.lua
--- ARGV[6..] hash1, block_id1, hash2, block_id2, ...  ("8815920390121", "17", ...)
+-- ARGV[4..] hash1, block_id1, hash2, block_id2, ...  ("8815920390121", "17", ...)
 --          validated and de-duplicated by the caller (last value wins)
 --
--- Returns: integer, the number of hashes that were not registered before; with index
---          upkeep here, { that number, index_change's result: fields changed, -1 refused
---          (the writer rebuilds its bits), -2 shard not reachable here (the writer sends
---          index_update instead) }; a retried request returns the first copy's reply;
---          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
--- Calls:   GET, HGET, HSET, SET, HINCRBY, PUBLISH; with upkeep HMGET, HDEL
+-- Returns: integer, the number of hashes that were not registered before; a retried
+--          request returns the first copy's reply; error STALE_EPOCH when the caller's
+--          epoch was superseded or its namespace lost.
+-- Calls:   GET, HGET, HSET, SET, TIME, HINCRBY, PUBLISH (the change record)
 local early = begin_write(KEYS[3])
 if early then return early end
 local n = #ARGV
 local added = 0
-for first = 6, n, CHUNK do
+for first = 4, n, CHUNK do
   added = added + redis.call('HSET', KEYS[2], unpack(ARGV, first, math.min(first + CHUNK - 1, n)))
 end
 local parts = {}
-add_part(parts, 'k+', ARGV, 6, n, 2)
+add_part(parts, 'k+', ARGV, 4, n, 2)
 record_changes(KEYS[3], parts)
-return finish_indexed(added, 4, 'kv+', 6, true)
+return finish_write(added)

@@ -11,32 +11,27 @@
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
 -- ARGV[4]  pcr:{node-0}:mamba-evicted           channel for the notice
 -- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
--- ARGV[6]  "17" or ""                           the writer's local id in its fleet-index
---                                               group, or '' for no index upkeep here
--- ARGV[7]  pcr:{index-03.2}:blocks or ""        that group's shard (finish_indexed in
---                                               _prelude.lua): its Mamba bits are set
--- ARGV[8..] hash1, block_id1, hash2, block_id2, ...; hashes > 0, distinct (caller checks)
+-- ARGV[6..] hash1, block_id1, hash2, block_id2, ...; hashes > 0, distinct (caller checks)
 --
 -- Returns: { notice, stamp }: notice is "" or the text of the 'replace' notice listing
 --          the (old block id, hash) entries that were replaced; stamp is the
 --          namespace's notice number after this call, as text; only a notice numbered
 --          above it can remove the entries just written (block ids are reused, so a
 --          slot owner needs this to ignore late notices about an older registration);
---          with index upkeep here, { that reply, index_change's result } (as in
---          register_kv.lua); a retried request returns the first copy's reply;
+--          a retried request returns the first copy's reply;
 --          error STALE_EPOCH when the caller's epoch was superseded or its namespace lost.
--- Calls:   GET, HGET, HMGET, HSET, HINCRBY, TIME, XADD, PUBLISH, SET; with upkeep HDEL
+-- Calls:   GET, HGET, HMGET, HSET, HINCRBY, TIME, XADD, PUBLISH, SET
 --          (HSET also marks meta's mamba_seen: a hybrid model's node, lua/score.lua)
 local early = begin_write(KEYS[3])
 if early then return early end
 history(KEYS[3])  -- stamps count in the current history's numbers
-local pair_texts = set_mamba_pairs(KEYS[2], KEYS[3], 8, #ARGV)
+local pair_texts = set_mamba_pairs(KEYS[2], KEYS[3], 6, #ARGV)
 local notice = ''
 local parts = {}
-add_part(parts, 'm+', ARGV, 8, #ARGV, 2)
+add_part(parts, 'm+', ARGV, 6, #ARGV, 2)
 record_changes(KEYS[3], parts)
 if #pair_texts > 0 then
   notice = publish_notice(KEYS[3], KEYS[4], ARGV[4], ARGV[5], 'replace',
     table.concat(pair_texts, ' '))
 end
-return finish_indexed({notice, redis.call('HGET', KEYS[3], 'notice_seq')}, 6, 'mamba+', 8, true)
+return finish_write({notice, redis.call('HGET', KEYS[3], 'notice_seq')})

@@ -25,7 +25,6 @@ from pcr.common import (
     _where,
 )
 from pcr.tables import format_table
-from registry.fleet import FleetKeys
 from registry.hashing import block_hashes
 from registry.keys import NamespaceKeys
 from registry.membership import NodeIndex
@@ -79,8 +78,7 @@ def _command_stats(args: argparse.Namespace) -> int:
         names = list(dict.fromkeys([*namespaces, *(args.namespace or [])]))
         with _talking(server):
             infos = namespace_infos(client, names, key_prefix=args.key_prefix)
-            ids = _index_ids(client, args.key_prefix)
-        rows = [_stats_row(info, memory, ids.get(info.namespace)) for info, memory in infos]
+        rows = [_stats_row(info, memory) for info, memory in infos]
     rows += [_invalid_row(member, args.json) for member in invalid]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -94,24 +92,8 @@ def _command_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _index_ids(client: Any, key_prefix: str) -> dict[str, int]:
-    """Each namespace's current fleet-index member id (``registry.fleet``)."""
-    raw = client.hgetall(FleetKeys(key_prefix).members)
-    ids = {}
-    for field, value in raw.items():
-        name, text = _decoded(field), _decoded(value)
-        if name.startswith("ns:") and text.isdigit():
-            ids[name[3:]] = int(text)
-    return ids
-
-
-def _decoded(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
-def _stats_row(info: NamespaceInfo, memory: int | None, index_id: int | None) -> dict[str, Any]:
-    """One namespace's row of ``pcr stats`` (``index_id``: its fleet-index member id,
-    None when its owner does not keep the index up)."""
+def _stats_row(info: NamespaceInfo, memory: int | None) -> dict[str, Any]:
+    """One namespace's row of ``pcr stats``."""
     namespace = info.namespace
     lease_left = info.lease_left_s
     return {
@@ -124,7 +106,6 @@ def _stats_row(info: NamespaceInfo, memory: int | None, index_id: int | None) ->
         "epoch": info.epoch,
         "notice_seq": info.notice_seq,
         "bridged_from": _bridged_from(info),
-        "index_id": index_id,
     }
 
 
@@ -149,7 +130,6 @@ def _invalid_row(member: str, as_json: bool) -> dict[str, Any]:
         "epoch": None,
         "notice_seq": None,
         "bridged_from": None,
-        "index_id": None,
     }
 
 
@@ -319,8 +299,6 @@ def _command_gc(args: argparse.Namespace) -> int:
         print(json.dumps([*names, *invalid]))
         return 0
     print(f"{verb} {len(names)}: {' '.join(names)}".rstrip())
-    if index.scrubbed:
-        print(f"scrubbed {index.scrubbed} retired member ids from the fleet index")
     if invalid:
         shown = " ".join(f"'{_one_line(m)}'" for m in invalid)
         print(f"{verb} {len(invalid)} invalid node-index members: {shown}")

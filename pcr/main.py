@@ -203,23 +203,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--fleet",
-        action="store_true",
-        help="instead: the cost of one routing decision over 16, 64 and 256 live namespaces "
-        "(16 and 64 with --quick), on a standalone server and a 3-master cluster of its own "
-        "(or on --redis-url only, which may then be a redis+cluster:// URL)",
-    )
-    bench.add_argument(
         "--view",
+        dest="fleet",
         action="store_true",
-        help="instead: one routing decision from the in-process fleet view beside Dynamo's "
-        "RadixTree (pip install ai-dynamo-runtime), fed the same fleet, at 16, 64, 256 and "
-        "1,024 nodes (16 and 256 with --quick); then, on a redis-server of its own, a "
-        "write's way to a view, a cold start and a write's cost",
+        help="instead: one routing decision over a realistic fleet, in process from the "
+        "fleet view beside Dynamo's RadixTree (pip install ai-dynamo-runtime) at 16, 64, 256 "
+        "and 1,024 nodes (16 and 256 with --quick); then through Redis over 16, 64 and 256 "
+        "live namespaces (16 and 64 with --quick), from the view and exactly, on a "
+        "standalone server and a 3-master cluster of its own (or on --redis-url only, which "
+        "may then be a redis+cluster:// URL); then a write's way to a view, a view's cold "
+        "start and an owner write's cost",
     )
     bench.add_argument(
         "--best-case",
         action="store_true",
-        help="with --view: also the labelled best case (every node holding one chain)",
+        help="with --fleet: also the labelled best case (every node holding one chain)",
     )
     bench.add_argument(
         "--json", metavar="FILE", help="also write the figures to FILE (checked before the run)"

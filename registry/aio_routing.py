@@ -1,9 +1,10 @@
 """``AsyncPrefixRouter``: ``PrefixRouter`` on ``redis.asyncio``, for asyncio services.
 
-The same rules as the thread-safe router (``registry.routing``): the same checks of
-the prompt and the namespaces, the same ``lua/score.lua`` (by the same SHA, reloaded on
-NOSCRIPT), the same live-node listing (``lua/live_nodes.lua``), the same ``NodeScore``
-and the same tie-breaking in ``best``; only the round trips are awaited. One ``score``
+The same rules as the thread-safe router (``registry.routing``): a started fleet view
+scored from while it follows Redis, else the same checks of the prompt and the
+namespaces, the same ``lua/score.lua`` (by the same SHA, reloaded on NOSCRIPT), the
+same live-node listing (``lua/live_nodes.lua``), the same ``NodeScore`` and the same
+tie-breaking in ``best``; only the round trips are awaited. One ``score`` from Redis
 is one pipeline: one round trip on a standalone server; on Redis Cluster
 (``redis.asyncio.cluster.RedisCluster``) redis-py's async cluster pipeline sends each
 primary its share at the same time. Every Redis fault is translated by
@@ -30,7 +31,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from registry import metrics as _metrics
 from registry.errors import REDIS_ERRORS, RegistryError, translate
-from registry.fleet import FleetKeys, MemberList
 from registry.keys import (
     DEFAULT_KEY_PREFIX,
     NamespaceKeys,
@@ -41,8 +41,6 @@ from registry.keys import (
 )
 from registry.membership import engine_table, split_members, warn_invalid
 from registry.routing import (
-    BareState,
-    IndexPlan,
     NodeScore,
     best_of,
     checked_hybrid,
@@ -51,25 +49,15 @@ from registry.routing import (
     routing_context,
     score_calls,
     scores_from_replies,
-    translated_reply,
 )
-from registry.scripts import (
-    direct_pool,
-    is_cluster,
-    packed_commands,
-    script_sha,
-    script_source,
-)
-from registry.validation import prefix_hashes
+from registry.scripts import direct_pool, packed_commands, script_sha, script_source
 
 if TYPE_CHECKING:
     from registry.fleet.view import FleetView
 
 T = TypeVar("T")
 
-INDEX_SCRIPTS = ("fleet_members", "score")
-
-ROUTER_SCRIPTS = ("score", "live_nodes", "fleet_members")
+ROUTER_SCRIPTS = ("score", "live_nodes")
 """The scripts a router runs (``load`` sends them ahead of the first call)."""
 
 
@@ -91,11 +79,9 @@ class AsyncPrefixRouter:
         if view is not None and exact:
             raise ValueError("a router scores exactly or from a fleet view, not both")
         self.exact = exact
+        """As ``PrefixRouter.exact``: always per namespace, never from a view."""
         self.view = view
         """As ``PrefixRouter.view``: scored from in memory while it follows Redis."""
-        self._fleet = FleetKeys(key_prefix)
-        self._bare: BareState = (0, frozenset(), float("-inf"))
-        self._known = MemberList()  # the member table as last read (by version)
         self.client = client
         self.key_prefix = key_prefix
         self.hybrid = checked_hybrid(hybrid)
@@ -151,8 +137,6 @@ class AsyncPrefixRouter:
         view = self.view
         if view is not None and view.fresh():
             return view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
-        if not self.exact:
-            return await self._score_indexed(prefix_hashes(hashes), namespaces)
         packed = pack_hashes(hashes)
         names = await self.live_nodes() if namespaces is None else chosen_namespaces(namespaces)
         if not names:
@@ -163,32 +147,6 @@ class AsyncPrefixRouter:
         calls = score_calls(names, packed, self.key_prefix, self._keys, hybrid=self.hybrid)
         replies = await self._run_many("score", calls, routing_context(names))
         return scores_from_replies(names, replies, hybrid=self.hybrid)
-
-    async def _score_indexed(
-        self, wanted: list[int], namespaces: Iterable[str] | None
-    ) -> dict[str, NodeScore]:
-        """From the fleet index, as ``PrefixRouter`` does (``registry.routing.IndexPlan``)."""
-        chosen = None if namespaces is None else set(chosen_namespaces(namespaces))
-        if chosen is not None and not chosen:
-            return {}
-        plan = IndexPlan(
-            self._fleet, wanted, self._bare[1], chosen, self.key_prefix, self._keys,
-            hybrid=self.hybrid, cluster=is_cluster(self.client),
-            known=self._known, ttl=self.live_cache_ttl,
-        )  # fmt: skip
-        context = f"routing from the fleet index {self._fleet.members!r}"
-        replies = await self._batch(plan.routed, context)
-        scores = plan.scores(replies)
-        self._known = plan.known
-        state = plan.bare_state(self._bare, self.live_cache_ttl)
-        if state is not None:
-            self._bare = state
-        else:
-            self._bare = plan.listed(await self._members("live"))
-        missed = plan.missed(self._bare[1] if state is None else frozenset(), scores)
-        if missed:
-            scores.update(await self._score_exactly(missed, pack_hashes(wanted)))
-        return scores
 
     async def best(
         self,
@@ -292,38 +250,6 @@ class AsyncPrefixRouter:
         for reply in replies:
             if isinstance(reply, Exception):
                 raise _translated(reply, f"{what}: {operation}") from reply
-        return replies
-
-    async def _batch(self, routed: Sequence[tuple[Any, tuple[Any, ...]]], what: str) -> list[Any]:
-        """Mixed commands in one pipeline; a NOSCRIPT loads the index router's scripts and
-        runs it again. Counted as ``score``, as the sync router's batch is; an error reply
-        raises (translated) here, so it is counted by its kind too."""
-        return await _counted("score", self._batch_once, routed, what)
-
-    async def _batch_once(
-        self, routed: Sequence[tuple[Any, tuple[Any, ...]]], what: str
-    ) -> list[Any]:
-        async def run() -> list[Any]:
-            direct = await run_on_one_connection(self.client, routed)
-            if direct is not None:
-                return direct
-            pipe = self.client.pipeline(transaction=False)
-            for _key, command in routed:
-                pipe.execute_command(*command)
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-            return replies
-
-        try:
-            replies = await run()
-            if any(isinstance(r, NoScriptError) for r in replies):
-                for operation in INDEX_SCRIPTS:
-                    await self.client.script_load(script_source(operation))
-                replies = await run()
-        except REDIS_ERRORS as exc:
-            raise _translated(exc, f"{what}: score") from exc
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise translated_reply(reply, f"{what}: score") from reply
         return replies
 
     async def _pipeline(

@@ -341,9 +341,7 @@ class Follower:
             epoch, lease_until, seq, block_size = (_text(v) for v in reply)
             self.registry._set_epoch(int(epoch))
             self.registry.lease_ttl = self.lease_ttl
-            # Announce the lease; this process does not know the previous one's index
-            # id, so it rebuilds the namespace's index bits under a new one.
-            self.registry._renewed(int(lease_until))
+            self.registry._announce(int(lease_until))  # the lease, in the node index
             self.last = int(seq) if seq else None
             if self.block_size is None and block_size:
                 self.block_size = int(block_size)
@@ -677,7 +675,7 @@ class Follower:
             *ops,
         )
         try:
-            stored, removed, unknown, cleared, *index = self.registry._write(
+            stored, removed, unknown, cleared = self.registry._write(
                 "bridge_apply", self._keys, False, data
             )
         except StaleEpochError as exc:
@@ -690,7 +688,6 @@ class Follower:
             return
         except RegistryError as exc:
             self._redis_error(exc)
-        self._update_index(int(cleared), index)
         self.counts.writes += 1
         if seq is not None:
             self.counts.applied_seq = seq
@@ -698,29 +695,6 @@ class Follower:
         self.counts.blocks_removed += int(removed)
         self.counts.unknown_removals += int(unknown)
         self.counts.clears += int(cleared)
-
-    def _update_index(self, cleared: int, changes: list[Any]) -> None:
-        """Bring the fleet index in line with an applied batch (a second round trip: the
-        index lives in other slots). A failure only leaves the bits dirty; the next
-        renewal rebuilds them (``registry.fleet``)."""
-        registry = self.registry
-        try:
-            if cleared:
-                registry.reindex()
-                return
-            calls = []
-            order = zip(("kv-", "mamba-", "kv+", "mamba+"), _index_order(changes), strict=True)
-            for change, hashes in order:
-                calls += registry._index_calls(change, [int(h) for h in hashes])
-            if calls:
-                replies = registry._runner.batch(
-                    "bridge_index", calls, scripts=("index_update",), context=self._name
-                )
-                if any(isinstance(r, Exception) for r in replies):
-                    registry._index_dirty = True
-        except RegistryError as exc:
-            registry._index_dirty = True
-            self._once(f"index:{type(exc).__name__}", f"fleet-index update failed: {exc}")
 
     def _lost(self, exc: StaleEpochError) -> None:
         """This bridge's epoch is no longer the namespace's: if the namespace is gone
@@ -1099,10 +1073,3 @@ class Bridge:
     def counts(self) -> dict[str, dict[str, int]]:
         """Per namespace: what its follower did (``FollowerCounts``)."""
         return {f.source.namespace: f.counts.as_dict() for f in self.followers}
-
-
-def _index_order(changes: list[Any]) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
-    """``bridge_apply``'s index lists (KV on, KV off, Mamba on, Mamba off) in the order
-    they are applied: removals first (each hash appears in one list per map)."""
-    kv_on, kv_off, mamba_on, mamba_off = (list(part) for part in (changes + [[]] * 4)[:4])
-    return kv_off, mamba_off, kv_on, mamba_on

@@ -15,7 +15,6 @@ import threading
 from typing import Any
 
 from registry.errors import REDIS_ERRORS, translate
-from registry.fleet import FleetMembers
 from registry.keys import (
     DEFAULT_KEY_PREFIX,
     NamespaceKeys,
@@ -42,7 +41,6 @@ class NodeIndex:
         self.key = node_index_key(key_prefix)
         self.engines_key = engines_key(key_prefix)
         self.skipped = 0  # invalid members skipped by live()/dead() so far
-        self.scrubbed = 0  # member ids the last collect_dead scrubbed from the fleet index
         self._runner = ScriptRunner(client)
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -136,20 +134,17 @@ class NodeIndex:
     def collect_dead(self) -> list[str]:
         """Delete the keys and index entries of every dead namespace; return them.
 
-        Each namespace's lease is checked again, atomically with its delete, so one that
-        renewed meanwhile keeps everything. Costs one call per dead namespace. Then the
-        fleet index is scrubbed of retired member ids (``registry.fleet``; O(index)
-        when any id was retired since the last scrub); ``scrubbed`` says how many.
+        Each namespace's lease is checked again, atomically with its delete and again
+        with its removal from the index, so one that renewed meanwhile keeps everything.
+        Costs two calls per dead namespace.
         """
         removed = []
-        members = FleetMembers(self.client, self.key_prefix)
         for namespace in self.dead():
             keys = NamespaceKeys(namespace, self.key_prefix)
             if self._run("gc_namespace", keys.all_keys(), ()) == 0:
                 continue  # renewed after it was listed
-            members.forget(namespace)  # leaves the node index, retires its index id
+            self._run("forget_node", (self.key,), (namespace,))
             removed.append(namespace)
-        self.scrubbed = members.scrub()
         return removed
 
     gc = collect_dead  # the first release's name

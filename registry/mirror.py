@@ -15,11 +15,9 @@ the keys, the epoch and the write path):
   one round trip per batch (per Redis node), at most ``max_delay`` after a write was
   queued when Redis answers. A batch is a few calls of ``lua/mirror_apply.lua`` (at most
   ``CALL_WRITES`` writes each), which applies a run of writes in order with exactly the
-  effects of the one-per-write scripts (entries, numbered notices, stream), fenced once
-  per call, followed by the batch's fleet-index upkeep, merged (``index_runs``; in the
-  rare case that order forbids one merge, the batch takes one round trip per run). A
-  batch is built once: sent again after a lost reply, it carries the same request ids,
-  one per call, so each call applies at most once.
+  effects of the one-per-write scripts (entries, numbered notices, stream, change
+  records), fenced once per call. A batch is built once: sent again after a lost reply,
+  it carries the same request ids, one per call, so each call applies at most once.
 
 Notice numbers are Redis's own: the claim's 'clear' notice gives the namespace's number
 and history, and since no one else may write the namespace (``claim(mirror=...)``, see
@@ -104,11 +102,6 @@ trip. Measured here: a call of 100 single-block ``register_kv`` writes holds the
 about 0.2 ms; of 100 engine-cycle writes (8-block registrations, checkpoints, evictions
 with their notices) about 0.7 ms."""
 
-INDEX_CALL_HASHES = 500
-"""Hashes per fleet-index update a batch sends at most (its upkeep is merged over the
-batch; ``index_update`` cost 0.6 to 1.2 µs of server time per hash here, so one call
-holds the server under 1 ms too)."""
-
 RETRY_MIN = 0.01
 RETRY_MAX = 1.0
 """The flusher's backoff between tries while Redis is away (seconds, doubling)."""
@@ -147,140 +140,57 @@ class MirrorCounts:
     lost: bool
 
 
-_Entry = tuple[str, Any, Any, float, int]
-"""A queued write: (code, values, cascaded Mamba hashes, time queued, the mirror's notice
-number after it). Codes as ``lua/mirror_apply.lua`` reads them: "k" register_kv and
-"m" register_mamba (values: the hash -> block id dict), "e" evict_kv and "x"
-evict_mamba (values: the hashes removed), "K" clear_kv, "M" clear_mamba, "R" reset."""
-
-CLEARS = frozenset("KMR")
-"""Writes after which the fleet index is rebuilt (``PrefixCacheRegistry.reindex``)."""
+_Entry = tuple[str, Any, float, int]
+"""A queued write: (code, values, time queued, the mirror's notice number after it).
+Codes as ``lua/mirror_apply.lua`` reads them: "k" register_kv and "m" register_mamba
+(values: the hash -> block id dict), "e" evict_kv and "x" evict_mamba (values: the
+hashes removed), "K" clear_kv, "M" clear_mamba, "R" reset."""
 
 
 class _Batch:
     """Writes taken from the queue, with their commands built once: a batch sent again
     after a lost reply re-sends the same commands, request ids included, so each
-    ``mirror_apply`` call in it applies at most once. Usually one round trip (``trips``
-    has one entry); more only where the fleet index's upkeep must be cut into ordered
-    runs (``index_runs``): each trip carries one run and the writes it covers."""
+    ``mirror_apply`` call in it applies at most once."""
 
-    __slots__ = ("clears", "first_sent", "trips", "writes")
+    __slots__ = ("calls", "commands", "first_sent", "writes")
 
-    def __init__(self, writes: list[_Entry], trips: list[_Trip]) -> None:
+    def __init__(
+        self, writes: list[_Entry], commands: list[Routed], calls: list[tuple[int, int]]
+    ) -> None:
         self.writes = writes
-        self.trips = trips
+        self.commands = commands
+        self.calls = calls
+        """Per ``mirror_apply`` call: (its position in ``commands``, the index in
+        ``writes`` of its last write)."""
         self.first_sent: float | None = None
-        self.clears = any(entry[0] in CLEARS for entry in writes)
-
-
-_Trip = tuple[list[Routed], list[tuple[int, int]]]
-"""One round trip of a batch: its commands (``mirror_apply`` calls, then the index upkeep
-of their writes) and, per ``mirror_apply`` call, (its position, the index in the batch of
-its last write)."""
 
 
 def build_batch(inner: PrefixCacheRegistry, writes: list[_Entry]) -> _Batch:
     """``writes`` as ``mirror_apply`` calls of at most ``CALL_WRITES`` writes and about
-    ``CALL_VALUES`` values each (one request id per call), followed by their fleet-index
-    upkeep: one round trip per run of ``index_runs`` (usually one)."""
+    ``CALL_VALUES`` values each (one request id per call), sent in one round trip."""
     sha = script_sha("mirror_apply")
-    trips: list[_Trip] = []
+    commands: list[Routed] = []
+    calls: list[tuple[int, int]] = []
     start = 0
-    for stop_run, upkeep in index_runs(inner, writes):
-        commands: list[Routed] = []
-        calls: list[tuple[int, int]] = []
-        while start < stop_run:
-            values: list[Any] = []
-            append = values.append
-            stop = start
-            while stop < stop_run and stop - start < CALL_WRITES and len(values) < CALL_VALUES:
-                code, data, _cascaded, _queued, _seq = writes[stop]
-                append(code)
-                append(len(data))
-                if code in "km":
-                    for item in data.items():
-                        values += item
-                elif data:
-                    values += data
-                stop += 1
-            all_keys, args = inner._write_args("mirror_apply", inner._all_keys, True, values)
-            calls.append((len(commands), stop - 1))
-            commands.append((all_keys[0], ("EVALSHA", sha, len(all_keys), *all_keys, *args)))
-            start = stop
-        commands += upkeep
-        trips.append((commands, calls))
-    return _Batch(writes, trips)
-
-
-def index_runs(inner: PrefixCacheRegistry, writes: list[_Entry]) -> list[tuple[int, list[Routed]]]:
-    """The fleet-index upkeep of ``writes``, merged into a few updates instead of one
-    call per write (which would double the flusher's work on the server), as runs:
-    (the end of the run in ``writes``, exclusive; its updates).
-
-    Setting or clearing KV bits and Mamba bits commute, and for each kind only a hash's
-    last change counts; only "kv-" (which clears a Mamba bit too, where the KV bit was
-    set, as ``evict_kv`` cascades) depends on order. So the writes are cut into runs in
-    which a hash under "kv-" has no other change than its own cascade's "mamba-"; each
-    run is at most four kinds of update, "kv-" first: the same bits as one call per
-    write, in order. Each run travels in a round trip of its own (its updates go to one
-    shard, in order, so this is caution more than need: such cuts are rare). The last run
-    ends at ``len(writes)``; there is always at least one."""
-    runs: list[tuple[int, list[Routed]]] = []
-    # The run's last change per hash: KV set / cleared, Mamba set / cleared (disjoint).
-    kv_set: set[int] = set()
-    kv_cleared: set[int] = set()
-    mamba_set: set[int] = set()
-    mamba_cleared: set[int] = set()
-
-    def send(end: int) -> None:
-        calls: list[Routed] = []
-        for change, hashes in (
-            ("kv-", kv_cleared),
-            ("mamba-", mamba_cleared),
-            ("kv+", kv_set),
-            ("mamba+", mamba_set),
-        ):
-            if hashes:
-                listed = list(hashes)
-                for first in range(0, len(listed), INDEX_CALL_HASHES):
-                    part = listed[first : first + INDEX_CALL_HASHES]
-                    calls.extend(inner._index_calls(change, part))
-                hashes.clear()
-        runs.append((end, calls))
-
-    for at, (code, data, cascaded, _queued, _seq) in enumerate(writes):
-        if code == "e":
-            # "kv-" of a hash whose KV bit this run sets ("kv+" before it) clears its
-            # Mamba bit too: merged as "kv-" and "mamba-". One whose KV bit the run does
-            # not know clears the Mamba bit only if Redis had the KV bit: a pending
-            # "mamba+" must then go first (the cascade's own "mamba-" need not).
-            if mamba_set and mamba_set.intersection(data).difference(kv_set, cascaded or ()):
-                send(at)
-            if kv_set:
-                known = kv_set.intersection(data)
-                if known:
-                    kv_set -= known
-                    mamba_cleared |= known
-                    mamba_set -= known
-            kv_cleared.update(data)
-            if cascaded:
-                mamba_cleared.update(cascaded)
-                mamba_set.difference_update(cascaded)
-        elif code in "kmx":
-            if kv_cleared and not kv_cleared.isdisjoint(data):
-                send(at)
-            if code == "k":
-                kv_set.update(data)
-            elif code == "m":
-                mamba_set.update(data)
-                if mamba_cleared:
-                    mamba_cleared.difference_update(data)
-            else:
-                mamba_cleared.update(data)
-                if mamba_set:
-                    mamba_set.difference_update(data)
-    send(len(writes))
-    return runs
+    while start < len(writes):
+        values: list[Any] = []
+        append = values.append
+        stop = start
+        while stop < len(writes) and stop - start < CALL_WRITES and len(values) < CALL_VALUES:
+            code, data, _queued, _seq = writes[stop]
+            append(code)
+            append(len(data))
+            if code in "km":
+                for item in data.items():
+                    values += item
+            elif data:
+                values += data
+            stop += 1
+        all_keys, args = inner._write_args("mirror_apply", inner._all_keys, True, values)
+        calls.append((len(commands), stop - 1))
+        commands.append((all_keys[0], ("EVALSHA", sha, len(all_keys), *all_keys, *args)))
+        start = stop
+    return _Batch(writes, commands, calls)
 
 
 def default_owner_label(namespace: str) -> str:
@@ -573,7 +483,7 @@ class MirroredRegistry(RegistryBase):
         listed = tuple(BlockPair(BlockId(b), BlockHash(h)) for b, h in pairs)
         return EvictionNotice(self._seq, kind, listed, self._incarnation)
 
-    def _queue_write(self, code: str, data: Any = (), cascaded: Any = None) -> None:
+    def _queue_write(self, code: str, data: Any = ()) -> None:
         """Under the lock: queue one write (the flusher builds its commands)."""
         if self._resync_due:  # the coming resync writes the whole mirror
             self._dropped += 1
@@ -584,7 +494,7 @@ class MirroredRegistry(RegistryBase):
             self._overflow()
             self._dropped += 1
             return
-        queue.append((code, data, cascaded, time.monotonic(), self._seq))
+        queue.append((code, data, time.monotonic(), self._seq))
         if self._idle or len(queue) == self.max_batch:
             self._wake.notify()
 
@@ -618,13 +528,12 @@ class MirroredRegistry(RegistryBase):
             gone = [h for h in hashes if kv.pop(h, None) is not None]
             if not gone:
                 return set(), None
+            notice = None
             if mamba:
                 pairs = [(mamba.pop(h), h) for h in gone if h in mamba]
-                notice = self._notice(NoticeKind.CASCADE, pairs) if pairs else None
-                self._queue_write("e", gone, [h for _, h in pairs] if pairs else None)
-            else:
-                notice = None
-                self._queue_write("e", gone)
+                if pairs:
+                    notice = self._notice(NoticeKind.CASCADE, pairs)
+            self._queue_write("e", gone)
             return set(gone), notice
 
     def _register_mamba(self, entries: dict[int, int]) -> tuple[EvictionNotice | None, int]:
@@ -718,7 +627,7 @@ class MirroredRegistry(RegistryBase):
                 and len(self._queue) < self.max_batch
                 and not self._stop.is_set()
             ):
-                left = self._queue[0][3] + self.max_delay - time.monotonic()
+                left = self._queue[0][2] + self.max_delay - time.monotonic()
                 if left <= 0:
                     break
                 self._wake.wait(left)
@@ -771,10 +680,9 @@ class MirroredRegistry(RegistryBase):
         self._send_batch(batch)
 
     def _send_batch(self, batch: _Batch) -> None:
-        """Under ``_sending``: ``batch``'s round trip (a few, where its fleet-index upkeep
-        had to be cut into runs); on failure it is kept to be sent again first, from its
-        first call (each answers for itself once applied), unless the queue was dropped
-        meanwhile."""
+        """Under ``_sending``: ``batch``'s round trip; on failure it is kept to be sent
+        again first, from its first call (each answers for itself once applied), unless
+        the queue was dropped meanwhile."""
         now = time.monotonic()
         if batch.first_sent is None:
             batch.first_sent = now
@@ -785,42 +693,32 @@ class MirroredRegistry(RegistryBase):
                 self._dropped += len(batch.writes)
                 self._overflow()
             return
-        inner = self.inner
+        try:
+            replies = self._run(functools.partial(iter, [batch.commands]))
+        except RegistryError:
+            self._requeue(batch)
+            raise
         refused: RegistryError | None = None
-        trips = 0
-        for commands, calls in batch.trips:
-            trips += 1
-            try:
-                replies = self._run(functools.partial(iter, [commands]))
-            except RegistryError:
-                self._requeue(batch)
-                raise
-            if any(isinstance(r, Exception) for r in replies[calls[-1][0] + 1 :]):
-                inner._index_dirty = True  # rebuilt at the next renewal
-            for position, last in calls:
-                reply = replies[position]
-                if isinstance(reply, Exception):
-                    error = self._runner._error(
-                        reply, "mirror_apply", "", True, self.namespace, inner.epoch
-                    )
-                    if isinstance(error, StaleEpochError):
-                        self._mark_lost(error)
-                        raise error
-                    refused = refused or error
-                    continue
-                self._check_numbering(reply, batch.writes[last][4])
-            if refused is not None:
-                break  # the resync rewrites the rest
+        for position, last in batch.calls:
+            reply = replies[position]
+            if isinstance(reply, Exception):
+                error = self._runner._error(
+                    reply, "mirror_apply", "", True, self.namespace, self.inner.epoch
+                )
+                if isinstance(error, StaleEpochError):
+                    self._mark_lost(error)
+                    raise error
+                refused = refused or error
+                continue
+            self._check_numbering(reply, batch.writes[last][3])
         done = time.monotonic()
         with self._lock:
             self._flushed += len(batch.writes)
-            self._batches += trips
-            self._last_lag = done - batch.writes[0][3]
+            self._batches += 1
+            self._last_lag = done - batch.writes[0][2]
             if refused is not None:
                 self._errors += 1
                 self._overflow()
-        if batch.clears:
-            self._reindex()
         if refused is not None:
             log.warning(
                 "mirror of %r: Redis refused a write (%s); resync due", self.namespace, refused
@@ -884,7 +782,7 @@ class MirroredRegistry(RegistryBase):
         try:
             replies = self._batched(chunks)
             if any(isinstance(r, NoScriptError) for r in replies):
-                self._runner.load()  # every script: the fleet index's as well
+                self._runner.load()
                 replies = self._batched(chunks)
         except REDIS_ERRORS as exc:
             error = translate(exc, f"namespace {self.namespace!r}: mirror flush", write=True)
@@ -939,17 +837,8 @@ class MirroredRegistry(RegistryBase):
                         notice.seq,
                         continue_from + 1,
                     )
-            self._reindex()
         finally:
             self._lock.acquire()
-
-    def _reindex(self) -> None:
-        try:
-            self.inner.reindex()
-        except RegistryError:
-            log.warning(
-                "mirror of %r: rebuilding the fleet index failed", self.namespace, exc_info=True
-            )
 
     def counts(self) -> MirrorCounts:
         """A snapshot of the write-behind's counters (``MirrorCounts``)."""
@@ -960,7 +849,7 @@ class MirroredRegistry(RegistryBase):
                 if pending is not None
                 else (self._queue[0] if self._queue else None)
             )
-            lag = time.monotonic() - oldest[3] if oldest is not None else 0.0
+            lag = time.monotonic() - oldest[2] if oldest is not None else 0.0
             return MirrorCounts(
                 queued=len(self._queue) + (len(pending.writes) if pending is not None else 0),
                 flushed=self._flushed,

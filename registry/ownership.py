@@ -53,14 +53,6 @@ class Ownership:
     def _set_epoch(self, epoch: int | None) -> None:
         """Carry ``epoch`` in every later write."""
 
-    @abstractmethod
-    def _joined(self, lease_until_ms: int) -> None:
-        """Record a fresh claim's lease (and join the fleet index)."""
-
-    @abstractmethod
-    def _renewed(self, lease_until_ms: int) -> None:
-        """Record a renewed lease (and keep the fleet-index membership)."""
-
     if TYPE_CHECKING:
 
         def _notify(self, notice: EvictionNotice | None) -> None:
@@ -94,7 +86,7 @@ class Ownership:
         self.lease_ttl = lease_ttl
         self._set_epoch(int(epoch))
         self._notify(parse_notice(notice) if notice else None)
-        self._joined(int(lease_until))
+        self._announce(int(lease_until))
         return int(epoch)
 
     def renew(self) -> float:
@@ -107,7 +99,7 @@ class Ownership:
             raise RuntimeError("renew() needs an owner: call claim() first")
         lease_ms = max(1, round(self.lease_ttl * 1000))
         lease_until = int(self._write("renew", (self.keys.meta,), False, (lease_ms,)))
-        self._renewed(lease_until)
+        self._announce(lease_until)
         return lease_until / 1000
 
     def start_heartbeat(self, interval: float | None = None) -> Heartbeat:
@@ -119,10 +111,11 @@ class Ownership:
         beat = self.lease_ttl / 3 if interval is None else lease_seconds(interval)
         return Heartbeat(self, beat, name=f"heartbeat[{self.keys.namespace}]")
 
-    def _node_index(self) -> NodeIndex:
+    def _announce(self, lease_until_ms: int) -> None:
+        """Record the lease end in the node index, where routers and ``gc`` find it."""
         if self._index is None:
             self._index = NodeIndex(self.client, self.keys.key_prefix)
-        return self._index
+        self._index.announce(self.keys.namespace, lease_until_ms)
 
 
 def lease_seconds(value: object) -> float:

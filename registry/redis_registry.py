@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -28,27 +27,16 @@ from registry.base import RegistryBase
 from registry.client import RedisClient, client_from_url
 from registry.errors import (
     REDIS_ERRORS,
-    RegistryError,
     RegistryMisconfigured,
     RegistryPermissionError,
-    StaleEpochError,
     translate,
-)
-from registry.fleet import (
-    GROUPS,
-    REBUILD_CHUNK,
-    FleetKeys,
-    FleetMembers,
-    home_group,
-    stamp_calls,
-    update_calls,
 )
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
 from registry.notices import EvictionNotice, parse_notice
 from registry.ownership import DEFAULT_LEASE_TTL, Ownership
 from registry.replay import notices_after
-from registry.scripts import ScriptRunner, is_cluster, run_batched, script_sha
+from registry.scripts import ScriptRunner, run_batched
 from registry.validation import flatten
 
 if TYPE_CHECKING:
@@ -56,18 +44,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NO_UPKEEP = ("", "")
-"""An owner write's fleet-index arguments when its script keeps no bits itself."""
-
 DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
 """Notices kept in a namespace's stream for replay (each at most ~1.1 KiB there)."""
 
 DEFAULT_REPLY_TTL = 30.0
 """Seconds a write's reply stays recorded under its request id: longer than any one
 call can keep retrying (``CALL_BOUND``), so a re-sent copy never runs twice."""
-
-OPERATOR_LOOKUP_TTL = 1.0
-"""Seconds a writer that owns nothing keeps the namespace's fleet-index id."""
 
 CONNECT_TIMEOUT = 1.0
 READ_TIMEOUT = 2.0
@@ -105,7 +87,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         key_prefix: str = DEFAULT_KEY_PREFIX,
         notice_stream_maxlen: int = DEFAULT_NOTICE_STREAM_MAXLEN,
         reply_ttl: float = DEFAULT_REPLY_TTL,
-        fleet_index: bool = True,
     ) -> None:
         super().__init__()
         self.keys = NamespaceKeys(namespace, key_prefix)
@@ -140,21 +121,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self._all_keys = (k.kv, k.mamba, k.meta, k.mamba_evictions)
         self._mamba_write_keys = (k.mamba, k.meta, k.mamba_evictions)
         self._set_epoch(None)
-        # The fleet index (registry.fleet): whether this object keeps it up, the ids its
-        # bits go under (its member id; two while a rebuild fills a new one) and whether
-        # they may be wrong (then the heartbeat rebuilds them).
-        if not isinstance(fleet_index, bool):
-            raise TypeError("fleet_index must be True or False")
-        self.fleet_index = fleet_index
-        self._fleet = FleetKeys(k.key_prefix)
-        self._fleet_members: FleetMembers | None = None
-        self._index_ids: tuple[int, ...] = ()
-        self._index_dirty = False
-        self._operator_lookup: tuple[float, tuple[int, ...]] = (float("-inf"), ())
-        # (member id, its group's shard when that is on the node of this namespace's
-        # keys, else None): where an owner's write keeps the index in its own
-        # script (``_upkeep_here``).
-        self._upkeep_shard: tuple[int, str | None] = (-1, None)
 
     def _set_epoch(self, epoch: int | None) -> None:
         self.epoch = epoch
@@ -168,19 +134,12 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         data: Any = (),
         *,
         fence: str | None = None,
-        upkeep: tuple[str, str] | tuple[()] = (),
     ) -> Any:
         """Run a write script under a fresh request id (see ``lua/_prelude.lua``)."""
-        all_keys, args = self._write_args(
-            operation, keys, notices, data, fence=fence, upkeep=upkeep
+        all_keys, args = self._write_args(operation, keys, notices, data, fence=fence)
+        return self._runner.run(
+            operation, all_keys, args, namespace=self.keys.namespace, epoch=self.epoch
         )
-        try:
-            return self._runner.run(
-                operation, all_keys, args, namespace=self.keys.namespace, epoch=self.epoch
-            )
-        except StaleEpochError:
-            self._index_ids = ()  # superseded: send no more index bits under its id
-            raise
 
     def _write_args(
         self,
@@ -190,13 +149,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         data: Any = (),
         *,
         fence: str | None = None,
-        upkeep: tuple[str, str] | tuple[()] = (),
     ) -> tuple[tuple[str, ...], list[Any]]:
         """The (KEYS, ARGV) of one write under a fresh request id: ``_write`` sends them
         at once; a batching caller (the mirror's flusher) keeps them to send, and re-send
-        unchanged, later: the request id makes a re-sent copy a no-op. ``upkeep``: an
-        owner write's two fleet-index arguments (``finish_indexed`` in
-        ``lua/_prelude.lua``), put before ``data``."""
+        unchanged, later: the request id makes a re-sent copy a no-op."""
         number = f"{next(self._requests):x}"
         head: list[Any] = [
             self._fence if fence is None else fence,
@@ -205,241 +161,8 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         ]
         if notices:
             head += [self.keys.mamba_evicted_channel, self.notice_stream_maxlen]
-        head.extend(upkeep)
         head.extend(data)
         return (self._reply_prefix + number, *keys), head
-
-    # -- the fleet index (registry.fleet) -------------------------------------------------
-
-    def _members(self) -> FleetMembers:
-        if self._fleet_members is None:
-            self._fleet_members = FleetMembers(self.client, self.keys.key_prefix)
-        return self._fleet_members
-
-    def _home_group(self) -> int:
-        """The fleet-index group this namespace joins (``registry.fleet.home_group``)."""
-        return home_group(self.client, self._fleet, self.keys.kv)
-
-    def _index_calls(self, change: str, hashes: list[int]) -> list[tuple[Any, tuple[Any, ...]]]:
-        """The fleet-index upkeep of one write, as (routing key, command) pairs to send in
-        the write's own round trip. ``change``: "kv+", "kv-", "mamba+" or "mamba-"."""
-        return update_calls(self._fleet, self._upkeep_ids(), change, hashes, epoch=self._fence)
-
-    def _upkeep_ids(self) -> tuple[int, ...]:
-        """The member ids a write's index bits go under: this owner's (two while a
-        rebuild fills a new one); a writer that owns nothing looks the namespace's id up."""
-        if not self.fleet_index:
-            return ()
-        ids = self._index_ids
-        if not ids and self.epoch is None:
-            ids = self._operator_ids()
-        return ids
-
-    def _upkeep_here(self, ids: tuple[int, ...]) -> tuple[str, str] | None:
-        """(local id, shard) for a write script that keeps the index itself
-        (``finish_indexed`` in ``lua/_prelude.lua``: one script call instead of two,
-        which is most of what the index costs a small write): there is one id, and its
-        group's shard is on the node of this namespace's keys (always, on a
-        standalone server; on a cluster, by the client's slot map, checked once per id).
-        None: the upkeep goes as ``index_update`` calls in the write's round trip."""
-        if len(ids) != 1:
-            return None
-        member = ids[0]
-        if self._upkeep_shard[0] != member:
-            shard: str | None = self._fleet.shards[member % GROUPS]
-            if is_cluster(self.client):
-                try:
-                    node = self.client.get_node_from_key
-                    if node(shard).name != node(self.keys.kv).name:
-                        shard = None
-                except Exception:  # a layout being refreshed: the separate call is correct
-                    shard = None
-            self._upkeep_shard = (member, shard)
-        shard = self._upkeep_shard[1]
-        return None if shard is None else (str(member // GROUPS), shard)
-
-    def _upkept(self, operation: str, outcome: Any, change: str, hashes: list[int]) -> None:
-        """After a write that kept the index in its own script: its ``index_change``
-        outcome. -1: the shard refused (the bits are rebuilt at the next renewal); -2:
-        the script could not reach the shard (on a cluster, not on the write's node
-        after all; or an ACL, or a key that is not a hash): the upkeep goes as
-        ``index_update`` calls now, and so from now on under this id, which land or
-        leave the bits to be rebuilt."""
-        if not isinstance(outcome, int) or outcome >= 0:
-            return
-        if outcome == -2:
-            self._upkeep_shard = (self._upkeep_shard[0], None)
-            try:
-                replies = self._index_batch(operation, self._index_calls(change, hashes))
-            except RegistryError as exc:
-                replies = [exc]
-            if not any(isinstance(r, Exception) for r in replies):
-                return
-        self._upkeep_failed()
-
-    def _upkeep_failed(self) -> None:
-        """This owner's bits may be wrong: rebuilt at its next renewal."""
-        self._index_dirty = True
-        log.warning(
-            "namespace %r: a fleet-index update failed; rebuilt at the next renewal",
-            self.namespace,
-        )
-
-    def _operator_ids(self) -> tuple[int, ...]:
-        """The namespace's member id for a writer that owns nothing, looked up at most
-        once a second (one extra read then; an id retired meanwhile only makes the
-        update land where no router looks)."""
-        looked_at, ids = self._operator_lookup
-        now = time.monotonic()
-        if now - looked_at >= OPERATOR_LOOKUP_TTL:
-            try:
-                current = self._members().current(self.namespace)
-            except RegistryError:
-                return ()  # the write itself will tell (Redis away), or an ACL without it
-            ids = () if current is None else (current,)
-            self._operator_lookup = (now, ids)
-        return ids
-
-    def _write_indexed(
-        self,
-        operation: str,
-        keys: tuple[str, ...],
-        notices: bool,
-        data: Any,
-        change: str,
-        hashes: list[int],
-    ) -> Any:
-        """A write and its index upkeep in one round trip; the write's reply. The write
-        script keeps the index itself where the shard is on its node (its reply then
-        comes as { reply, the upkeep's outcome }); else ``index_update`` follows the
-        write on the same connection. An upkeep that failed leaves the bits dirty,
-        rebuilt at the next renewal."""
-        here = self._upkeep_here(self._upkeep_ids())
-        if here is not None:
-            reply, outcome = self._write(operation, keys, notices, data, upkeep=here)
-            self._upkept(operation, outcome, change, hashes)
-            return reply
-        calls = self._index_calls(change, hashes)
-        if not calls:
-            return self._write(operation, keys, notices, data, upkeep=NO_UPKEEP)
-        all_keys, args = self._write_args(operation, keys, notices, data, upkeep=NO_UPKEEP)
-        command = ("EVALSHA", script_sha(operation), len(all_keys), *all_keys, *args)
-        try:
-            replies = self._runner.batch(
-                operation,
-                [(all_keys[0], command), *calls],
-                scripts=(operation, "index_update"),
-                context=f"namespace {self.namespace!r}",
-                owner=(self.namespace, self.epoch),
-            )
-        except StaleEpochError:
-            self._index_ids = ()  # superseded: send no more index bits under its id
-            raise
-        reply = replies[0]
-        if any(isinstance(r, Exception) for r in replies[1:]):
-            self._upkeep_failed()
-        return reply
-
-    def _index_batch(self, operation: str, calls: list[tuple[Any, tuple[Any, ...]]]) -> list[Any]:
-        """Fleet-index commands alone, in one round trip per Redis node; their replies,
-        error replies as exception objects (a lost connection raises)."""
-        return self._runner.batch(
-            operation, calls, scripts=("index_update",), context=f"namespace {self.namespace!r}"
-        )
-
-    def reindex(self) -> int | None:
-        """Rebuild this namespace's fleet-index bits from its maps: a reserved member id
-        gets a bit for every entry, then becomes the namespace's id in one step (routers
-        never see it half filled). Writes meanwhile go under both ids. Returns the new id
-        (None with ``fleet_index`` off). O(entries): for healing, not the hot path."""
-        if not self.fleet_index:
-            return None
-        members = self._members()
-        for _attempt in range(3):
-            self._index_dirty = False
-            fresh = members.reserve(self.namespace, self._home_group())
-            self._index_ids = (*self._index_ids[:1], fresh)
-            try:
-                kv, mamba = self.entries()
-                calls = stamp_calls(self._fleet, fresh, self._fence)
-                mamba_hashes = list(mamba)
-                if not mamba_hashes and self._read(
-                    "reindex", self.client.hget, self.keys.meta, "mamba_seen"
-                ):
-                    mamba_hashes = [0]  # a hybrid model's node without an entry now: field 0
-                for change, hashes in (("kv+", list(kv)), ("mamba+", mamba_hashes)):
-                    for first in range(0, len(hashes), REBUILD_CHUNK):
-                        part = hashes[first : first + REBUILD_CHUNK]
-                        calls += update_calls(
-                            self._fleet,
-                            (fresh,),
-                            change,
-                            part,
-                            epoch=self._fence,
-                        )
-                if calls:
-                    replies = self._index_batch("reindex", calls)
-                    for reply in replies:
-                        if isinstance(reply, Exception):
-                            raise self._runner.error(reply, "reindex", self.namespace, None)
-                switched = members.switch(self.namespace, fresh)
-            except BaseException:
-                self._index_ids = self._index_ids[:1]
-                self._index_dirty = True
-                raise
-            if switched:
-                self._index_ids = (fresh,)
-                return fresh
-            self._index_ids = self._index_ids[:1]
-        self._index_dirty = True
-        return None
-
-    def _joined(self, lease_until_ms: int) -> None:
-        """After a claim: join the fleet index with a new member id (retiring the old
-        one) and record the lease, in one call; or only announce the lease."""
-        if not self.fleet_index:
-            self._node_index().announce(self.namespace, lease_until_ms)
-            return
-        member = self._members().join(self.namespace, lease_until_ms, self._home_group())
-        self._index_ids = (member,)
-        self._index_dirty = False
-        # The id's stamp on its group's shard, before any bit: the shard applies this
-        # owner's updates only under it (lua/index_update.lua, "Fencing").
-        stamps = stamp_calls(self._fleet, member, self._fence)
-        try:
-            replies = self._index_batch("index_stamp", stamps)
-        except RegistryError as exc:
-            replies = [exc]
-        if any(isinstance(r, Exception) for r in replies):
-            self._index_dirty = True  # rebuilt (a new id, stamped) at the next renewal
-            log.warning(
-                "namespace %r: stamping its fleet-index id failed; rebuilt at the next renewal",
-                self.namespace,
-            )
-
-    def _renewed(self, lease_until_ms: int) -> None:
-        """After a renewal: record the lease and check the member id in one call;
-        rebuild the index bits when they may be wrong (dirty, or the id was lost)."""
-        if not self.fleet_index or not self._index_ids:
-            self._node_index().announce(self.namespace, lease_until_ms)
-            if not self.fleet_index:
-                return
-        else:
-            member = self._index_ids[0]
-            current = self._members().check(self.namespace, member, lease_until_ms)
-            if current and not self._index_dirty and member % GROUPS == self._home_group():
-                return
-            # Rebuilt: the id was lost, the bits may be wrong, or (after a resharding)
-            # the group's shard is no longer on this namespace's node.
-        try:
-            self.reindex()
-        except RegistryError:
-            self._index_dirty = True
-            log.warning(
-                "namespace %r: fleet-index rebuild failed; retried at the next renewal",
-                self.namespace,
-                exc_info=True,
-            )
 
     @overload
     @classmethod
@@ -464,7 +187,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         notice_stream_maxlen: int = DEFAULT_NOTICE_STREAM_MAXLEN,
         reply_ttl: float = DEFAULT_REPLY_TTL,
         cluster: bool | None = None,
-        fleet_index: bool = True,
         **client_options: Any,
     ) -> PrefixCacheRegistry | MirroredRegistry:
         """Connect with a URL: ``redis://``, ``rediss://``, ``unix://``, Redis Cluster
@@ -497,7 +219,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             key_prefix=key_prefix,
             notice_stream_maxlen=notice_stream_maxlen,
             reply_ttl=reply_ttl,
-            fleet_index=fleet_index,
         )
         if mirror:
             from registry.mirror import MirroredRegistry
@@ -548,14 +269,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         return list(map(int, values))
 
     def _register_kv(self, entries: dict[int, int]) -> None:
-        self._write_indexed(
-            "register_kv", self._kv_write_keys, False, flatten(entries, ()), "kv+", list(entries)
-        )
+        self._write("register_kv", self._kv_write_keys, False, flatten(entries, ()))
 
     def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
-        removed, notice = self._write_indexed(
-            "evict_kv", self._all_keys, True, hashes, "kv-", hashes
-        )
+        removed, notice = self._write("evict_kv", self._all_keys, True, hashes)
         # The script lists the removed hashes only when some were missing.
         gone = set(hashes) if isinstance(removed, int) else set(map(int, removed))
         return gone, _notice(notice)
@@ -570,22 +287,13 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         return farthest
 
     def _register_mamba(self, entries: dict[int, int]) -> tuple[EvictionNotice | None, int]:
-        notice, stamp = self._write_indexed(
-            "register_mamba",
-            self._mamba_write_keys,
-            True,
-            flatten(entries, ()),
-            "mamba+",
-            list(entries),
+        notice, stamp = self._write(
+            "register_mamba", self._mamba_write_keys, True, flatten(entries, ())
         )
         return _notice(notice), int(stamp)
 
     def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
-        notice = _notice(
-            self._write_indexed(
-                "evict_mamba", self._mamba_write_keys, True, hashes, "mamba-", hashes
-            )
-        )
+        notice = _notice(self._write("evict_mamba", self._mamba_write_keys, True, hashes))
         return ({h for _, h in notice.pairs} if notice else set()), notice
 
     def _mamba_block_ids(self, hashes: list[int]) -> list[int | None]:
@@ -684,58 +392,12 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         return result
 
     def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
-        if self.fleet_index and self.epoch is None:
-            return self._operator_clear(kv=kv, mamba=mamba)
-        notice = self._clear_maps(kv=kv, mamba=mamba)
-        if self.fleet_index and self._index_ids:
-            self._rebuild_after_clear()
-        return notice
-
-    def _clear_maps(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
         if kv and mamba:
             return _notice(self._write("reset", self._all_keys, True))
         if kv:
             self._write("clear_kv", self._kv_write_keys, False)
             return None
         return _notice(self._write("clear_mamba", self._mamba_write_keys, True))
-
-    def _operator_clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
-        """A clear by a writer that owns nothing: the owner keeps its member id (a
-        rebuild would take a new one, and the owner's writes would go under the old one
-        until it noticed), so the cleared entries' bits are cleared instead, read just
-        before the clear (an entry added meanwhile may keep its bits: an over-count, a
-        suboptimal route at worst, until it is evicted)."""
-        ids = self._operator_ids()
-        held_kv, held_mamba = self.entries() if ids else ({}, {})
-        notice = self._clear_maps(kv=kv, mamba=mamba)
-        calls = []
-        if kv and held_kv:
-            calls += update_calls(self._fleet, ids, "kv-", list(held_kv))
-        if mamba and held_mamba:
-            calls += update_calls(self._fleet, ids, "mamba-", list(held_mamba))
-        if calls:
-            replies = self._index_batch("clear", calls)
-            if any(isinstance(r, Exception) for r in replies):
-                log.warning(
-                    "namespace %r: a fleet-index update failed after a clear", self.namespace
-                )
-        return notice
-
-    def _rebuild_after_clear(self) -> None:
-        """A clear drops bits of every entry: rebuild them (what is left), or mark them
-        dirty for the heartbeat when Redis refuses now (the clear itself happened)."""
-        try:
-            if self.epoch is None and self._members().current(self.namespace) is None:
-                return  # an operator clearing a namespace that is in no index
-            self.reindex()
-        except RegistryError:
-            self._index_dirty = True
-            log.warning(
-                "namespace %r: fleet-index rebuild after a clear failed; retried "
-                "at the next renewal",
-                self.namespace,
-                exc_info=True,
-            )
 
     def notices_after(
         self, seq: int, *, incarnation: str | None = None, page: int = 500

@@ -1,17 +1,19 @@
 """``PrefixRouter``: which live node already holds the longest prefix of a prompt.
 
-The router asks Redis directly (the registry is the truth there), so restarts and lost
-events cannot leave it with stale copies. One ``score`` costs one round trip per Redis
-node, whatever the number of namespaces: a pipeline on a standalone server; on Redis
-Cluster ``ScriptRunner.run_many`` groups the calls by the primary serving their slot,
-writes to every primary, then reads every reply, so the shards work at the same time
-(redis-py's cluster pipeline would first send a blocking ``COMMAND GETKEYS`` per call; it
-is used only when the slot map moved, to follow the redirections). Each namespace's score is
-one script (``lua/score.lua``): a binary search over the parent chain for the KV prefix,
-then (``hybrid`` routers only) the farthest Mamba checkpoint inside it, at a cost bounded
-by the smaller of the namespace's Mamba entries and the prefix, and -1 for a namespace
-without a live lease.
-The prompt's hashes travel packed in one argument, encoded once for all namespaces.
+Given a started fleet view (``registry.fleet.view.FleetView``), the router scores from
+it: memory work, no round trip, the view following every namespace's change records
+(it may lag a write by the time its record takes to arrive). Without one, or while the
+view has not heard from Redis for ``registry.fleet.view.STALE_S`` seconds, it asks
+Redis, the truth: one ``score`` costs one round trip per Redis node, a pipeline on a
+standalone server; on Redis Cluster ``ScriptRunner.run_many`` groups the calls by the
+primary serving their slot, writes to every primary, then reads every reply, so the
+shards work at the same time (redis-py's cluster pipeline would first send a blocking
+``COMMAND GETKEYS`` per call; it is used only when the slot map moved, to follow the
+redirections). Each namespace's score is one script (``lua/score.lua``): a binary search
+over the parent chain for the KV prefix, then (``hybrid`` routers only) the farthest
+Mamba checkpoint inside it, at a cost bounded by the smaller of the namespace's Mamba
+entries and the prefix, and -1 for a namespace without a live lease. The prompt's hashes
+travel packed in one argument, encoded once for all namespaces.
 
 A router never writes and never claims an epoch. It is thread-safe.
 """
@@ -25,18 +27,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from registry import metrics as _metrics
-from registry.errors import translate
-from registry.fleet import (
-    GROUPS,
-    FleetKeys,
-    MemberList,
-    group_masks,
-    group_prefixes,
-    lookup_calls,
-)
 from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.membership import NodeIndex
-from registry.scripts import ScriptRunner, is_cluster, script_sha
+from registry.scripts import ScriptRunner
 from registry.validation import prefix_hashes
 
 if TYPE_CHECKING:
@@ -87,20 +80,17 @@ class PrefixRouter:
         """A started ``registry.fleet.view.FleetView`` to score from (memory work, no
         round trip; it may lag the writes by the time a change record takes to arrive:
         ``view.sync()`` waits for them) while it follows Redis, asking Redis when it has
-        not for ``registry.fleet.view.STALE_S`` seconds; or None: from the fleet index in Redis."""
+        not for ``registry.fleet.view.STALE_S`` seconds; or None: Redis, exactly, per
+        namespace."""
         self.client = client
         self.key_prefix = key_prefix
         self.hybrid = checked_hybrid(hybrid)
         self.live_cache_ttl = live_cache_ttl
         self.exact = exact
+        """Always per namespace (``lua/score.lua``), never from a view: the reference
+        a view is checked against."""
         self._index = NodeIndex(client, key_prefix)
-        self._fleet = FleetKeys(key_prefix)
         self._runner = ScriptRunner(client)
-        self._cluster = is_cluster(client)
-        # How many namespaces were live when this router last listed those without an
-        # index id, and those namespaces (scored exactly, beside the index).
-        self._bare: BareState = (0, frozenset(), float("-inf"))
-        self._known = MemberList()  # the member table as last read (by version)
         self._lock = threading.Lock()
         self._live: tuple[float, list[str]] = (float("-inf"), [])
         self._keys: dict[str, NamespaceKeys] = {}
@@ -132,57 +122,12 @@ class PrefixRouter:
         view = self.view
         if view is not None and view.fresh():
             return view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
-        if not self.exact:
-            return self._score_indexed(prefix_hashes(hashes), namespaces)
         packed = pack_hashes(hashes)
         names = self.live_nodes() if namespaces is None else chosen_namespaces(namespaces)
         if not names:
             return {}
         replies = self._run_pipeline(names, packed)
         return scores_from_replies(names, replies, hybrid=self.hybrid)
-
-    def _score_indexed(
-        self, wanted: list[int], namespaces: Iterable[str] | None
-    ) -> dict[str, NodeScore]:
-        """From the fleet index: the live members and the prompt's index fields in one
-        round trip per Redis node. Live namespaces without an index id (more live
-        namespaces than members) are scored exactly, in the same round trip once this
-        router knows them; it lists them again when that number changes."""
-        chosen = None if namespaces is None else set(chosen_namespaces(namespaces))
-        if chosen is not None and not chosen:
-            return {}
-        plan = IndexPlan(
-            self._fleet,
-            wanted,
-            self._bare[1],
-            chosen,
-            self.key_prefix,
-            self._keys,
-            hybrid=self.hybrid,
-            cluster=self._cluster,
-            known=self._known,
-            ttl=self.live_cache_ttl,
-        )
-        context = f"routing from the fleet index {self._fleet.members!r}"
-        replies = self._runner.batch(
-            "score", plan.routed, scripts=("fleet_members", "score"), context=context
-        )
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise translated_reply(reply, f"{context}: score") from reply
-        scores = plan.scores(replies)
-        self._known = plan.known
-        state = plan.bare_state(self._bare, self.live_cache_ttl)
-        if state is not None:
-            self._bare = state
-        else:
-            # Some live namespace has no index id: list them, score those asked for exactly.
-            self._bare = plan.listed(self._index.live())
-        missed = plan.missed(self._bare[1] if state is None else frozenset(), scores)
-        if missed:
-            extra = self._run_pipeline(missed, pack_hashes(wanted))
-            scores.update(scores_from_replies(missed, extra, hybrid=self.hybrid))
-        return scores
 
     def best(
         self,
@@ -236,131 +181,6 @@ class PrefixRouter:
 # -- the rules both routers share (PrefixRouter here, AsyncPrefixRouter in aio_routing) --
 
 
-class IndexPlan:
-    """One index-scored routing decision: the commands to send (the member table's
-    changes since the router's copy, one HMGET of the prompt per shard of a group it
-    has members in, an exact ``score`` per namespace known to be live without an index
-    id) and how to read their replies. Shared by both routers."""
-
-    def __init__(
-        self,
-        fleet: FleetKeys,
-        wanted: list[int],
-        bare: frozenset[str],
-        chosen: set[str] | None,
-        key_prefix: str,
-        keys_cache: dict[str, NamespaceKeys],
-        *,
-        hybrid: bool | None,
-        cluster: bool,
-        known: MemberList,
-        ttl: float,
-    ) -> None:
-        self.wanted = wanted
-        self.hybrid = hybrid
-        self.members: Mapping[str, int] = {}
-        self.live_count = 0
-        self.chosen = chosen
-        self.known = known
-        # The shards of the groups this router's copy of the member list has members
-        # in (those asked for; every group before its first copy): a member of a group
-        # not read this time, new to the router, is scored exactly once (``unread``).
-        if known.fetched_at == float("-inf"):
-            self.groups: list[int] = list(range(GROUPS if cluster else 1))
-        elif chosen is None:
-            self.groups = sorted(known.masks)
-        else:  # only the groups of the namespaces asked for
-            ids = known.members
-            self.groups = sorted({ids[n] % GROUPS for n in chosen if n in ids})
-        self.unread: list[str] = []
-        # hybrid=None also reads each shard's field "0": its members' Mamba bits say which
-        # are hybrid models' nodes (ranked by the Mamba-aware prefix, the others by KV).
-        lookups = lookup_calls(
-            fleet, [*wanted, 0] if wanted and hybrid is None else wanted, self.groups
-        )
-        self._exact = sorted(bare if chosen is None else bare & chosen)
-        exact: list[tuple[Any, tuple[Any, ...]]] = []
-        if self._exact:
-            sha = script_sha("score")
-            calls = score_calls(
-                self._exact, pack_hashes(wanted), key_prefix, keys_cache, hybrid=hybrid
-            )
-            exact = [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls]
-        self.routed = [known.call(fleet, ttl), *lookups, *exact]
-
-    def scores(self, replies: Sequence[Any]) -> dict[str, NodeScore]:
-        """The scores of the live members (and of the known non-members sent exactly);
-        sets ``members``, ``live_count`` and ``known`` (the member list to keep) from
-        the reply."""
-        hybrid = self.hybrid
-        self.known, members, self.live_count = self.known.update(replies[0])
-        self.members = members
-        chosen = self.chosen
-        if chosen is None:
-            wanted: Mapping[str, int] = members
-        else:
-            wanted = {n: members[n] for n in chosen if n in members}
-        read = len(self.groups) if self.wanted else 0
-        values = dict(zip(self.groups, replies[1 : 1 + read], strict=False))
-        hybrid_bits: dict[int, int] = {}
-        if hybrid is None and values:
-            hybrid_bits = {g: _bits(v[-1]) for g, v in values.items()}
-            values = {g: v[:-1] for g, v in values.items()}
-        known = self.known
-        masks = known.masks if wanted is known.members else group_masks(wanted.values())
-        kv_end, mamba_end = group_prefixes(masks, values, hybrid=hybrid is not False)
-        everything = len(self.wanted)
-        result: dict[str, NodeScore] = {}
-        for name, member in wanted.items():
-            group = member % GROUPS
-            if everything and group not in values:
-                self.unread.append(name)
-                continue
-            kv = kv_end.get(member, everything)
-            mamba = mamba_end.get(member, 0)
-            if hybrid is None:
-                reuses_mamba = hybrid_bits.get(group, 0) >> (2 * (member // GROUPS) + 1) & 1
-                usable = mamba if reuses_mamba else kv
-            else:
-                usable = mamba if hybrid else kv
-            result[name] = NodeScore.of(name, kv, mamba, usable)
-        exact_replies = replies[1 + read :]
-        result.update(scores_from_replies(self._exact, exact_replies, hybrid=hybrid))
-        return result
-
-    def bare_state(self, state: BareState, ttl: float) -> BareState | None:
-        """After ``scores``: the live non-members to keep, or None to list them again
-        (some live namespace has no index id: written with ``fleet_index=False``, or
-        garbage in the node index; the list is kept until the number of live
-        namespaces changes, or for ``ttl`` seconds)."""
-        now = time.monotonic()
-        if self.live_count <= len(self.members):
-            return (self.live_count, frozenset(), now)
-        if self.live_count == state[0] and now - state[2] < ttl:
-            return state
-        return None
-
-    def listed(self, live: Iterable[str]) -> BareState:
-        """The non-members among the node index's ``live`` namespaces."""
-        return (self.live_count, frozenset(live) - set(self.members), time.monotonic())
-
-    def missed(self, bare: frozenset[str], scores: Mapping[str, NodeScore]) -> list[str]:
-        """Namespaces asked for that this round did not score (scored exactly next):
-        non-members in ``bare``, and members of groups not read (``unread``)."""
-        chosen = self.chosen
-        missed = {n for n in bare if (chosen is None or n in chosen) and n not in scores}
-        return sorted(missed.union(self.unread))
-
-
-BareState = tuple[int, frozenset[str], float]
-"""(live namespaces counted when listed, those of them without an index id, when)."""
-
-
-def translated_reply(reply: BaseException, what: str) -> BaseException:
-    """A read's error reply as the registry error for it."""
-    return translate(reply, what, write=False) or reply
-
-
 def pack_hashes(hashes: Sequence[int]) -> bytes:
     """A prompt's hashes checked (cut before the first sentinel: it can never match) and
     packed for ``lua/score.lua``: 19 zero-padded digits each, once for all namespaces."""
@@ -396,16 +216,6 @@ def score_calls(
 def routing_context(names: Sequence[str]) -> str:
     """What a routing call is doing, for error messages."""
     return f"routing over {len(names)} namespaces"
-
-
-def _bits(value: Any) -> int:
-    """An index value (hex, or None) as its bitmap; anything else as none."""
-    if value is None:
-        return 0
-    try:
-        return int(value, 16)
-    except (TypeError, ValueError):
-        return 0
 
 
 def checked_hybrid(hybrid: object) -> bool | None:

@@ -69,9 +69,6 @@ OPERATIONS = (
     "bridge_resume",
     "mirror_resync",
     "mirror_apply",
-    "index_update",
-    "index_scrub",
-    "fleet_members",
     "fleet_snapshot",
     "gateway_load",
 )
@@ -234,57 +231,6 @@ class ScriptRunner:
             [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls],
         )
 
-    def batch(
-        self,
-        operation: str,
-        routed: Sequence[tuple[Any, tuple[Any, ...]]],
-        *,
-        scripts: Sequence[str],
-        context: str = "",
-        owner: tuple[str, int | None] | None = None,
-    ) -> list[Any]:
-        """Mixed commands ((routing key, command) pairs, scripts among them as EVALSHA)
-        in one round trip per Redis node; the replies in order, error replies as
-        exception objects for the caller to judge, except the first command's when
-        ``owner`` (namespace, epoch) is given: then it is a write whose error raises.
-        A NOSCRIPT loads ``scripts`` and runs the batch again (every script sent this
-        way must tolerate a re-sent copy). Counted and timed as ``operation`` when
-        metrics are on."""
-        observer = _metrics.active
-        if observer is not None:
-            return observer.timed(
-                operation, self._batch, operation, routed, scripts, context, owner
-            )
-        return self._batch(operation, routed, scripts, context, owner)
-
-    def _batch(
-        self,
-        operation: str,
-        routed: Sequence[tuple[Any, tuple[Any, ...]]],
-        scripts: Sequence[str],
-        context: str,
-        owner: tuple[str, int | None] | None,
-    ) -> list[Any]:
-        try:
-            replies = run_batched(self.client, routed)
-            if any(isinstance(r, NoScriptError) for r in replies):
-                for name in scripts:
-                    self.client.script_load(script_source(name))
-                replies = run_batched(self.client, routed)
-        except REDIS_ERRORS as exc:
-            namespace = None if owner is None else owner[0]
-            raise self._error(exc, operation, context, True, namespace, None) from exc
-        if owner is not None and isinstance(replies[0], Exception):
-            raise self.error(replies[0], operation, *owner) from replies[0]
-        return replies
-
-    def error(
-        self, exc: BaseException, operation: str, namespace: str, epoch: int | None
-    ) -> RegistryError:
-        """The registry error for a write's error reply (``StaleEpochError`` naming the
-        caller's epoch, or the translated fault)."""
-        return self._error(exc, operation, f"namespace {namespace!r}", True, namespace, epoch)
-
     @staticmethod
     def _error(
         exc: BaseException,
@@ -398,42 +344,9 @@ def packed_commands(connection: Any, commands: Sequence[tuple[Any, ...]]) -> lis
         and getattr(encoder, "encoding_errors", None) == "strict"
     ):
         pack = _hiredis_pack
-        return [b"".join([getattr(c, "wire", None) or pack(c) for c in commands])]
+        return [b"".join([pack(c) for c in commands])]
     result: list[bytes] = connection.pack_commands(commands)
     return result
-
-
-class WiredCommand(tuple[Any, ...]):
-    """A command (the tuple of its arguments) that also carries its UTF-8 wire form in
-    ``wire``, which ``packed_commands`` sends as it is (redis-py's own path sees a
-    plain tuple)."""
-
-    wire: bytes
-
-
-def same_arguments(command: str, keys: Sequence[str], args: Sequence[Any]) -> list[tuple[Any, ...]]:
-    """``(command, key, *args)`` for each of ``keys``, the long shared ``args`` packed
-    once (with hiredis) for all of them: a router reads the prompt's 512 hashes from
-    each group's shard, and packing them is most of a decision's client time."""
-    if _hiredis_pack is None or len(keys) < 2:
-        return [(command, key, *args) for key in keys]
-    first = _hiredis_pack((command, keys[0], *args))
-    name = command.encode("utf-8")
-    commands: list[tuple[Any, ...]] = []
-    tail = b""
-    for key in keys:
-        raw = key.encode("utf-8")
-        head = b"*%d\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
-            len(args) + 2, len(name), name, len(raw), raw,
-        )  # fmt: skip
-        if not tail:
-            if not first.startswith(head):  # not the expected form: pack each one
-                return [(command, key, *args) for key in keys]
-            tail = first[len(head) :]
-        wired = WiredCommand((command, key, *args))
-        wired.wire = head + tail
-        commands.append(wired)
-    return commands
 
 
 def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> list[Any] | None:

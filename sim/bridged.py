@@ -430,7 +430,7 @@ def _catch_up(
     bridge: Bridge, wanted: list[tuple[PrefixCacheRegistry, int]], timeout: float
 ) -> None:
     """Until each namespace records (``bridge_seq``, written with the batch) that the
-    bridge applied its engine's batch ``seq`` (-1: none published), fleet index included.
+    bridge applied its engine's batch ``seq`` (-1: none published).
     Lost batches come back through the replay socket: at the engine's next batch, or when
     the bridge probes the quiet engine (after a third of the lease)."""
     deadline = time.monotonic() + timeout
@@ -456,8 +456,8 @@ def _catch_up(
 
 
 def _applied(registry: PrefixCacheRegistry, seq: int, counts: dict[str, Any]) -> bool:
-    """Whether Redis records batch ``seq`` as applied and the bridge has also brought
-    the fleet index in line with it (its second step, counted in ``applied_seq``)."""
+    """Whether Redis records batch ``seq`` as applied and the bridge has counted it
+    (``applied_seq``, set once its ``bridge_apply`` call returned)."""
     applied = registry.info().bridge_seq
     if applied is None or applied < seq:
         return False

@@ -231,7 +231,8 @@ def _operations(
 
 
 def _score_rows(client: Any, n: int) -> tuple[Operation, Operation, Operation]:
-    """Routing over 16 namespaces at size n, against one match_kv_prefix and one PING."""
+    """Routing from Redis over 16 namespaces at size n (a router without a fleet view:
+    one ``score.lua`` per namespace), against one match_kv_prefix and one PING."""
     chain = [2**60 + n * 100_000 + i for i in range(n)]
     names = []
     for i in range(SCORE_NAMESPACES):

@@ -1,6 +1,8 @@
-"""``pcr bench --view``: one routing decision from the in-process fleet view
+"""``pcr bench --fleet``'s in-process rows: one routing decision from the fleet view
 (``registry/fleet/view.py``) beside Dynamo's ``RadixTree``, fed the same fleet, with
-equal answers checked; and the view's memory per (node, block) pair.
+equal answers checked; and the view's memory per (node, block) pair. Then, on Redis, a
+write's way to a view, a view's cold start and what an owner's write costs. The same
+fleets through Redis, from the view and exactly, are ``pcr.bench.fleet``'s.
 
 The fleet (the realistic workload; ``--best-case`` adds the labelled best case): each
 of W workers holds 16 conversations. A conversation is one of 8 system prompts of 128
@@ -245,11 +247,11 @@ def format_report(report: dict[str, Any]) -> list[str]:
 
 
 def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
-    """On a server of its own (flushed): how long an owner's write takes to reach a
-    view following it (from the write's call to the view holding it, one process, the
-    view's own thread); a view's cold start over 256 namespaces x 4,096 blocks (64 x
-    1,024 with ``quick``); and ``register_kv`` / ``evict_kv`` of 32 blocks with and
-    without the fleet index's upkeep (the change record is in both)."""
+    """On the server (or cluster) at ``url`` (flushed): how long an owner's write takes
+    to reach a view following it (from the write's call to the view holding it, one
+    process, the view's own thread); a view's cold start over 256 namespaces x 4,096
+    blocks (64 x 1,024 with ``quick``); and what an owner's ``register_kv`` /
+    ``evict_kv`` of 32 blocks costs (its change record included)."""
     from registry import PrefixCacheRegistry
     from registry.client import client_from_url
 
@@ -276,7 +278,7 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
     namespaces, blocks = (64, 1024) if quick else (256, 4096)
     chain = [rng.randrange(1, 2**63) for _ in range(blocks)]
     for n in range(namespaces):
-        reg = PrefixCacheRegistry(client, f"cold-{n:04d}", fleet_index=False)
+        reg = PrefixCacheRegistry(client, f"cold-{n:04d}")
         reg.claim(lease_ttl=600)
         cut = rng.randint(blocks // 2, blocks)
         own = [rng.randrange(1, 2**63) for _ in range(blocks - cut)]
@@ -286,25 +288,21 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
     out["cold_start_s"] = round(time.perf_counter() - t0, 2)
     out["cold_start_fleet"] = f"{namespaces} x {blocks}"
     cold.close()
-    owners = {}
-    for label, indexed in (("with_index", True), ("records_only", False)):
-        owners[label] = PrefixCacheRegistry(client, f"cost-{label}", fleet_index=indexed)
-        owners[label].claim(lease_ttl=600)
-    timed: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in owners}
-    for i in range(100 if quick else 600):
-        order = list(owners.items())
-        for label, reg in order if i % 2 else order[::-1]:  # side by side, in turn
-            hashes = [rng.randrange(1, 2**63) for _ in range(32)]
-            t0 = time.perf_counter()
-            reg.register_kv(range(32), hashes)
-            t1 = time.perf_counter()
-            reg.evict_kv(hashes)
-            t2 = time.perf_counter()
-            timed[label][0].append(t1 - t0)
-            timed[label][1].append(t2 - t1)
-    for label, (registers, evicts) in timed.items():
-        out[f"register_kv_{label}_us"] = round(statistics.median(registers) * 1e6, 1)
-        out[f"evict_kv_{label}_us"] = round(statistics.median(evicts) * 1e6, 1)
+    writer = PrefixCacheRegistry(client, "cost")
+    writer.claim(lease_ttl=600)
+    registers: list[float] = []
+    evicts: list[float] = []
+    for _ in range(100 if quick else 600):
+        hashes = [rng.randrange(1, 2**63) for _ in range(32)]
+        t0 = time.perf_counter()
+        writer.register_kv(range(32), hashes)
+        t1 = time.perf_counter()
+        writer.evict_kv(hashes)
+        t2 = time.perf_counter()
+        registers.append(t1 - t0)
+        evicts.append(t2 - t1)
+    out["register_kv_us"] = round(statistics.median(registers) * 1e6, 1)
+    out["evict_kv_us"] = round(statistics.median(evicts) * 1e6, 1)
     client.close()
     return out
 
@@ -312,12 +310,10 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
 def format_redis(row: dict[str, Any]) -> list[str]:
     return [
         "",
-        "against a redis-server of its own (one process; the view in its own thread):",
+        "against Redis (one process; the view in its own thread):",
         f"  an owner's write seen by a view: p50 {row['write_to_view_p50_ms']} ms, "
         f"p99 {row['write_to_view_p99_ms']} ms",
         f"  a view's cold start over {row['cold_start_fleet']} blocks: {row['cold_start_s']} s",
-        f"  register_kv of 32 blocks: {row['register_kv_with_index_us']} µs with the fleet "
-        f"index's upkeep, {row['register_kv_records_only_us']} µs without (records in both)",
-        f"  evict_kv of 32 blocks: {row['evict_kv_with_index_us']} µs with, "
-        f"{row['evict_kv_records_only_us']} µs without",
+        f"  an owner's register_kv of 32 blocks: p50 {row['register_kv_us']} µs, its "
+        f"evict_kv: p50 {row['evict_kv_us']} µs (each with its change record)",
     ]

@@ -18,9 +18,8 @@ from registry import (
     collect_dead,
     live_nodes,
 )
-from registry.fleet import GROUPS, FleetKeys, FleetMembers, bitmap, stamp_calls, update_calls
+from registry.fleet.view import FleetView
 from registry.redis_registry import namespace_infos
-from registry.scripts import ScriptRunner, run_batched
 from tests.support.backends import Backend, dump_keys, expire_lease, notice_base, registry_state
 from tests.support.counting import counted_sends
 from tests.support.waiting import wait_until
@@ -331,59 +330,6 @@ def test_score_over_sixteen_namespaces_across_shards(redis_cluster: Any, prefix:
         backend.close()
 
 
-def test_index_scoring_costs_one_round_trip_per_shard_and_one_read_per_group(
-    redis_cluster: Any, prefix: str
-) -> None:
-    """From the fleet index: each primary gets one write; it runs one HMGET per members'
-    group whose shard it serves (each namespace's group is on its own primary) and the
-    member list once, whatever the number of namespaces."""
-    backend = cluster_backend(redis_cluster)
-    try:
-        chain = list(range(10**12, 10**12 + 512))
-        nodes = {}
-        for i in range(16):
-            reg = owner(backend, f"node-{i:02d}", prefix)
-            reg.register_kv(range(i * 32), chain[: i * 32])
-            reg.register_mamba([0, i], [chain[0], chain[i]])
-            nodes[reg.namespace] = reg
-        client = backend.client()
-        router = PrefixRouter(client, prefix)
-        router.score(chain)  # scripts loaded, connections open
-        primaries = {n.name: redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()}
-        for admin in primaries.values():
-            admin.config_resetstat()
-        with counted_sends() as sends:
-            scores = router.score(chain)
-        assert sorted(sends) == sorted(primaries)
-        fleet = FleetKeys(prefix)
-        members = FleetMembers(client, prefix)
-        groups = set()
-        for name, reg in nodes.items():
-            member = members.current(name)
-            assert member is not None
-            groups.add(member % GROUPS)
-            home = client.get_node_from_key(reg.keys.kv).name
-            assert client.get_node_from_key(fleet.shards[member % GROUPS]).name == home
-        assert len(groups) == len(primaries)  # one group per primary
-        for name, admin in primaries.items():
-            stats = admin.info("commandstats")
-            admin.close()
-            shards_here = sum(
-                client.get_node_from_key(fleet.shards[g]).name == name for g in groups
-            )
-            assert shards_here == 1
-            members_here = client.get_node_from_key(fleet.members).name == name
-            assert stats.get("cmdstat_hmget", {}).get("calls", 0) == shards_here
-            assert stats.get("cmdstat_evalsha", {}).get("calls", 0) == int(members_here)
-            assert "cmdstat_command|getkeys" not in stats
-        assert scores == PrefixRouter(client, prefix, exact=True).score(chain)
-        for name, reg in nodes.items():
-            block_ids, _ = reg.match_kv_prefix(chain)
-            assert scores[name].kv_prefix == len(block_ids)
-    finally:
-        backend.close()
-
-
 def test_stats_of_many_namespaces_cost_one_round_trip_per_shard(
     redis_cluster: Any, prefix: str
 ) -> None:
@@ -409,20 +355,10 @@ def test_stats_of_many_namespaces_cost_one_round_trip_per_shard(
         backend.close()
 
 
-def index_field_bits(client: Any, prefix: str, member: int, hashes: list[int]) -> dict[int, bool]:
-    """Per hash, whether the fleet index holds a KV bit of ``member`` for it."""
-    shard = FleetKeys(prefix).shards[member % GROUPS]
-    bits = {h: bitmap(client.hget(shard, h)) for h in hashes}
-    return {h: bool(b >> (2 * (member // GROUPS)) & 1) for h, b in bits.items()}
-
-
-def test_a_write_and_its_index_upkeep_go_to_the_owners_primary_alone(
-    redis_cluster: Any, prefix: str
-) -> None:
-    """A write's index upkeep goes to the shard of the owner's group, on the owner's own
-    primary, inside the write's own script: one node woken and one script run per write,
-    however many index fields it touches; with its scripts flushed from every primary it
-    still lands."""
+def test_an_owners_write_goes_to_its_primary_alone(redis_cluster: Any, prefix: str) -> None:
+    """An owner's write (its change record published inside its own script) wakes one
+    node, its namespace's primary, and runs one script there; with its scripts flushed
+    from every primary it still lands."""
     backend = cluster_backend(redis_cluster)
     try:
         reg = owner(backend, "upkeep", prefix)
@@ -430,8 +366,6 @@ def test_a_write_and_its_index_upkeep_go_to_the_owners_primary_alone(
         reg.register_kv(range(64), hashes)  # scripts loaded, connections open
         reg.evict_kv(hashes)
         client = backend.client()
-        member = FleetMembers(client, prefix).current("upkeep")
-        assert member is not None
         kv_node = client.get_node_from_key(reg.keys.kv).name
         primaries = {n.name: redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()}
         try:
@@ -442,17 +376,13 @@ def test_a_write_and_its_index_upkeep_go_to_the_owners_primary_alone(
             assert sends == [kv_node]  # one write to one node
             for name, admin in primaries.items():
                 calls = admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-                assert calls == (1 if name == kv_node else 0), name  # the write keeps it
-            assert all(index_field_bits(client, prefix, member, hashes).values())
+                assert calls == (1 if name == kv_node else 0), name
             assert PrefixRouter(client, prefix).score(hashes)["upkeep"].kv_prefix == 64
             # Scripts gone (a restart, a failover): NOSCRIPT, loaded, sent again.
             for admin in primaries.values():
                 admin.script_flush()
             reg.evict_kv(hashes[32:])
-            assert index_field_bits(client, prefix, member, hashes) == {
-                h: i < 32 for i, h in enumerate(hashes)
-            }
-            assert not reg._index_dirty
+            assert PrefixRouter(client, prefix).score(hashes)["upkeep"].kv_prefix == 32
         finally:
             for admin in primaries.values():
                 admin.close()
@@ -460,219 +390,17 @@ def test_a_write_and_its_index_upkeep_go_to_the_owners_primary_alone(
         backend.close()
 
 
-def test_index_updates_sent_together_apply_in_their_order(redis_cluster: Any, prefix: str) -> None:
-    """A set, a clear and a set again of the same hashes in one round trip (what a
-    mirror's batch sends) leave the bits as the last change says."""
-    backend = cluster_backend(redis_cluster)
-    try:
-        client = backend.client()
-        fleet = FleetKeys(prefix)
-        hashes = [10**12 + i for i in range(32)]
-        routed = [
-            *stamp_calls(fleet, 21, "9"),
-            *update_calls(fleet, [21], "kv+", hashes, epoch="9"),
-            *update_calls(fleet, [21], "kv-", hashes[:8], epoch="9"),
-            *update_calls(fleet, [21], "kv+", hashes[:4], epoch="9"),
-        ]
-        ScriptRunner(client).load(["index_update"])
-        replies = run_batched(client, routed)
-        assert not [r for r in replies if isinstance(r, Exception)]
-        assert index_field_bits(client, prefix, 21, hashes) == {
-            h: not 4 <= i < 8 for i, h in enumerate(hashes)
-        }
-    finally:
-        backend.close()
-
-
-def test_a_member_whose_shard_is_on_another_primary_is_exact_and_moves_home_at_renewal(
-    redis_cluster: Any, prefix: str
-) -> None:
-    """Where a group's shard lives only changes speed: an owner whose group's shard is
-    on another primary (as after a resharding) is written and scored exactly, its
-    upkeep one more node per write; its renewal rebuilds it into its home group."""
-    backend = cluster_backend(redis_cluster)
-    try:
-        client = backend.client()
-        fleet = FleetKeys(prefix)
-        probe = PrefixCacheRegistry(client, "away", key_prefix=prefix)
-        home = probe._home_group()
-        kv_node = client.get_node_from_key(probe.keys.kv).name
-        away = next(
-            g for g in range(GROUPS) if client.get_node_from_key(fleet.shards[g]).name != kv_node
-        )
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(PrefixCacheRegistry, "_home_group", lambda self: away)
-            reg = owner(backend, "away", prefix)
-        members = FleetMembers(client, prefix)
-        first = members.current("away")
-        assert first is not None
-        assert first % GROUPS == away
-        reg.register_kv(range(10), H)
-        reg.register_mamba([4], [H[4]])
-        reg.evict_kv(H[8:])
-        router = PrefixRouter(client, prefix)
-        exact = PrefixRouter(client, prefix, exact=True)
-        assert router.score(H) == exact.score(H)
-        assert router.score(H)["away"].kv_prefix == 8
-        assert index_field_bits(client, prefix, first, H) == {h: i < 8 for i, h in enumerate(H)}
-        reg.renew()
-        moved = members.current("away")
-        assert moved is not None
-        assert moved % GROUPS == home
-        assert client.get_node_from_key(fleet.shards[home]).name == kv_node
-        assert router.score(H) == exact.score(H)
-        assert router.score(H)["away"] == exact.score(H)["away"]
-        collect_dead(client, prefix)  # the old id's bits scrubbed from the away shard
-        assert not any(index_field_bits(client, prefix, first, H).values())
-    finally:
-        backend.close()
-
-
-def test_a_member_of_a_group_new_to_a_router_is_scored_exactly_once(
-    redis_cluster: Any, prefix: str
-) -> None:
-    """A router reads the shards of the groups its member list has members in: a
-    namespace joining another group is scored exactly on the router's next decision,
-    from the index after that."""
-    backend = cluster_backend(redis_cluster)
-    try:
-        client = backend.client()
-        fleet = FleetKeys(prefix)
-        first = owner(backend, "first", prefix)
-        first.register_kv(range(5), H[:5])
-        router = PrefixRouter(client, prefix, live_cache_ttl=3600)
-        assert {n: s.kv_prefix for n, s in router.score(H).items()} == {"first": 5}
-        first_group = first._index_ids[0] % GROUPS
-        assert set(router._known.masks) == {first_group}
-        name = next(
-            f"other-{i}"
-            for i in range(1000)
-            if PrefixCacheRegistry(client, f"other-{i}", key_prefix=prefix)._home_group()
-            != first_group
-        )
-        other = owner(backend, name, prefix)
-        other.register_kv(range(7), H[:7])
-        other.register_mamba([2], [H[2]])
-        exactly: list[str] = []
-        shards_read: list[str] = []
-        real_exact, real_batch = router._run_pipeline, router._runner.batch
-
-        def exact_calls(names: list[str], packed: bytes) -> Any:
-            exactly.extend(names)
-            return real_exact(names, packed)
-
-        def batch(operation: str, routed: Any, **kw: Any) -> Any:
-            shards_read.extend(k for k, _c in routed if k in fleet.shards)
-            return real_batch(operation, routed, **kw)
-
-        router._run_pipeline = exact_calls  # type: ignore[method-assign]
-        router._runner.batch = batch  # type: ignore[method-assign]
-        scores = router.score(H)
-        assert {n: s.kv_prefix for n, s in scores.items()} == {"first": 5, name: 7}
-        assert scores == PrefixRouter(client, prefix, exact=True).score(H)
-        assert exactly == [name]
-        assert shards_read == [fleet.shards[first_group]]
-        other_group = other._index_ids[0] % GROUPS
-        assert set(router._known.masks) == {first_group, other_group}
-        exactly.clear()
-        shards_read.clear()
-        assert router.score(H) == scores
-        assert exactly == []
-        assert sorted(shards_read) == sorted([fleet.shards[first_group], fleet.shards[other_group]])
-        # Asked for some namespaces only: only their groups' shards are read.
-        shards_read.clear()
-        assert router.score(H, namespaces=[name]) == {name: scores[name]}
-        assert shards_read == [fleet.shards[other_group]]
-        assert exactly == []
-    finally:
-        backend.close()
-
-
-def test_index_updates_land_when_the_slot_map_is_stale(redis_cluster: Any, prefix: str) -> None:
-    """Index updates sent to a primary that no longer serves their shard are answered
-    MOVED; the write falls back to redis-py's pipeline, and the index still holds
-    exactly what the maps hold."""
-    backend = cluster_backend(redis_cluster)
-    try:
-        reg = owner(backend, "stale-map", prefix)
-        hashes = [10**12 + i for i in range(32)]
-        client = backend.client()
-        fleet = FleetKeys(prefix)
-        member = FleetMembers(client, prefix).current("stale-map")
-        assert member is not None
-        primaries = client.get_primaries()
-        wrong = {}
-        for shard in fleet.shards:
-            right = client.get_node_from_key(shard)
-            wrong[shard] = next(n for n in primaries if n.name != right.name)
-        real = client.get_node_from_key
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(client, "get_node_from_key", lambda key, *a: wrong.get(key) or real(key))
-            reg.register_kv(range(32), hashes)
-            reg.evict_kv(hashes[::2])
-        assert index_field_bits(client, prefix, member, hashes) == {
-            h: i % 2 == 1 for i, h in enumerate(hashes)
-        }
-        assert not reg._index_dirty
-    finally:
-        backend.close()
-
-
-def test_a_write_whose_map_puts_its_shard_on_its_node_wrongly_sends_the_upkeep_after(
-    redis_cluster: Any, prefix: str
-) -> None:
-    """register_kv and evict_kv keep the index in their own script only when the
-    client's slot map puts the group's shard on their node. Where the map is wrong (a
-    resharding the client has not seen yet), the script cannot reach the shard: it
-    writes the maps and says so, and the owner sends the upkeep as ``index_update``
-    right after. The bits land, nothing is left dirty, later writes go the same way."""
-    backend = cluster_backend(redis_cluster)
-    try:
-        client = backend.client()
-        fleet = FleetKeys(prefix)
-        reg = owner(backend, "moved-shard", prefix)
-        member = FleetMembers(client, prefix).current("moved-shard")
-        assert member is not None
-        kv_node = client.get_node_from_key(reg.keys.kv)
-        shard = fleet.shards[member % GROUPS]
-        assert client.get_node_from_key(shard).name == kv_node.name  # its home group
-        # Another group's shard, on another primary, stands for the moved one.
-        elsewhere = next(
-            s for s in fleet.shards if client.get_node_from_key(s).name != kv_node.name
-        )
-        hashes = [10**12 + i for i in range(24)]
-        reg.register_kv(range(24), hashes)  # scripts loaded, connections open
-        reg._index_batch("warm-up", update_calls(fleet, [member], "kv-", hashes, epoch=reg._fence))
-        reg.evict_kv(hashes)
-        reg._upkeep_shard = (member, elsewhere)
-        with counted_sends() as sends:
-            reg.register_kv(range(24), hashes)
-        assert len(sends) == 2  # the write, then its upkeep
-        assert reg._upkeep_shard == (member, None)  # no longer tried in the script
-        reg.evict_kv(hashes[16:])
-        assert index_field_bits(client, prefix, member, hashes) == {
-            h: i < 16 for i, h in enumerate(hashes)
-        }
-        assert not client.exists(elsewhere) or not any(
-            client.hget(elsewhere, h) for h in hashes
-        )  # nothing was written to the shard that stood in
-        assert not reg._index_dirty
-        assert PrefixRouter(client, prefix).score(hashes)["moved-shard"].kv_prefix == 16
-    finally:
-        backend.close()
-
-
 def test_a_script_call_goes_straight_to_its_primary_and_follows_a_stale_map(
     redis_cluster: Any, prefix: str
 ) -> None:
-    """A single script call (here writes without index upkeep) is one packed write to
-    the primary serving its keys, with no question to any node first;
+    """A single script call (here an owner's writes) is one packed write to the primary
+    serving its keys, with no question to any node first;
     sent to a node that no longer serves them, it is answered MOVED and redis-py's path
     follows the redirection."""
     backend = cluster_backend(redis_cluster)
     try:
         client = backend.client()
-        reg = PrefixCacheRegistry(client, "single", key_prefix=prefix, fleet_index=False)
+        reg = PrefixCacheRegistry(client, "single", key_prefix=prefix)
         reg.claim(lease_ttl=30.0)
         reg.register_kv(range(3), H[:3])  # scripts loaded, connections open
         reg.evict_kv(H[2:3])
@@ -732,21 +460,23 @@ def test_router_leaves_the_prompt_alone(redis_backend: Backend, prefix: str) -> 
     assert prompt == [*H[:3], -1, *H[3:]]
 
 
-def test_the_index_takes_writes_and_rebuilds_larger_than_one_lua_chunk(
+def test_writes_larger_than_one_lua_chunk_reach_the_maps_and_a_view(
     redis_backend: Backend, prefix: str
 ) -> None:
     """10,000 new hashes in one write (Lua's unpack is chunked at 4,000 values): the
-    index update and a rebuild both go through, and the index agrees with the maps."""
-    reg = owner(redis_backend, "node-big", prefix)
-    chain = list(range(10**13, 10**13 + 10_000))
-    reg.register_kv(range(10_000), chain)
-    reg.register_mamba(range(0, 10_000, 2), chain[::2])
-    router, exact = PrefixRouter(reg.client, prefix), PrefixRouter(reg.client, prefix, exact=True)
-    assert not reg._index_dirty
-    assert router.score(chain)["node-big"] == exact.score(chain)["node-big"]
-    assert router.score(chain)["node-big"].kv_prefix == 10_000
-    reg.evict_kv(chain[5_000:])
-    assert router.score(chain)["node-big"].kv_prefix == 5_000
-    old = reg._index_ids
-    assert reg.reindex() not in (None, *old)
-    assert router.score(chain) == exact.score(chain)
+    maps and the change record (one message) take them, and a view following the
+    namespace scores as the exact router does."""
+    with FleetView(redis_backend.client(), prefix) as view:
+        reg = owner(redis_backend, "node-big", prefix)
+        chain = list(range(10**13, 10**13 + 10_000))
+        reg.register_kv(range(10_000), chain)
+        reg.register_mamba(range(0, 10_000, 2), chain[::2])
+        viewed = PrefixRouter(reg.client, prefix, view=view)
+        exact = PrefixRouter(reg.client, prefix, exact=True)
+        view.sync()
+        assert viewed.score(chain) == exact.score(chain)
+        assert exact.score(chain)["node-big"].kv_prefix == 10_000
+        reg.evict_kv(chain[5_000:])
+        view.sync()
+        assert viewed.score(chain) == exact.score(chain)
+        assert exact.score(chain)["node-big"].kv_prefix == 5_000

@@ -30,8 +30,8 @@ from registry import (
 )
 from registry.fleet.view import FleetView
 from registry.keys import NamespaceKeys
-from tests.backends.test_fleet_index import chain_shaped, direct
 from tests.support.backends import Backend, expire_lease
+from tests.support.scoring import chain_shaped, direct
 from tests.support.waiting import wait_until
 
 Score = tuple[int, int, int]

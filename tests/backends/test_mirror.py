@@ -22,7 +22,6 @@ from registry import (
     PrefixCacheRegistry,
     StaleEpochError,
 )
-from registry.fleet import GROUPS, FleetKeys, bitmap
 from registry.mirror import CALL_VALUES, CALL_WRITES, DEFAULT_MAX_DELAY, MirrorCounts
 from registry.scripts import script_sha
 from registry.types import NoticeKind
@@ -49,24 +48,6 @@ def mirrored(backend: Backend, namespace: str | None = None, **options: Any) -> 
     return mirror
 
 
-def index_view(mirror: MirroredRegistry) -> tuple[set[int], set[int]]:
-    """The hashes the fleet index lists under the mirror's member id: (KV, Mamba)."""
-    (member,) = mirror.inner._index_ids
-    kv, mamba = set(), set()
-    shard = FleetKeys(mirror.inner.keys.key_prefix).shards[member % GROUPS]
-    local = member // GROUPS  # its bits in its group's shard
-    for field, value in mirror.inner.client.hgetall(shard).items():
-        name = field.decode() if isinstance(field, bytes) else field
-        if name.startswith("@") or name == "0":
-            continue  # a member id's stamp (lua/index_update.lua, "Fencing"); hybrid nodes
-        bits = bitmap(value)
-        if bits >> (2 * local) & 1:
-            kv.add(int(field))
-        if bits >> (2 * local + 1) & 1:
-            mamba.add(int(field))
-    return kv, mamba
-
-
 def redis_view(mirror: MirroredRegistry) -> tuple[dict[int, int], dict[int, int]]:
     """The namespace's maps as Redis holds them (after ``flush()``)."""
     return registry_state(mirror.inner)
@@ -91,7 +72,7 @@ def mirrors() -> Iterator[list[MirroredRegistry]]:
 
 def machine_for(backend: Backend, *, held: bool = False) -> type[RuleBasedStateMachine]:
     """The differential machine; ``held``: the flusher stopped, so every write between two
-    ``flush()`` rules reaches Redis in one batch (merged runs, merged index upkeep)."""
+    ``flush()`` rules reaches Redis in one batch (runs of writes in one script call)."""
 
     class MirrorComparison(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -186,8 +167,6 @@ def machine_for(backend: Backend, *, held: bool = False) -> type[RuleBasedStateM
             stream exactly the notices the hooks got, numbered alike."""
             self.real.flush()
             assert redis_view(self.real) == registry_state(self.model)
-            # The fleet index, kept up by the flusher's merged updates, says the same.
-            assert index_view(self.real) == tuple(set(m) for m in registry_state(self.model))
             assert self.real.inner.notice_position() == self.real.notice_position()
             published = self.real.inner.notices_after(self.base)
             assert published is not None
@@ -231,8 +210,8 @@ def test_writes_batched_into_one_call_match_the_reference_and_its_notices(
     backend_name: str, request: pytest.FixtureRequest
 ) -> None:
     """The same machine with the flusher held: each flush sends every write since the
-    last as ``mirror_apply`` runs, so Redis's maps, notices (numbers, kinds, pairs) and
-    fleet-index bits must equal those of the writes applied one by one."""
+    last as ``mirror_apply`` runs, so Redis's maps and notices (numbers, kinds, pairs)
+    must equal those of the writes applied one by one."""
     backend = make_backend(backend_name, request)
     try:
         run_state_machine_as_test(
@@ -342,7 +321,6 @@ def test_a_batch_is_a_few_bounded_script_calls_in_one_round_trip(
     assert (counts.flushed, counts.batches) == (CALL_WRITES * 2 + 12, 1)
     assert reply_records(mirror) - before == 4
     assert_redis_matches(mirror)
-    assert index_view(mirror) == tuple(set(m) for m in mirror.entries())
 
 
 def test_a_batch_whose_reply_was_lost_is_sent_again_and_applies_once(

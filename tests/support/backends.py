@@ -17,7 +17,6 @@ import fakeredis
 import pytest
 
 from registry import LocalPrefixCacheRegistry, NodeIndex, PrefixCacheRegistry, RegistryBase
-from registry.fleet import FleetKeys
 from tests.support.servers import RedisClusterServers, RedisServer
 
 BACKEND_PARAMS = [
@@ -123,9 +122,3 @@ def expire_lease(registry: PrefixCacheRegistry) -> None:
     registry.client.hset(registry.keys.meta, "lease_until", past)
     index = NodeIndex(registry.client, registry.keys.key_prefix)
     registry.client.zadd(index.key, {registry.namespace: past})
-    # The fleet index's live members carry the same lease end (lua/fleet_members.lua).
-    live = FleetKeys(registry.keys.key_prefix).live
-    for member in registry.client.zrange(live, 0, -1):
-        text = member.decode("utf-8", "replace") if isinstance(member, bytes) else member
-        if text.partition(" ")[2] == registry.namespace:
-            registry.client.zadd(live, {member: past})

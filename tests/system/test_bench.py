@@ -85,106 +85,81 @@ def test_quick_bench_reports_every_operation_and_target(tmp_path: Path) -> None:
 
 @pytest.mark.redis_server
 @pytest.mark.cluster
-def test_quick_fleet_bench_reports_every_deployment_and_size(tmp_path: Path) -> None:
+def test_quick_fleet_bench_reports_equal_answers_and_sane_figures(tmp_path: Path) -> None:
+    """``pcr bench --fleet --quick``: the in-process rows at both sizes (answers equal to
+    Dynamo's tree where it is installed), the rows through Redis on both deployments
+    with the view's scores equal to the exact ones, and the write rows (never a speed
+    asserted)."""
     require_redis_server()
     out = tmp_path / "fleet.json"
     done = subprocess.run(
         [sys.executable, "-m", "pcr", "bench", "--fleet", "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
-    assert set(report) == {"quick", "fleet", "seconds"}  # none of plain pcr bench's rows
+    assert set(report) == {"quick", "in_process", "fleet", "redis", "seconds"}
+    in_process = report["in_process"]
+    assert [r["nodes"] for r in in_process["rows"]] == [16, 256]
+    for row in in_process["rows"]:
+        assert row["workload"] == "realistic"
+        assert 0 < row["view_p50_us"] <= row["view_p99_us"]
+        assert row["view_bytes_per_pair"] > 0
+        if in_process["radix_tree"]:
+            assert row["answers_equal"] is True
     fleet = report["fleet"]
-    assert (fleet["chain_blocks"], fleet["prompt_blocks"], fleet["mamba_every"]) == (4096, 512, 8)
     assert len(fleet["load_average"]) == 3
     rows = fleet["rows"]
     assert [(r["deployment"], r["namespaces"]) for r in rows] == [
         (deployment, n) for deployment in ("standalone", "cluster") for n in (16, 64)
     ]
     for row in rows:
+        assert row["workload"] == "realistic"
         assert row["servers"] == (1 if row["deployment"] == "standalone" else 3)
         assert row["scored"] == row["namespaces"]  # every live namespace, each scored
-        assert row["agree"] is True  # the index's scores equal the exact ones
-        assert row["kv_prefix"] == row["matched"] == fleet_bench.PROMPT
-        assert row["mamba_prefix"] == fleet_bench.PROMPT - fleet_bench.MAMBA_EVERY + 1
+        assert row["agree"] is True  # the view's scores equal the exact ones
+        assert row["longest_prefix"] > 0
+        assert row["pairs"] > 0
         for path in fleet_bench.PATHS:
             assert row[f"{path}_p50_ms"] > 0
-            assert row[f"server_us_{path}"] > 0
-            assert row[f"cpu_us_{path}"] > 0
         for path in fleet_bench.PATHS[:-1]:
-            p50 = row[f"{path}_p50_ms"]
-            ratio = p50 / row["match_p50_ms"]
+            ratio = row[f"{path}_p50_ms"] / row["match_p50_ms"]
             assert row[f"{path}_ratio"] == pytest.approx(ratio, rel=0.01, abs=0.01)  # 2 decimals
+        assert row["server_us_exact"] > 0
+        assert row["server_us_match"] > 0
         assert row["setup_s"] > 0
-        writes = {(w["operation"], w["n"]): w for w in row["writes"]}
-        assert set(writes) == {(op, n) for op in ("register_kv", "evict_kv") for n in (16, 64)}
-        for w in writes.values():
-            assert w["indexed_p50_ms"] > 0
-            assert w["unindexed_p50_ms"] > 0
-            assert w["ratio"] == pytest.approx(
-                w["indexed_p50_ms"] / w["unindexed_p50_ms"], rel=0.01, abs=0.01
-            )
-    capacity = fleet["capacity"]  # measured on the standalone server, at the largest N
-    assert capacity["namespaces"] == 64
-    for path in ("index", "exact"):
-        assert capacity[path]["runs"]
-        for run in capacity[path]["runs"]:
-            assert run["decisions"] > 0
-            assert run["decisions_per_s"] > 0
-            assert run["server_us_per_decision"] > 0
-            assert run["capacity_nodes"] > 0
-        assert capacity[path]["capacity_nodes"] > 0
-    assert capacity["exact_self_consistent_nodes"] > 0
-    # 2 ratios per row, 4 write ratios per row, and the capacity
-    assert len(fleet["targets"]) == len(rows) * 6 + 1
+    assert len(fleet["targets"]) == len(rows)  # the view's ratio, per row
     for target in fleet["targets"]:
         assert isinstance(target["measured"], float | int)
-        assert target["limit"].startswith(("≤", "≥"))
+        assert target["limit"].startswith("≤")
         assert target["target"] in done.stdout
-    assert "index hyb ms" in done.stdout
-    assert "server µs index hyb/plain" in done.stdout
-    assert "indexed / unindexed" in done.stdout
-    assert "nodes at 50 req/s" in done.stdout
-    assert "quick fleet run" in done.stdout
-
-
-@pytest.mark.redis_server
-def test_quick_view_bench_reports_equal_answers_and_sane_figures(tmp_path: Path) -> None:
-    """``pcr bench --view --quick``: both fleet sizes, answers equal to Dynamo's tree
-    where it is installed, and the Redis figures (never a speed asserted)."""
-    require_redis_server()
-    out = tmp_path / "view.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "pcr", "bench", "--view", "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(out.read_text())
-    assert [r["nodes"] for r in report["rows"]] == [16, 256]
-    for row in report["rows"]:
-        assert row["workload"] == "realistic"
-        assert 0 < row["view_p50_us"] <= row["view_p99_us"]
-        assert row["view_bytes_per_pair"] > 0
-        if report["radix_tree"]:
-            assert row["answers_equal"] is True
     redis = report["redis"]
     assert 0 < redis["write_to_view_p50_ms"] <= redis["write_to_view_p99_ms"]
     assert redis["cold_start_s"] > 0
-    assert redis["register_kv_with_index_us"] > 0
-    assert redis["register_kv_records_only_us"] > 0
+    assert redis["register_kv_us"] > 0
+    assert redis["evict_kv_us"] > 0
     assert "RadixTree" in done.stdout
+    assert "view ms" in done.stdout
+    assert "server µs exact" in done.stdout
+    assert "quick fleet run" in done.stdout
 
 
-def test_view_bench_refuses_what_it_does_not_use() -> None:
-    for extra in (["--fleet"], ["--redis-url", "redis://127.0.0.1:9/0"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "pcr", "bench", "--view", *extra],
-            capture_output=True, text=True, timeout=60, cwd=ROOT,
-        )  # fmt: skip
-        assert done.returncode == 2, done.stderr
-        assert done.stderr.count("\n") == 1
-        assert "Traceback" not in done.stderr
+def test_view_is_the_fleet_rows_by_their_earlier_name() -> None:
+    from pcr.main import build_parser
+
+    assert build_parser().parse_args(["bench", "--view", "--best-case"]).fleet is True
+    assert build_parser().parse_args(["bench"]).fleet is False
+
+
+def test_best_case_needs_the_fleet_rows() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pcr", "bench", "--best-case"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1
+    assert "--best-case: only with --fleet" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_fleet_bench_refuses_a_sentinel_url() -> None:

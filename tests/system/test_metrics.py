@@ -104,7 +104,7 @@ def test_operations_by_outcome(collectors: CollectorRegistry, client: Any) -> No
         owner.match_mamba_farthest(H)
 
     assert ops(collectors, "claim") == 2
-    assert ops(collectors, "fleet_members") == 2  # each claim joins the fleet index
+    assert ops(collectors, "announce") == 2  # each claim announces its lease
     assert ops(collectors, "register_kv") == 1
     assert ops(collectors, "register_kv", "bad_input") == 1
     assert ops(collectors, "register_kv", "stale_epoch") == 1
@@ -139,7 +139,7 @@ def test_router_decisions(collectors: CollectorRegistry, client: Any) -> None:
     a.claim(lease_ttl=30)
     b.claim(lease_ttl=30)
     a.register_kv([1, 2, 3], H[:3])
-    router = PrefixRouter(client, hybrid=False)
+    router = PrefixRouter(client, hybrid=False, live_cache_ttl=3600)
     assert router.best(H) == "node-a"  # 3 of 4 blocks
     assert router.best([7, 8]) == "node-a"  # nobody has it: a fallback, by name
     assert router.best(H, namespaces=[]) is None  # no node to choose from
@@ -158,12 +158,7 @@ def test_router_decisions(collectors: CollectorRegistry, client: Any) -> None:
     assert value(collectors, "pcr_router_hit_ratio_bucket", le="0.7") == 1
     assert value(collectors, "pcr_router_hit_ratio_bucket", le="0.8") == 2
     assert ops(collectors, "score") == 4  # one pipeline per score with namespaces
-    # The fleet index lists the live members in each score's own round trip.
-    assert ops(collectors, "live_nodes") == 0
-    exact = PrefixRouter(client, hybrid=False, exact=True)
-    assert exact.score(H) == router.score(H)
-    exact.score(H)
-    assert ops(collectors, "live_nodes") == 1  # cached for live_cache_ttl after
+    assert ops(collectors, "live_nodes") == 1  # listed once, kept for live_cache_ttl
 
 
 @dataclass

@@ -23,7 +23,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from pcr.servers import RedisServer  # noqa: E402
-from registry.fleet import FleetKeys  # noqa: E402
+from registry.keys import NamespaceKeys  # noqa: E402
 from tests.support.serving import ServeProcess  # noqa: E402
 from tests.system.test_serve import H, Served, fill  # noqa: E402
 
@@ -148,17 +148,18 @@ def test_registry_faults_and_service_faults_are_500_json(
     edge: Served, redis_for_edges: RedisServer, prefix: str
 ) -> None:
     client = redis_for_edges.client()
-    members = FleetKeys(prefix).members
-    saved = client.dump(members)
+    meta = NamespaceKeys("node-c", prefix).meta
+    saved = client.dump(meta)
     try:
-        client.delete(members)
-        client.set(members, MARKER)  # another type where the member table belongs
-        body = assert_one_shape(edge.score({"block_hashes": H}), 500, "registry fault")
+        client.delete(meta)
+        client.set(meta, MARKER)  # another type where node-c's meta belongs
+        request = {"block_hashes": H, "namespaces": ["node-c"]}
+        body = assert_one_shape(edge.score(request), 500, "registry fault")
         assert "WRONGTYPE" in body["detail"] or "type" in body["detail"]
     finally:
-        client.delete(members)
+        client.delete(meta)
         if saved is not None:
-            client.restore(members, 0, saved)
+            client.restore(meta, 0, saved)
         client.close()
     assert edge.score({"block_hashes": H}).status_code == 200
     router = edge.app.state.registry.router

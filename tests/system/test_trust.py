@@ -37,6 +37,7 @@ from registry import (
     collect_dead,
     live_nodes,
 )
+from registry.fleet.view import FleetView
 from registry.redis_registry import CALL_BOUND
 from tests.support.backends import Backend, dump_keys, expire_lease, new_namespace, registry_state
 from tests.support.servers import RedisServer, refused_port, require_redis_server
@@ -285,7 +286,7 @@ def test_a_write_resent_after_a_timeout_runs_once_and_tells_the_truth(
     heard: list[EvictionNotice] = []
     reg.set_mamba_evict_callback(callbacks.append)
     reg.add_eviction_hook(heard.append)
-    reg.evict_kv([H[-1]])  # absent: changes nothing, looks up the namespace's index id
+    reg.evict_kv([H[-1]])  # absent: changes nothing; the script is loaded, the pool warm
     admin = own_server.client()
     admin.config_resetstat()
     stopped()  # the request reaches a frozen server; the client gives up and re-sends
@@ -312,7 +313,7 @@ def test_a_write_resent_after_a_timeout_runs_once_and_tells_the_truth(
     [case[1:] for case in RETRIED_WRITES],
     ids=[case[0] for case in RETRIED_WRITES],
 )
-def test_an_owners_write_and_its_index_update_resent_after_a_timeout_run_once(
+def test_an_owners_write_resent_after_a_timeout_runs_once_and_records_its_change_once(
     own_server: RedisServer,
     stopped: Callable[[], None],
     call: Callable[[PrefixCacheRegistry], object],
@@ -320,8 +321,9 @@ def test_an_owners_write_and_its_index_update_resent_after_a_timeout_run_once(
     fired: list[int],
     notices: int,
 ) -> None:
-    """An owner's write travels with its fleet-index update in one round trip; re-sent
-    after a timeout, the write still runs once and the index still agrees with it."""
+    """An owner's write publishes its change record in its own script; re-sent after a
+    timeout, the write runs once and its record is counted once: a fleet view following
+    the namespace ends equal to the maps, numbered without a gap."""
     namespace = new_namespace()
     reg, backoff = retrying_registry(own_server, namespace)
     reg.claim(lease_ttl=60)
@@ -331,14 +333,19 @@ def test_an_owners_write_and_its_index_update_resent_after_a_timeout_run_once(
     reg.set_mamba_evict_callback(callbacks.append)
     admin = own_server.client()
     before = admin.xlen(reg.keys.mamba_evictions)
-    stopped()
-    result = call(reg)
-    assert backoff.resumed == 1
-    assert result == told
-    assert callbacks == ([fired] if fired else [])
-    assert admin.xlen(reg.keys.mamba_evictions) == before + notices
-    by_index = PrefixRouter(admin).score(H, [namespace])
-    assert by_index == PrefixRouter(admin, exact=True).score(H, [namespace])
+    with FleetView(own_server.client()) as view:
+        view.sync()
+        gaps = view.counts.gaps
+        stopped()
+        result = call(reg)
+        assert backoff.resumed == 1
+        assert result == told
+        assert callbacks == ([fired] if fired else [])
+        assert admin.xlen(reg.keys.mamba_evictions) == before + notices
+        view.sync()
+        assert view.counts.gaps == gaps  # one record per write: no number skipped
+        scored = PrefixRouter(admin, view=view).score(H, [namespace])
+        assert scored == PrefixRouter(admin, exact=True).score(H, [namespace])
     admin.close()
     reg.client.close()
 
