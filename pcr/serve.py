@@ -81,9 +81,12 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     listen_options(serve, 8000)
     serve.add_argument(
         "--view",
-        action="store_true",
-        help="score from a fleet view this process follows (no Redis round trip per "
-        "request; it may lag a write by the time its change record takes to arrive)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="score from a fleet view this process follows (the default: no Redis round "
+        "trip per request; it may lag a write by the time its change record takes to "
+        "arrive, and asks Redis while it does not follow it); --no-view asks Redis "
+        "(exactly, per namespace) on every request",
     )
     _limit_options(serve)
     serve.set_defaults(handler=command_serve, command_parser=serve)

@@ -1,7 +1,8 @@
 """The HTTP scoring service behind ``pcr serve`` (FastAPI; needs the ``serve`` extra).
 
 ``create_app`` builds the application: ``POST /v1/score`` (an ``AsyncPrefixRouter`` on
-``redis.asyncio``), ``GET /v1/nodes``, ``GET /metrics``, ``GET /health``, ``GET /live``,
+``redis.asyncio``, scoring from a fleet view the app follows with ``view``, which ``pcr
+serve`` turns on by default), ``GET /v1/nodes``, ``GET /metrics``, ``GET /health``, ``GET /live``,
 and FastAPI's own ``/docs`` and ``/openapi.json``. Every error is a JSON object
 ``{"error": KIND, "detail": ...}`` whose detail never repeats the request: 400 for a
 malformed request, 404 and 405 for a wrong path or method, 413 for a body over
@@ -818,8 +819,8 @@ def create_app(
     requests use Redis at once, the others wait up to ``pool_timeout`` seconds. With
     ``gateway`` (a ``pcr.gateway_app.GatewayConfig``) also the OpenAI-compatible router
     in front of the engines (``pcr gateway``), whose errors take the OpenAI shape. With
-    ``view``, ``/v1/score`` scores from a fleet view the app follows (``pcr serve
-    --view``) while it follows Redis, and from Redis otherwise."""
+    ``view`` (``pcr serve``'s default), ``/v1/score`` scores from a fleet view the app
+    follows while it follows Redis, and exactly from Redis otherwise."""
     if not isinstance(view, bool):
         raise TypeError("view must be True or False")
     if isinstance(max_connections, bool) or not isinstance(max_connections, int):

@@ -786,6 +786,17 @@ def test_serve_command_serves_and_stops(redis_server: RedisServer, prefix: str) 
     json.dumps(out)  # plain text
 
 
+def test_serve_scores_from_a_fleet_view_unless_told_not_to() -> None:
+    """``pcr serve`` follows a fleet view by default; ``--no-view`` asks Redis, exactly,
+    on every request (``create_app(view=...)``)."""
+    from pcr.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).view is True
+    assert parser.parse_args(["serve", "--view"]).view is True
+    assert parser.parse_args(["serve", "--no-view"]).view is False
+
+
 def test_plain_pcr_never_imports_the_service_packages() -> None:
     done = subprocess.run(
         [sys.executable, "-c", "import sys, pcr.main; pcr.main.build_parser(); "
