@@ -191,6 +191,7 @@ class GatewayState:
         self._seq = time.time_ns() // 1000  # numbers this replica's published load (a
         # replica restarted under the same id continues above its old numbers)
         self._shared_at = 0.0
+        self._exchanging = asyncio.Lock()
         self._sharing: asyncio.Task[None] | None = None
         self._share_again = False
         self._untold_until = 0.0  # replies wait for no exchange until then (Redis slow)
@@ -283,45 +284,54 @@ class GatewayState:
 
     async def _share(self) -> None:
         """Publish this replica's load and take the others' (one round trip; the
-        script also pushes it to the other replicas, ``_listen``)."""
-        now = self._shared_at = time.monotonic()
-        half_life = self.config.rule.half_life
-        self._seq += 1
-        mine = {
-            "seq": self._seq,
-            "load": {
-                ns: [
-                    b.load.in_flight,
-                    round(b.load.pending, 1),
-                    round(b.load.recent.now(now, half_life), 1),
-                ]
-                for ns, b in self.backends.items()
-            },
-        }
-        router, gate = self.registry.ready()
-        try:
-            async with asyncio.timeout(max(1.0, self.config.registry_timeout)), gate.turn():
-                others = await router.exchange_load(
-                    self.replica, self._ttl_ms(), json.dumps(mine, separators=(",", ":"))
-                )
-        except (RegistryError, TimeoutError) as exc:
-            self._peers.clear()  # Redis away: balance on what this replica knows
-            self._registry(False, exc)
-        else:
-            if not self.registry_up and time.monotonic() >= self.registry_retry_at:
-                self._registry(True)
-            known = self._peers
-            self._peers = {}
-            for replica, payload in others.items():
-                peer = _peer(payload, now)
-                if peer is None:
-                    continue
-                held = known.get(replica)
-                self._peers[replica] = held if held is not None and held.seq > peer.seq else peer
-            for replica, held in known.items():  # pushed while the exchange was under way
-                if replica not in self._peers and held.received > now:
-                    self._peers[replica] = held
-        self._apply_peers()
+        script also pushes it to the other replicas, ``_listen``). One exchange at a
+        time, each sending the load as it is when it goes: an older one never lands
+        after a newer one and overwrites it; one asked for while another waited to go
+        is done by that one."""
+        asked = time.monotonic()
+        async with self._exchanging:
+            if self._shared_at > asked:
+                return  # an exchange that started after this was asked for sent it
+            now = self._shared_at = time.monotonic()
+            half_life = self.config.rule.half_life
+            self._seq += 1
+            mine = {
+                "seq": self._seq,
+                "load": {
+                    ns: [
+                        b.load.in_flight,
+                        round(b.load.pending, 1),
+                        round(b.load.recent.now(now, half_life), 1),
+                    ]
+                    for ns, b in self.backends.items()
+                },
+            }
+            router, gate = self.registry.ready()
+            try:
+                async with asyncio.timeout(max(1.0, self.config.registry_timeout)), gate.turn():
+                    others = await router.exchange_load(
+                        self.replica, self._ttl_ms(), json.dumps(mine, separators=(",", ":"))
+                    )
+            except (RegistryError, TimeoutError) as exc:
+                self._peers.clear()  # Redis away: balance on what this replica knows
+                self._registry(False, exc)
+            else:
+                if not self.registry_up and time.monotonic() >= self.registry_retry_at:
+                    self._registry(True)
+                known = self._peers
+                self._peers = {}
+                for replica, payload in others.items():
+                    peer = _peer(payload, now)
+                    if peer is None:
+                        continue
+                    held = known.get(replica)
+                    self._peers[replica] = (
+                        held if held is not None and held.seq > peer.seq else peer
+                    )
+                for replica, held in known.items():  # pushed while the exchange was under way
+                    if replica not in self._peers and held.received > now:
+                        self._peers[replica] = held
+            self._apply_peers()
 
     async def _tick(self) -> None:
         """The periodic exchange, unless a nudged one ran within half an interval."""
