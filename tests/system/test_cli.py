@@ -457,23 +457,58 @@ def _seq(found: re.Match[str]) -> str:
     return " ".join(map(str, range(int(found[1]), int(found[2]) + 1)))
 
 
-def readme_commands() -> list[list[str]]:
-    """Every ``pcr ...`` command line in the README's code blocks (continuations joined)."""
-    text = (ROOT / "README.md").read_text()
+def documented_pages() -> list[Path]:
+    """README.md and every page of the documentation site."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def page_text(page: Path) -> str:
+    """A page as the site shows it: files it includes (``--8<-- "FILE"``) put in."""
+    return re.sub(
+        r'^--8<-- "([^"]+)"$',
+        lambda found: (ROOT / found[1]).read_text(),
+        page.read_text(),
+        flags=re.MULTILINE,
+    )
+
+
+def documented_commands() -> list[list[str]]:
+    """Every ``pcr ...`` command line in the code blocks of README.md and of every
+    ``docs/**/*.md`` page (continuations joined)."""
     commands: list[list[str]] = []
-    for block in text.split("```")[1::2]:
-        joined = block.replace("\\\n", " ")
-        for line in joined.splitlines():
-            line = re.sub(r"\$\(seq (\d+) (\d+)\)", _seq, line.strip().removeprefix("$ "))
-            words = shlex.split(line, comments=True) if line.startswith("pcr ") else []
-            if words and not words[1].endswith(":"):  # not a report's first line
-                commands.append(words)
+    for page in documented_pages():
+        for block in page_text(page).split("```")[1::2]:
+            joined = block.replace("\\\n", " ")
+            for line in joined.splitlines():
+                line = re.sub(r"\$\(seq (\d+) (\d+)\)", _seq, line.strip().removeprefix("$ "))
+                words = shlex.split(line, comments=True) if line.startswith("pcr ") else []
+                if words and not words[1].endswith(":"):  # not a report's first line
+                    commands.append(words)
     return commands
 
 
-def test_every_pcr_command_in_the_readme_parses() -> None:
-    commands = readme_commands()
+def test_every_pcr_command_in_the_docs_parses() -> None:
+    commands = documented_commands()
     assert any(words[1] == "bridge" for words in commands)
+    assert {"bridge", "gateway", "serve", "stats", "gc"} <= {words[1] for words in commands}
     parser = build_parser()
     for words in commands:
         parser.parse_args(words[1:])  # exits (SystemExit) on an unknown command or flag
+
+
+README_MAX_LINES = 250
+
+
+def test_the_readme_is_short() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
+
+
+def test_every_relative_link_in_the_readme_exists() -> None:
+    text = (ROOT / "README.md").read_text()
+    prose = "".join(text.split("```")[0::2])  # code blocks left out
+    targets = re.findall(r"\]\(([^)\s]+)\)", prose)
+    relative = [t.split("#")[0] for t in targets if not re.match(r"[a-z]+:|#", t)]
+    assert relative, "no relative link found"
+    missing = [t for t in relative if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
