@@ -41,7 +41,7 @@ test-engines: $(STAMP) redis-server
 	bash .ci/engine-tier
 
 # Routers in front of two such engines (round-robin, vllm-router cache_aware and kv_aware,
-# pcr gateway): tests/engines/bench_gateway.py, 11 to 18 minutes; BENCH_ARGS=--quick for a
+# pcr gateway): tests/engines/bench_gateway.py, about 20 minutes; BENCH_ARGS=--quick for a
 # small subset. Results in benchmarks/results/gateway-DATE-COMMIT.json and a table on stdout.
 .PHONY: bench-gateway
 bench-gateway: $(STAMP) redis-server
