@@ -4,7 +4,7 @@ Every public call of ``gpu`` checks all of its arguments with these before it ta
 slot, writes a tensor or sends anything to Redis, so a refused call changes nothing.
 Wrong kinds of value raise ``TypeError``, right kinds with wrong values ``ValueError``;
 each message names the argument (and its position in a list). Integers follow the
-registry's rules (``registry.validation``): integer-like values such as ``numpy.int64``
+registry's rules (``registry.core.validation``): integer-like values such as ``numpy.int64``
 are accepted, ``bool``, ``float`` and strings are refused.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from registry.notices import KINDS, EvictionNotice
-from registry.validation import MAX_BLOCK_ID, MAX_HASH, int_list
+from registry.core.notices import KINDS, EvictionNotice
+from registry.core.validation import MAX_BLOCK_ID, MAX_HASH, int_list
 
 DEVICE_TYPES = ("cpu", "cuda")
 """Device types a pool may live on."""
@@ -236,7 +236,7 @@ def check_listener_arguments(
     """
     from gpu.slot_pool import MambaSlotPool  # a cycle at import time otherwise
     from registry import PrefixCacheRegistry
-    from registry.keys import validate_key_prefix, validate_namespace
+    from registry.core.keys import validate_key_prefix, validate_namespace
 
     if not isinstance(client_or_url, str) and not callable(getattr(client_or_url, "pubsub", None)):
         raise TypeError(

@@ -31,11 +31,10 @@ import redis
 from gpu.checks import check_listener_arguments
 from gpu.slot_pool import MambaSlotPool
 from registry import EvictionNotice, PrefixCacheRegistry, parse_notice
-from registry import metrics as _metrics
-from registry.client import client_from_url
-from registry.errors import RegistryUnavailable
-from registry.keys import DEFAULT_KEY_PREFIX
-from registry.redis_registry import bounded_options
+from registry.core import observe
+from registry.core.errors import RegistryUnavailable
+from registry.core.keys import DEFAULT_KEY_PREFIX
+from registry.transport.client import bounded_options, client_from_url
 
 log = logging.getLogger(__name__)
 
@@ -276,9 +275,10 @@ class EvictionListener:
 
 
 def _freed(notice: EvictionNotice) -> None:
-    """Report publish-to-free time of an applied notice when metrics are on: this host's
-    clock against the server's publish time (so their skew is part of it)."""
-    observer = _metrics.active
+    """Publish the publish-to-free time of an applied notice when an observer listens
+    (``registry.core.observe``): this host's clock against the server's publish time (so
+    their skew is part of it)."""
+    observer = observe.current
     if observer is not None and notice.published_ms is not None:
         observer.listener_lag(max(0.0, time.time() - notice.published_ms / 1000))
 

@@ -1,4 +1,4 @@
--- _prelude.lua: shared by every script; registry/scripts.py puts it in front of each
+-- _prelude.lua: shared by every script; registry/transport/scripts.py puts it in front of each
 -- script body before loading, so one SCRIPT LOAD still carries one self-contained script.
 --
 -- Rules every script follows (ARCHITECTURE.md, "Invariants"):

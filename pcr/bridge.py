@@ -15,7 +15,7 @@ from typing import Any
 
 from pcr import common
 from pcr.common import CommandError, UsageError, _talking, _where
-from registry.bridge import ENGINES, EngineSource
+from registry.bridge.bridge import ENGINES, EngineSource
 
 STATUS_FIELDS = (
     "batches",
@@ -32,7 +32,7 @@ STATUS_FIELDS = (
 
 def endpoint(text: str) -> str:
     """An argparse type: a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH)."""
-    from registry.bridge import _endpoint
+    from registry.bridge.bridge import _endpoint
 
     try:
         return _endpoint(text, "endpoint")
@@ -188,7 +188,7 @@ def command_bridge(args: argparse.Namespace) -> int:
         raise CommandError(
             f"pcr bridge needs {' and '.join(missing)}: pip install 'prefix-cache-registry[bridge]'"
         )
-    from registry.bridge import Bridge
+    from registry.bridge.bridge import Bridge
 
     with common.connect(args) as client:
         try:

@@ -1,5 +1,5 @@
 """What every ``pcr`` command shares: limits, exit codes, one-line errors, argument
-types, ``--json`` files and connecting to Redis (errors mapped by ``registry.errors``)."""
+types, ``--json`` files and connecting to Redis (errors mapped by ``registry.core.errors``)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,19 @@ from urllib.parse import urlsplit
 
 from redis.connection import parse_url
 
-from registry.client import CLUSTER_SCHEMES, PLAIN_SCHEMES, client_from_url
-from registry.errors import (
+from registry.core.errors import (
     REDIS_ERRORS,
     RegistryError,
     RegistryUnavailable,
     translate,
 )
-from registry.keys import validate_key_prefix, validate_namespace
-from registry.redis_registry import bounded_options
+from registry.core.keys import validate_key_prefix, validate_namespace
+from registry.transport.client import (
+    CLUSTER_SCHEMES,
+    PLAIN_SCHEMES,
+    bounded_options,
+    client_from_url,
+)
 
 DEFAULT_URL = "redis://localhost:6379/0"
 

@@ -26,8 +26,8 @@ from pcr.serve import (
     listen_options,
     uvicorn_config,
 )
-from registry.keys import validate_namespace
-from registry.membership import validate_engine_url
+from registry.core.keys import validate_namespace
+from registry.fleet.membership import validate_engine_url
 
 NEEDED = {
     "fastapi": "fastapi",

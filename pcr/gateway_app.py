@@ -51,12 +51,12 @@ from pcr.gateway_balance import (
 from pcr.gateway_metrics import BackendMetrics, GatewayMetrics
 from pcr.gateway_tokens import PromptTokenizer, prompt_tokens
 from pcr.http_errors import error_content
-from registry.errors import RegistryError
+from registry.core.errors import RegistryError
+from registry.core.hashing import block_hashes
+from registry.core.keys import gateway_load_channel
+from registry.core.validation import prefix_hashes
+from registry.fleet.membership import validate_engine_url
 from registry.fleet.view import FleetView
-from registry.hashing import block_hashes
-from registry.keys import gateway_load_channel
-from registry.membership import validate_engine_url
-from registry.validation import prefix_hashes
 
 log = logging.getLogger(__name__)
 

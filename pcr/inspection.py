@@ -25,12 +25,13 @@ from pcr.common import (
     _where,
 )
 from pcr.tables import format_table
-from registry.hashing import block_hashes
-from registry.keys import NamespaceKeys
-from registry.membership import NodeIndex
-from registry.notices import parse_notice
-from registry.redis_registry import NamespaceInfo, PrefixCacheRegistry, namespace_infos
-from registry.routing import PrefixRouter
+from registry.core.hashing import block_hashes
+from registry.core.keys import NamespaceKeys
+from registry.core.notices import parse_notice
+from registry.fleet.membership import NodeIndex
+from registry.namespace.admin import NamespaceInfo, namespace_infos
+from registry.namespace.redis_registry import PrefixCacheRegistry
+from registry.routing.routing import PrefixRouter
 
 
 def _eviction_warning(client: Any) -> str | None:
@@ -293,7 +294,7 @@ def _command_gc(args: argparse.Namespace) -> int:
             names = index.dead()
         else:
             invalid = index.remove_invalid()
-            names = index.gc()
+            names = index.collect_dead()
     verb = "would remove" if args.dry_run else "removed"
     if args.json:
         print(json.dumps([*names, *invalid]))

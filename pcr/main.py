@@ -17,7 +17,7 @@ Errors never show a traceback: each is exactly one line on stderr,
   unexpected failure, reported as ``internal error: ...``;
 * 130: interrupted (Ctrl-C), with the one line ``pcr COMMAND: interrupted``.
 
-Redis faults are mapped to the registry's error vocabulary by ``registry.errors.translate``
+Redis faults are mapped to the registry's error vocabulary by ``registry.core.errors.translate``
 (the project's one mapping), so the CLI and the library word them alike.
 """
 
@@ -79,11 +79,11 @@ from pcr.inspection import (
 )
 from pcr.serve import add_parser as add_serve_parser
 from pcr.simulate import _command_simulate
-from registry.errors import (
+from registry.core.errors import (
     RegistryError,
     translate,
 )
-from registry.keys import DEFAULT_KEY_PREFIX
+from registry.core.keys import DEFAULT_KEY_PREFIX
 
 BENCH_SIZES = (16, 64, 512, 8192)
 
@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             url = getattr(args, "redis_url", None)
             _remember_secrets(url)
             if command in ("stats", "gc"):  # these list invalid node-index members
-                handler.quiet = ("registry.membership",)
+                handler.quiet = ("registry.fleet.membership",)
             run: Callable[[argparse.Namespace], int] = args.handler
             code = run(args)
             sys.stdout.flush()

@@ -26,7 +26,7 @@ from http import HTTPStatus
 from typing import Any
 
 from pcr.common import CommandError, UsageError, _int_in, _port, _scheme, _where
-from registry.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
+from registry.transport.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
 
 SERVE_SCHEMES = (*PLAIN_SCHEMES, *CLUSTER_SCHEMES)
 NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httptools": "httptools"}  # module: package

@@ -41,17 +41,23 @@ from starlette.exceptions import HTTPException
 
 from pcr.http_errors import error_body, error_content
 from pcr.serve import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
-from registry import metrics as registry_metrics
-from registry.aio_routing import AsyncPrefixRouter, async_client_from_url, bounded_async_options
-from registry.client import CLUSTER_SCHEMES, client_from_url
-from registry.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
+from registry.core import observe
+from registry.core.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
+from registry.core.hashing import block_hashes
+from registry.core.keys import DEFAULT_KEY_PREFIX, MAX_NAME_LENGTH, validate_namespace
+from registry.core.types import MAX_HASH, NO_HASH
+from registry.core.validation import prefix_hashes
+from registry.fleet.membership import NodeIndex
 from registry.fleet.view import FleetView
-from registry.hashing import block_hashes
-from registry.keys import DEFAULT_KEY_PREFIX, MAX_NAME_LENGTH, validate_namespace
-from registry.membership import NodeIndex
-from registry.redis_registry import bounded_options, namespace_infos
-from registry.types import MAX_HASH, NO_HASH
-from registry.validation import prefix_hashes
+from registry.namespace.admin import namespace_infos
+from registry.routing.aio_routing import AsyncPrefixRouter
+from registry.transport.client import (
+    CLUSTER_SCHEMES,
+    async_client_from_url,
+    bounded_async_options,
+    bounded_options,
+    client_from_url,
+)
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _deadline
@@ -89,7 +95,7 @@ NAMESPACE_RULE = (
 
 
 def _refused_by_namespace_rule(char: str) -> bool:
-    """What ``registry.keys.validate_namespace`` refuses in a namespace."""
+    """What ``registry.core.keys.validate_namespace`` refuses in a namespace."""
     return char in "{}" or char.isspace() or unicodedata.category(char)[0] == "C"
 
 
@@ -387,7 +393,7 @@ class Gate:
             else:
                 await self._turns.acquire()
         except (TimeoutError, asyncio.TimeoutError):
-            observer = registry_metrics.active
+            observer = observe.current
             if observer is not None and operation is not None:
                 observer.record(operation, "unavailable", None)
             raise RegistryUnavailable(

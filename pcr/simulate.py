@@ -76,7 +76,7 @@ def _simulate_table(results: list[dict[str, Any]]) -> str:
 
 
 SKIPPED = ("keyed_blocks", "other_medium", "other_groups", "block_size_mismatch")
-"""Blocks the bridge skips besides orphans (``registry.bridge.FollowerCounts``)."""
+"""Blocks the bridge skips besides orphans (``registry.bridge.bridge.FollowerCounts``)."""
 
 
 def _bridge_rows(results: list[dict[str, Any]], rows: list[list[object]]) -> None:
@@ -242,7 +242,7 @@ class _GapFilter(logging.Filter):
 
 @contextlib.contextmanager
 def _expected_gaps(expected: bool) -> Iterator[None]:
-    logger = logging.getLogger("registry.bridge")
+    logger = logging.getLogger("registry.bridge.bridge")
     gap_filter = _GapFilter()
     if expected:
         logger.addFilter(gap_filter)

@@ -3,12 +3,20 @@
 ``PrefixCacheRegistry`` keeps the mappings of one namespace in Redis (standalone or
 Cluster); ``LocalPrefixCacheRegistry`` is the same API in process memory. This
 package never imports torch.
+
+Its sub-packages, from the ground up (each imports only those below it):
+``registry.core`` (types, keys, checks, hashing, notices, errors, observers, the API
+base and the in-process registry), ``registry.transport`` (clients, the script runner),
+``registry.namespace`` (the Redis registry of one namespace, ownership, replay, admin
+reads), ``registry.fleet`` (membership, the fleet view), ``registry.routing`` (the
+routers); on top ``registry.mirror``, ``registry.bridge`` and ``registry.metrics``.
+This module re-exports the public names; nothing in the library imports it.
 """
 
 from __future__ import annotations
 
-from registry.base import EvictionHook, MambaEvictCallback, RegistryBase
-from registry.errors import (
+from registry.core.base import EvictionHook, MambaEvictCallback, RegistryBase
+from registry.core.errors import (
     NamespaceMirrored,
     RegistryError,
     RegistryFault,
@@ -19,15 +27,16 @@ from registry.errors import (
     RegistryWrongType,
     StaleEpochError,
 )
-from registry.hashing import block_hashes
-from registry.keys import NamespaceKeys
-from registry.local import LocalPrefixCacheRegistry
-from registry.membership import NodeIndex, collect_dead, live_nodes
+from registry.core.hashing import block_hashes
+from registry.core.keys import NamespaceKeys
+from registry.core.local import LocalPrefixCacheRegistry
+from registry.core.notices import EvictionNotice, parse_notice, parse_stream_entry
+from registry.core.scores import NodeScore
+from registry.fleet.membership import NodeIndex, collect_dead, live_nodes
 from registry.mirror import MirrorCounts, MirroredRegistry
-from registry.notices import EvictionNotice, parse_notice, parse_stream_entry
-from registry.ownership import Heartbeat
-from registry.redis_registry import PrefixCacheRegistry
-from registry.routing import NodeScore, PrefixRouter
+from registry.namespace.ownership import Heartbeat
+from registry.namespace.redis_registry import PrefixCacheRegistry
+from registry.routing.routing import PrefixRouter
 
 __all__ = [
     "EvictionHook",
@@ -59,11 +68,3 @@ __all__ = [
     "parse_stream_entry",
 ]
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str) -> object:
-    """``registry.gc``: the first release's name of ``collect_dead`` (which does not
-    shadow the standard library's ``gc`` in ``from registry import *``)."""
-    if name == "gc":
-        return collect_dead
-    raise AttributeError(f"module 'registry' has no attribute {name!r}")

@@ -1,11 +1,14 @@
 """Prometheus metrics of the registry, the router, the listener, the slot pool and the
 bridge (the ``metrics`` extra: ``prometheus-client``).
 
-Off by default, and free when off: nothing here imports ``prometheus_client`` until
-:func:`enable_metrics` runs, and the instrumented paths (``ScriptRunner``, the Redis
-registry's reads, the argument checks, ``PrefixRouter``, ``AsyncPrefixRouter``) pay one
-module-attribute read and a ``None`` check (``metrics.active``). Once enabled, every
-registry, router and runner of the process reports into one set of metrics, registered on one
+An observer (``registry.core.observe``): the components publish what they do (the
+``ScriptRunner``'s scripts, the Redis registry's reads, the argument checks,
+``PrefixRouter``, ``AsyncPrefixRouter``, the eviction listener), and
+:func:`enable_metrics` subscribes one :class:`Metrics` that counts it; no library module
+imports this one. Off by default, and free when off: nothing here imports
+``prometheus_client`` until :func:`enable_metrics` runs, and a component pays one read of
+``observe.current`` and a ``None`` check. Once enabled, every registry, router and runner
+of the process reports into one set of metrics, registered on one
 ``prometheus_client.CollectorRegistry`` (the library's default one unless another is
 given)::
 
@@ -15,7 +18,7 @@ given)::
     metrics.register_owner(registry)       # its lease, read from Redis at scrape time
     metrics.register_pool(pool)            # gpu.MambaSlotPool.counts(), at scrape time
     metrics.register_listener(listener)    # gpu.EvictionListener.counts()
-    metrics.register_bridge(bridge)        # registry.bridge.Bridge.counts()
+    metrics.register_bridge(bridge)        # registry.bridge.bridge.Bridge.counts()
     metrics.register_mirror(mirrored)      # registry.MirroredRegistry.counts() and lease
     prometheus_client.start_http_server(9100)
 
@@ -30,17 +33,15 @@ typing: this module never imports ``gpu`` or torch) and held until :func:`unregi
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, is_dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from registry.errors import RegistryError, RegistryUnavailable, StaleEpochError
-from registry.validation import prefix_hashes
-
-T = TypeVar("T")
-
-OUTCOMES = ("ok", "unavailable", "stale_epoch", "bad_input", "fault")
+from registry.core import observe
+from registry.core.errors import RegistryError
+from registry.core.scores import NodeScore
+from registry.core.validation import prefix_hashes
+from registry.namespace.admin import namespace_infos
 
 LATENCY_BUCKETS = (
     0.0001,
@@ -69,24 +70,14 @@ POOL_GAUGES = ("slots", "in_use", "free")
 """``PoolCounts`` fields that are levels; the others are running totals."""
 
 active: Metrics | None = None
-"""The enabled metrics, or None (the one thing the instrumented paths look at)."""
+"""The enabled metrics (subscribed to ``registry.core.observe``), or None."""
 
 _lock = threading.Lock()
 
 
-def outcome_of(exc: BaseException) -> str:
-    """The ``outcome`` label of a call that raised ``exc``."""
-    if isinstance(exc, StaleEpochError):
-        return "stale_epoch"
-    if isinstance(exc, RegistryUnavailable):
-        return "unavailable"
-    if isinstance(exc, (TypeError, ValueError)) and not isinstance(exc, RegistryError):
-        return "bad_input"
-    return "fault"
-
-
 class Metrics:
-    """The metric objects of one enabled set (see :func:`enable_metrics`)."""
+    """The metric objects of one enabled set (see :func:`enable_metrics`): a
+    ``registry.core.observe.Observer`` that counts what the components publish."""
 
     def __init__(self, registry: Any, namespace_labels: bool) -> None:
         from prometheus_client import Counter, Histogram
@@ -152,32 +143,8 @@ class Metrics:
         self.objects = ObjectCollector(namespace_labels)
         registry.register(self.objects)
         self._children: dict[tuple[str, str, bool], tuple[Any, Any]] = {}
-        self._clock = time.perf_counter
 
-    # -- the instrumented paths ----------------------------------------------------
-
-    def timed(self, operation: str, call: Callable[..., T], *args: Any) -> T:
-        """``call(*args)``, counted and timed as ``operation`` by its outcome."""
-        started = self._clock()
-        try:
-            result = call(*args)
-        except Exception as exc:
-            self.record(operation, outcome_of(exc), self._clock() - started)
-            raise
-        self.record(operation, "ok", self._clock() - started)
-        return result
-
-    async def timed_async(self, operation: str, call: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """``await call(*args)``, counted and timed as ``timed`` does (for the asyncio
-        router, whose round trips are awaited)."""
-        started = self._clock()
-        try:
-            result = await call(*args)
-        except Exception as exc:
-            self.record(operation, outcome_of(exc), self._clock() - started)
-            raise
-        self.record(operation, "ok", self._clock() - started)
-        return result
+    # -- the events (registry.core.observe.Observer) ------------------------------------
 
     def record(self, operation: str, outcome: str, seconds: float | None) -> None:
         """Count one ``operation`` with ``outcome`` (and its time, when it reached Redis)."""
@@ -195,23 +162,17 @@ class Metrics:
         self.listener_lag_seconds.observe(seconds)
 
     def prefix_query(self, queried: int, hit: int) -> None:
+        """``match_kv_prefix`` looked up ``queried`` blocks; ``hit`` of them were cached."""
         self.queries.inc(queried)
         self.hits.inc(hit)
 
-    def timed_score(self, call: Callable[..., T], *args: Any) -> T:
-        """``call(*args)`` (a router's score), timed whatever its outcome."""
-        started = self._clock()
-        try:
-            return call(*args)
-        finally:
-            self.score_took(self._clock() - started)
-
     def score_took(self, seconds: float) -> None:
-        """One router score took ``seconds`` (for routers that time themselves, such as
-        an asyncio one: ``timed_score`` cannot await)."""
+        """One router score took ``seconds``."""
         self.score_duration.observe(seconds)
 
-    def routed(self, scores: Mapping[str, Any], choice: str | None, hashes: Any) -> None:
+    def routed(
+        self, scores: Mapping[str, NodeScore], choice: str | None, hashes: Sequence[int]
+    ) -> None:
         """One routing decision: ``choice`` among ``scores`` (``NodeScore`` by namespace;
         None: no live node) for a prompt of ``hashes``."""
         if choice is None:
@@ -246,6 +207,7 @@ def enable_metrics(registry: Any = None, *, namespace_labels: bool = False) -> M
         target = prometheus_client.REGISTRY if registry is None else registry
         enabled = Metrics(target, bool(namespace_labels))
         active = enabled
+        observe.subscribe(enabled)
     return enabled
 
 
@@ -254,6 +216,8 @@ def disable_metrics() -> None:
     global active
     with _lock:
         enabled, active = active, None
+        if enabled is not None:
+            observe.unsubscribe(enabled)
     if enabled is None:
         return
     for collector in (
@@ -271,12 +235,6 @@ def disable_metrics() -> None:
         enabled.registry.unregister(collector)
 
 
-def bad_input(operation: str) -> None:
-    """Count an argument check that refused a call to ``operation`` (when enabled)."""
-    if active is not None:
-        active.record(operation, "bad_input", None)
-
-
 # -- objects read at scrape time ------------------------------------------------------
 
 
@@ -292,7 +250,7 @@ def register_pool(pool: Any) -> bool:
 
 
 def register_bridge(bridge: Any) -> bool:
-    """Report ``bridge.counts()`` (a ``registry.bridge.Bridge``: per namespace) and the
+    """Report ``bridge.counts()`` (a ``registry.bridge.bridge.Bridge``: per namespace) and the
     leases of its followers' namespaces."""
     return _register("bridge", bridge)
 
@@ -458,8 +416,6 @@ class ObjectCollector:
 
     def _leases(self, owners: list[Any]) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
-
-        from registry.redis_registry import namespace_infos
 
         left: dict[str, float] = {}
         groups: dict[tuple[int, str], tuple[Any, list[str]]] = {}

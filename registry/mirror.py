@@ -50,24 +50,26 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from registry.base import RegistryBase
-from registry.client import RedisClient
-from registry.errors import (
+from registry.core.base import RegistryBase
+from registry.core.errors import (
     REDIS_ERRORS,
     RegistryError,
     RegistryUnavailable,
     StaleEpochError,
     translate,
 )
-from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys
-from registry.notices import EvictionNotice, parse_notice
-from registry.ownership import DEFAULT_LEASE_TTL, Heartbeat, lease_seconds, owner_label
-from registry.redis_registry import (
+from registry.core.keys import DEFAULT_KEY_PREFIX, NamespaceKeys
+from registry.core.notices import EvictionNotice, parse_notice
+from registry.core.types import BlockHash, BlockId, BlockPair, NoticeKind
+from registry.core.validation import flatten
+from registry.namespace.ownership import DEFAULT_LEASE_TTL, Heartbeat, lease_seconds, owner_label
+from registry.namespace.redis_registry import (
     DEFAULT_NOTICE_STREAM_MAXLEN,
     DEFAULT_REPLY_TTL,
     PrefixCacheRegistry,
 )
-from registry.scripts import (
+from registry.transport.client import RedisClient
+from registry.transport.scripts import (
     ScriptRunner,
     direct_pool,
     packed_commands,
@@ -75,8 +77,6 @@ from registry.scripts import (
     run_batched,
     script_sha,
 )
-from registry.types import BlockHash, BlockId, BlockPair, NoticeKind
-from registry.validation import flatten
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ IDLE_WAIT = 0.25
 Routed = tuple[str, tuple[Any, ...]]
 
 MIRROR_OPTIONS = ("max_delay", "max_batch", "max_queue", "owner")
-"""The keyword options of the mirror itself (``PrefixCacheRegistry.from_url`` takes them
-too with ``mirror=True``)."""
+"""The keyword options of the mirror itself (``MirroredRegistry.from_url`` takes them
+beside those of ``PrefixCacheRegistry.from_url``)."""
 
 
 @dataclass(frozen=True)
@@ -201,8 +201,8 @@ def default_owner_label(namespace: str) -> str:
 class MirroredRegistry(RegistryBase):
     """The registry of one owned namespace, answered locally and written behind to Redis.
 
-    ``MirroredRegistry(client, namespace, ...)`` or ``PrefixCacheRegistry.from_url(url,
-    namespace, mirror=True)``; ``MirroredRegistry.wrap(registry)`` mirrors an existing
+    ``MirroredRegistry(client, namespace, ...)`` or ``MirroredRegistry.from_url(url,
+    namespace)``; ``MirroredRegistry.wrap(registry)`` mirrors an existing
     ``PrefixCacheRegistry``. Call ``claim()`` before writing; ``close()`` flushes and
     stops the flusher (also a context manager).
     """
@@ -228,6 +228,15 @@ class MirroredRegistry(RegistryBase):
             reply_ttl=reply_ttl,
         )
         self._setup(inner, max_delay, max_batch, max_queue, owner)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str, **options: Any) -> MirroredRegistry:
+        """Connect with a URL, as ``PrefixCacheRegistry.from_url`` does (its options and
+        the client's too), and mirror that registry; the mirror's own options
+        (``MIRROR_OPTIONS``: ``max_delay``, ``max_batch``, ``max_queue``, ``owner``) may
+        be given here as well."""
+        mirror_options = {k: options.pop(k) for k in MIRROR_OPTIONS if k in options}
+        return cls.wrap(PrefixCacheRegistry.from_url(url, namespace, **options), **mirror_options)
 
     @classmethod
     def wrap(

@@ -13,7 +13,7 @@ its own ``EnginePublisher`` (ZeroMQ XPUB plus a replay ROUTER), one batch per re
 - ``BlockRemoved`` for evicted blocks (group 0) and freed checkpoints (group 1; a block's
   checkpoint goes with the block, as the registry's ``evict_kv`` cascades).
 
-One ``registry.bridge.Bridge`` follows every node into its namespace, hashing the
+One ``registry.bridge.bridge.Bridge`` follows every node into its namespace, hashing the
 blocks with the registry's own chain, and the prefix router scores the nodes from Redis
 exactly as in the normal mode. After the workload the run waits until the bridge has
 applied every batch published (each namespace's ``bridge_seq``), then audits each node:
@@ -38,7 +38,7 @@ from typing import Any
 import zmq
 
 from registry import PrefixCacheRegistry, block_hashes, metrics
-from registry.bridge import Bridge, EngineSource
+from registry.bridge.bridge import Bridge, EngineSource
 from sim.audit import audit_bridged
 from sim.config import BridgeConfig, BridgeStalled, FleetConfig
 from sim.engine_events import EnginePublisher, engine_chain, removed, stored

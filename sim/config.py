@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from registry.keys import validate_key_prefix
-from registry.ownership import DEFAULT_LEASE_TTL, lease_seconds
+from registry.core.keys import validate_key_prefix
+from registry.namespace.ownership import DEFAULT_LEASE_TTL, lease_seconds
 from sim.workload import WorkloadConfig
 
 ROUTERS = ("round-robin", "prefix")

@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from registry.bridge_events import STORED_FIELDS
+from registry.bridge.bridge_events import STORED_FIELDS
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

@@ -39,8 +39,8 @@ from typing import Any
 import redis
 
 from registry import PrefixRouter
-from registry.hashing import block_hashes
-from registry.keys import NamespaceKeys
+from registry.core.hashing import block_hashes
+from registry.core.keys import NamespaceKeys
 
 BLOCK_SIZE = 16
 BLOCKS_PER_EVENT = 16
@@ -91,7 +91,7 @@ def missing_dependency() -> str | None:
 def _bridge_process(url: str, conn: Any) -> None:
     """Follow the engine whose endpoints come first down ``conn``; answer whether the
     bridge started; on "stop", send its counts back."""
-    from registry.bridge import Bridge, EngineSource
+    from registry.bridge.bridge import Bridge, EngineSource
 
     first = conn.recv()
     if first == "stop":  # the bench failed before it had an engine to follow

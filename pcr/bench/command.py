@@ -17,7 +17,7 @@ from pcr.common import (
     _write_json,
 )
 from pcr.servers import RedisClusterServers, RedisServer
-from registry.client import CLUSTER_SCHEMES, client_from_url
+from registry.transport.client import CLUSTER_SCHEMES, client_from_url
 
 BENCH_SCHEMES = ("redis", "rediss", "unix")
 

@@ -84,7 +84,7 @@ def _cycles(registry: RegistryBase, prompts: list[list[int]]) -> float:
 
 def _engine_cycle(url: str, rounds: int) -> dict[str, Any]:
     local = LocalPrefixCacheRegistry()
-    mirrored = PrefixCacheRegistry.from_url(url, "bench-mirror", mirror=True, key_prefix=KEY_PREFIX)
+    mirrored = MirroredRegistry.from_url(url, "bench-mirror", key_prefix=KEY_PREFIX)
     remote = PrefixCacheRegistry.from_url(url, "bench-remote", key_prefix=KEY_PREFIX)
     mirrored.claim()
     remote.claim()

@@ -30,7 +30,7 @@ from pcr.bench import mirror as mirror_bench
 from pcr.bench import serve as serve_bench
 from pcr.tables import format_table
 from registry import LocalPrefixCacheRegistry, PrefixCacheRegistry, PrefixRouter
-from registry.validation import flatten
+from registry.core.validation import flatten
 
 SIZES = (16, 64, 512, 8192)
 SCORE_NAMESPACES = 16

@@ -84,7 +84,8 @@ def _fill(client: Any) -> list[int]:
 
 
 async def _routers(url: str, prompt: list[int], effort: ServeEffort) -> dict[str, Any]:
-    from registry.aio_routing import AsyncPrefixRouter, async_client_from_url
+    from registry.routing.aio_routing import AsyncPrefixRouter
+    from registry.transport.client import async_client_from_url
 
     sync_client = redis.Redis.from_url(url)
     async_client = async_client_from_url(url)

@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 from itertools import groupby, repeat
 from typing import Any
 
-from registry.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
-from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, fleet_changes_pattern
-from registry.membership import NodeIndex
-from registry.routing import NodeScore, checked_hybrid
-from registry.scripts import ScriptRunner
-from registry.validation import prefix_hashes
+from registry.core.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
+from registry.core.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, fleet_changes_pattern
+from registry.core.scores import NodeScore, checked_hybrid
+from registry.core.validation import prefix_hashes
+from registry.fleet.membership import NodeIndex
+from registry.transport.scripts import ScriptRunner
 
 log = logging.getLogger(__name__)
 

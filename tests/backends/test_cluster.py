@@ -7,7 +7,7 @@ import redis
 import redis.cluster
 
 from registry import NamespaceKeys, PrefixCacheRegistry
-from registry.scripts import script_source
+from registry.transport.scripts import script_source
 from tests.support.backends import new_namespace
 from tests.support.servers import RedisClusterServers
 

@@ -19,7 +19,7 @@ from registry import (
     live_nodes,
 )
 from registry.fleet.view import FleetView
-from registry.redis_registry import namespace_infos
+from registry.namespace.admin import namespace_infos
 from tests.support.backends import Backend, dump_keys, expire_lease, notice_base, registry_state
 from tests.support.counting import counted_sends
 from tests.support.waiting import wait_until

@@ -28,8 +28,8 @@ from registry import (
     StaleEpochError,
     collect_dead,
 )
+from registry.core.keys import NamespaceKeys
 from registry.fleet.view import FleetView
-from registry.keys import NamespaceKeys
 from tests.support.backends import Backend, expire_lease
 from tests.support.scoring import chain_shaped, direct
 from tests.support.waiting import wait_until

@@ -20,9 +20,9 @@ from registry import (
     collect_dead,
     live_nodes,
 )
+from registry.core.keys import NamespaceKeys, engines_key, gateway_load_channel, gateway_load_key
 from registry.fleet.view import FleetView
-from registry.keys import NamespaceKeys, engines_key, gateway_load_channel, gateway_load_key
-from registry.scripts import ScriptRunner
+from registry.transport.scripts import ScriptRunner
 from tests.support.backends import Backend, expire_lease
 
 H = [10**15 + i for i in range(40)]

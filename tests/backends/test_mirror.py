@@ -22,9 +22,9 @@ from registry import (
     PrefixCacheRegistry,
     StaleEpochError,
 )
+from registry.core.types import NoticeKind
 from registry.mirror import CALL_VALUES, CALL_WRITES, DEFAULT_MAX_DELAY, MirrorCounts
-from registry.scripts import script_sha
-from registry.types import NoticeKind
+from registry.transport.scripts import script_sha
 from tests.support.backends import (
     REDIS_BACKEND_PARAMS,
     Backend,
@@ -231,13 +231,13 @@ def test_writes_batched_into_one_call_match_the_reference_and_its_notices(
 
 
 @pytest.mark.parametrize("kind", REDIS_BACKEND_PARAMS[1:])
-def test_from_url_with_mirror_returns_the_mirrored_owner(
+def test_from_url_returns_the_mirrored_owner(
     kind: str, mirrors: list[MirroredRegistry], request: pytest.FixtureRequest
 ) -> None:
     servers = request.getfixturevalue("redis_cluster" if kind == "cluster" else "redis_server")
     url = servers.url
-    mirror = PrefixCacheRegistry.from_url(
-        url, new_namespace(), mirror=True, max_batch=7, owner="node-x", cluster=kind == "cluster"
+    mirror = MirroredRegistry.from_url(
+        url, new_namespace(), max_batch=7, owner="node-x", cluster=kind == "cluster"
     )
     mirrors.append(mirror)
     assert isinstance(mirror, MirroredRegistry)

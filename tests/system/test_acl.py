@@ -36,8 +36,8 @@ from registry import (
     collect_dead,
     live_nodes,
 )
-from registry.keys import node_index_key
-from registry.scripts import script_source
+from registry.core.keys import node_index_key
+from registry.transport.scripts import script_source
 from tests.support.servers import HOST, RedisServer, require_redis_server
 
 pytestmark = pytest.mark.redis_server

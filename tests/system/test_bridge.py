@@ -24,16 +24,16 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from registry import NodeIndex, NodeScore, PrefixCacheRegistry, PrefixRouter
+from registry.core.hashing import block_hashes
 from registry.fleet.view import FleetView
-from registry.hashing import block_hashes
 from tests.support.servers import RedisServer
 from tests.support.waiting import wait_until
 
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
-from registry.bridge import Bridge, EngineSource  # noqa: E402  (needs the bridge extra)
-from registry.bridge_events import decode_batch  # noqa: E402
+from registry.bridge.bridge import Bridge, EngineSource  # noqa: E402  (needs the bridge extra)
+from registry.bridge.bridge_events import decode_batch  # noqa: E402
 from sim.engine_events import (  # noqa: E402
     EnginePublisher,
     batch,
@@ -1192,7 +1192,7 @@ def test_a_replay_out_of_protocol_is_reported_naming_the_engine(
     server.start()
     try:
         source = rig.source(engine, replay_endpoint=f"tcp://127.0.0.1:{port}")
-        with caplog.at_level("WARNING", logger="registry.bridge"):
+        with caplog.at_level("WARNING", logger="registry.bridge.bridge"):
             bridge = rig.bridge([source], [engine], replay_timeout=2.0)
             wait_count(bridge, source.namespace, "replay_failures", 1)
         tokens = prompt(30, 2, BS)

@@ -38,7 +38,7 @@ import pcr.simulate
 from pcr.common import MAX_CURSOR, MAX_PAGE
 from pcr.main import main
 from registry import NodeIndex, PrefixCacheRegistry, StaleEpochError, block_hashes
-from registry.keys import validate_key_prefix, validate_namespace
+from registry.core.keys import validate_key_prefix, validate_namespace
 from tests.support import REPO_ROOT
 from tests.support.servers import RedisServer, refused_port, require_redis_server
 from tests.support.waiting import wait_until

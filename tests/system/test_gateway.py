@@ -271,7 +271,7 @@ def test_a_lone_replica_exchanges_no_load_per_request_and_replicas_hear_each_end
     Redis holds the first's load without that request, so the next request, sent to
     either replica, is chosen knowing it ended."""
     from pcr.gateway_app import GatewayConfig
-    from registry.keys import gateway_load_channel, gateway_load_key
+    from registry.core.keys import gateway_load_channel, gateway_load_key
     from tests.system.test_serve import Served
 
     prefix = f"gt{uuid.uuid4().hex[:6]}"
@@ -341,8 +341,9 @@ def test_the_load_exchange_returns_the_others_and_pushes_each_entry(
     an entry past its TTL is gone."""
     import asyncio
 
-    from registry.aio_routing import AsyncPrefixRouter, async_client_from_url
-    from registry.keys import gateway_load_channel
+    from registry.core.keys import gateway_load_channel
+    from registry.routing.aio_routing import AsyncPrefixRouter
+    from registry.transport.client import async_client_from_url
 
     prefix = f"gl{uuid.uuid4().hex[:6]}"
 

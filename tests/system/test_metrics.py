@@ -29,7 +29,7 @@ from registry import (
     StaleEpochError,
     metrics,
 )
-from registry.bridge import FollowerCounts
+from registry.bridge.bridge import FollowerCounts
 from tests.support import REPO_ROOT as ROOT
 from tests.support.servers import RedisServer, free_port, refused_port
 

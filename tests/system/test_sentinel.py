@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from registry import PrefixCacheRegistry, RegistryUnavailable
-from registry.sentinel import VerifiedSentinel, hello_role
+from registry.transport.sentinel import VerifiedSentinel, hello_role
 from tests.support.servers import RedisServer, find_redis_server, free_port, require_redis_server
 from tests.support.waiting import wait_until
 
@@ -291,8 +291,8 @@ def test_a_fleet_view_follows_the_promoted_replica(
     """The primary is killed and the replica promoted: the fleet view (on the Sentinel
     URL) subscribes to the new primary, reads everything again and holds exactly its
     maps, the write made after the failover included."""
-    from registry.client import client_from_url
     from registry.fleet.view import FleetView
+    from registry.transport.client import client_from_url
 
     master, replica, sentinel_port = sentinel_setup
     url = f"redis+sentinel://127.0.0.1:{sentinel_port}/mymaster"

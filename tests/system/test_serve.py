@@ -34,9 +34,10 @@ from pcr.serve import uvicorn_config  # noqa: E402
 from pcr.serve_app import MAX_HASHES, MAX_TOKENS, create_app  # noqa: E402
 from pcr.servers import RedisClusterServers, RedisServer  # noqa: E402
 from registry import PrefixCacheRegistry, PrefixRouter  # noqa: E402
-from registry.aio_routing import AsyncPrefixRouter, async_client_from_url  # noqa: E402
-from registry.hashing import block_hashes  # noqa: E402
-from registry.keys import MAX_NAME_LENGTH, validate_namespace  # noqa: E402
+from registry.core.hashing import block_hashes  # noqa: E402
+from registry.core.keys import MAX_NAME_LENGTH, validate_namespace  # noqa: E402
+from registry.routing.aio_routing import AsyncPrefixRouter  # noqa: E402
+from registry.transport.client import async_client_from_url  # noqa: E402
 from tests.support import REPO_ROOT  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 from tests.support.serving import ServeProcess  # noqa: E402
@@ -415,7 +416,7 @@ def test_create_app_checks_its_limits(options: dict[str, Any], error: type[Excep
 
 def test_a_request_waits_its_turn_and_gets_503_only_past_the_deadline() -> None:
     from pcr.serve_app import Gate
-    from registry.errors import RegistryUnavailable
+    from registry.core.errors import RegistryUnavailable
 
     async def scenario(gate: Gate, release_while_waiting: bool) -> None:
         holding, release = asyncio.Event(), asyncio.Event()
@@ -679,7 +680,7 @@ def test_async_router_reports_to_the_metrics(redis_server: RedisServer, prefix: 
 
 
 def test_async_router_translates_errors(prefix: str) -> None:
-    from registry.errors import RegistryUnavailable
+    from registry.core.errors import RegistryUnavailable
     from tests.support.servers import refused_port
 
     async def scored(port: int) -> None:

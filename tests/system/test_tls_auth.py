@@ -30,7 +30,7 @@ import redis
 
 from pcr.main import main
 from registry import PrefixCacheRegistry
-from registry.errors import RegistryError
+from registry.core.errors import RegistryError
 from tests.support import REPO_ROOT
 from tests.support.backends import new_namespace
 from tests.support.servers import HOST, RedisServer, free_port, require_redis_server

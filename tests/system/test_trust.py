@@ -38,7 +38,7 @@ from registry import (
     live_nodes,
 )
 from registry.fleet.view import FleetView
-from registry.redis_registry import CALL_BOUND
+from registry.transport.client import CALL_BOUND
 from tests.support.backends import Backend, dump_keys, expire_lease, new_namespace, registry_state
 from tests.support.servers import RedisServer, refused_port, require_redis_server
 

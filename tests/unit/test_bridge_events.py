@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from registry.bridge_events import (
+from registry.bridge.bridge_events import (
     AllBlocksCleared,
     BadEvent,
     BlockRemoved,

@@ -13,14 +13,14 @@ import fakeredis
 import pytest
 
 from registry import PrefixCacheRegistry
-from registry.errors import RegistryError
-from registry.hashing import block_hashes
+from registry.core.errors import RegistryError
+from registry.core.hashing import block_hashes
 
 pytest.importorskip("msgpack")
 pytest.importorskip("zmq")  # sim.engine_events
 
-import registry.bridge as bridge_module
-from registry.bridge import EngineSource, Follower
+import registry.bridge.bridge as bridge_module
+from registry.bridge.bridge import EngineSource, Follower
 from sim.engine_events import batch, engine_chain, prompt, removed, stored
 
 BS = 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from redis import exceptions as rx
 
-from registry.errors import (
+from registry.core.errors import (
     RegistryError,
     RegistryFault,
     RegistryMisconfigured,

@@ -36,7 +36,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from registry.hashing import block_hashes
+from registry.core.hashing import block_hashes
 from tests.support import REPO_ROOT
 
 MAX_HASH = 2**63 - 1
@@ -300,7 +300,7 @@ def test_import_does_not_pull_in_torch():
         [
             sys.executable,
             "-c",
-            "import registry.hashing, sys; assert 'torch' not in sys.modules",
+            "import registry.core.hashing, sys; assert 'torch' not in sys.modules",
         ],
         cwd=REPO_ROOT,
         capture_output=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from registry import EvictionNotice, parse_notice, parse_stream_entry
-from registry.types import BlockPair, NoticeKind
+from registry.core.types import BlockPair, NoticeKind
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,10 @@ import operator
 from collections.abc import Iterable
 from typing import Any
 
-from registry.types import MAX_BLOCK_ID as MAX_BLOCK_ID
-from registry.types import MAX_HASH as MAX_HASH
-from registry.types import NO_HASH as NO_HASH
-from registry.types import NO_PARENT as NO_PARENT
+from registry.core.types import MAX_BLOCK_ID as MAX_BLOCK_ID
+from registry.core.types import MAX_HASH as MAX_HASH
+from registry.core.types import NO_HASH as NO_HASH
+from registry.core.types import NO_PARENT as NO_PARENT
 
 _INT_ONLY = {int}
 

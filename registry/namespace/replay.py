@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from registry.keys import NamespaceKeys
-from registry.notices import EvictionNotice, parse_stream_entry
+from registry.core.keys import NamespaceKeys
+from registry.core.notices import EvictionNotice, parse_stream_entry
 
 
 class StreamReader(Protocol):

@@ -11,16 +11,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from registry import metrics as _metrics
-from registry.notices import EvictionNotice
-from registry.validation import (
+from registry.core import observe
+from registry.core.notices import EvictionNotice
+from registry.core.validation import (
     eviction_hashes,
     lookup_hashes,
     prefix_hashes,
     registration,
     search_length,
 )
-from registry.views import HashMapView
+from registry.core.views import HashMapView
 
 MambaEvictCallback = Callable[[list[int]], None]
 EvictionHook = Callable[[EvictionNotice], object]
@@ -38,7 +38,7 @@ class RegistryBase(ABC):
     @property
     def kv_hash_to_block_id(self) -> HashMapView:
         """The KV map (``hash -> block id``) as a live, read-only ``Mapping``: each lookup
-        is one read of the storage, iteration a scan (``registry.views``)."""
+        is one read of the storage, iteration a scan (``registry.core.views``)."""
         return HashMapView(self, "kv")
 
     @property
@@ -92,12 +92,12 @@ class RegistryBase(ABC):
         try:
             wanted = prefix_hashes(hashes)
         except (TypeError, ValueError):
-            _metrics.bad_input("match_kv_prefix")
+            observe.bad_input("match_kv_prefix")
             raise
         if not wanted:
             return [], 0
         block_ids = self._match_kv_prefix(wanted)
-        observer = _metrics.active
+        observer = observe.current
         if observer is not None:
             observer.prefix_query(len(wanted), len(block_ids))
         return block_ids, (wanted[len(block_ids) - 1] if block_ids else 0)
@@ -107,7 +107,7 @@ class RegistryBase(ABC):
         try:
             entries = registration(block_ids, hashes, skip_sentinels=False)
         except (TypeError, ValueError):
-            _metrics.bad_input("register_kv")
+            observe.bad_input("register_kv")
             raise
         if entries:
             self._register_kv(entries)
@@ -117,7 +117,7 @@ class RegistryBase(ABC):
         try:
             wanted = eviction_hashes(hashes)
         except (TypeError, ValueError):
-            _metrics.bad_input("evict_kv")
+            observe.bad_input("evict_kv")
             raise
         if not wanted:
             return set()
@@ -132,7 +132,7 @@ class RegistryBase(ABC):
         try:
             wanted = lookup_hashes(hashes)
         except (TypeError, ValueError):
-            _metrics.bad_input("match_mamba_farthest")
+            observe.bad_input("match_mamba_farthest")
             raise
         return self._match_mamba_farthest(wanted) if wanted else 0
 
@@ -142,7 +142,7 @@ class RegistryBase(ABC):
             limit = search_length(search_len)
             wanted = lookup_hashes(hashes)
         except (TypeError, ValueError):
-            _metrics.bad_input("find_mamba_backoff")
+            observe.bad_input("find_mamba_backoff")
             raise
         if limit <= 0 or not wanted:
             return 0
@@ -166,7 +166,7 @@ class RegistryBase(ABC):
         try:
             entries = registration(block_ids, hashes, skip_sentinels=True)
         except (TypeError, ValueError):
-            _metrics.bad_input("register_mamba")
+            observe.bad_input("register_mamba")
             raise
         if not entries:
             return 0
@@ -179,7 +179,7 @@ class RegistryBase(ABC):
         try:
             wanted = eviction_hashes(hashes)
         except (TypeError, ValueError):
-            _metrics.bad_input("evict_mamba")
+            observe.bad_input("evict_mamba")
             raise
         if not wanted:
             return set()
@@ -192,7 +192,7 @@ class RegistryBase(ABC):
         try:
             wanted = lookup_hashes(hashes)
         except (TypeError, ValueError):
-            _metrics.bad_input("mamba_block_ids")
+            observe.bad_input("mamba_block_ids")
             raise
         return self._mamba_block_ids(wanted) if wanted else []
 

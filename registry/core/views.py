@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import operator
 from collections.abc import ItemsView, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
-from registry.types import MAX_HASH
+from registry.core.types import MAX_HASH
 
-if TYPE_CHECKING:
-    from registry.base import RegistryBase
+
+class MapSource(Protocol):
+    """What a view reads of a registry (``RegistryBase`` has it): one lookup per call."""
+
+    def _view_get(self, kind: str, h: int) -> int | None: ...
+
+    def _view_contains(self, kind: str, h: int) -> bool: ...
+
+    def _view_len(self, kind: str) -> int: ...
+
+    def _view_items(self, kind: str) -> Iterator[tuple[int, int]]: ...
 
 
 class HashMapView(Mapping[int, int]):
@@ -26,7 +35,7 @@ class HashMapView(Mapping[int, int]):
 
     __slots__ = ("_kind", "_registry")
 
-    def __init__(self, registry: RegistryBase, kind: str) -> None:
+    def __init__(self, registry: MapSource, kind: str) -> None:
         if kind not in ("kv", "mamba"):
             raise ValueError(f"kind must be 'kv' or 'mamba', not {kind!r}")
         self._registry = registry

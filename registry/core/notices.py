@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from registry.types import BlockHash, BlockId, BlockPair, NoticeKind
+from registry.core.types import BlockHash, BlockId, BlockPair, NoticeKind
 
 KINDS = tuple(kind.value for kind in NoticeKind)
 

@@ -8,7 +8,7 @@ each loaded script is still one self-contained, atomic unit on the server.
 :class:`ScriptRunner` is the only way the project executes a script: EVALSHA of the
 locally computed SHA1, SCRIPT LOAD and one retry on NOSCRIPT (a restart, a failover,
 ``SCRIPT FLUSH``), pipelines included, and every Redis fault translated once through
-``registry.errors.translate``.
+``registry.core.errors.translate``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from registry import metrics as _metrics
-from registry.errors import (
+from registry.core import observe
+from registry.core.errors import (
     REDIS_ERRORS,
     NamespaceMirrored,
     RegistryError,
@@ -84,7 +84,7 @@ def lua_folder() -> Traversable:
     shipped = resources.files("registry").joinpath("lua")
     if shipped.is_dir():
         return shipped
-    source = Path(__file__).resolve().parent.parent / "lua"
+    source = Path(__file__).resolve().parents[2] / "lua"
     if source.is_dir():
         return source
     raise FileNotFoundError("the registry's Lua scripts are missing: neither registry/lua nor lua/")
@@ -139,12 +139,22 @@ class ScriptRunner:
 
         ``context`` names what is being done in error messages (``namespace`` gives
         "namespace 'NS'"); ``epoch`` is the caller's owner epoch, named in a
-        ``StaleEpochError``. Counted and timed when metrics are on (``registry.metrics``).
+        ``StaleEpochError``. Published with its outcome and time when an observer listens
+        (``registry.core.observe``).
         """
-        observer = _metrics.active
+        observer = observe.current
         if observer is not None:
-            return observer.timed(
-                operation, self._run, operation, keys, args, context, write, namespace, epoch
+            return observe.timed(
+                observer,
+                operation,
+                self._run,
+                operation,
+                keys,
+                args,
+                context,
+                write,
+                namespace,
+                epoch,
             )
         return self._run(operation, keys, args, context, write, namespace, epoch)
 
@@ -198,9 +208,11 @@ class ScriptRunner:
         Redis node); the replies in order. A NOSCRIPT reloads and runs the batch again."""
         if not calls:
             return []
-        observer = _metrics.active
+        observer = observe.current
         if observer is not None:
-            return observer.timed(operation, self._run_many, operation, calls, context, write)
+            return observe.timed(
+                observer, operation, self._run_many, operation, calls, context, write
+            )
         return self._run_many(operation, calls, context, write)
 
     def _run_many(

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from registry.base import RegistryBase
-from registry.notices import EvictionNotice
-from registry.types import BlockHash, BlockId, BlockPair, NoticeKind
+from registry.core.base import RegistryBase
+from registry.core.notices import EvictionNotice
+from registry.core.types import BlockHash, BlockId, BlockPair, NoticeKind
 
 
 class LocalPrefixCacheRegistry(RegistryBase):

@@ -1,18 +1,19 @@
 """``AsyncPrefixRouter``: ``PrefixRouter`` on ``redis.asyncio``, for asyncio services.
 
-The same rules as the thread-safe router (``registry.routing``): a started fleet view
-scored from while it follows Redis, else the same checks of the prompt and the
-namespaces, the same ``lua/score.lua`` (by the same SHA, reloaded on NOSCRIPT), the
-same live-node listing (``lua/live_nodes.lua``), the same ``NodeScore`` and the same
-tie-breaking in ``best``; only the round trips are awaited. One ``score`` from Redis
+The same rules as the thread-safe router (``registry.routing.routing``), through the
+plan both share (``registry.routing.plan``): a started fleet view scored from while it
+follows Redis, else the same checks of the prompt and the namespaces, the same
+``lua/score.lua`` (by the same SHA, reloaded on NOSCRIPT), the same live-node listing
+(``lua/live_nodes.lua``), the same ``NodeScore`` and the same tie-breaking in ``best``;
+only the round trips are awaited. One ``score`` from Redis
 is one pipeline: one round trip on a standalone server; on Redis Cluster
 (``redis.asyncio.cluster.RedisCluster``) redis-py's async cluster pipeline sends each
 primary its share at the same time. Every Redis fault is translated by
-``registry.errors.translate``, as on the sync side.
+``registry.core.errors.translate``, as on the sync side.
 
 Each script round (``score``, ``live_nodes``) is counted and timed by its outcome when
-the metrics are on (``registry.metrics``), with the operation names and outcome labels of
-the sync router's ``ScriptRunner``.
+an observer listens (``registry.core.observe``; ``registry.metrics`` is one), with the
+operation names and outcomes of the sync router's ``ScriptRunner``.
 
 A router never writes and never claims an epoch. Use it from one event loop (the loop
 its client belongs to). One call holds at most one connection per Redis node at a time,
@@ -29,9 +30,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from registry import metrics as _metrics
-from registry.errors import REDIS_ERRORS, RegistryError, translate
-from registry.keys import (
+from registry.core import observe
+from registry.core.errors import REDIS_ERRORS, RegistryError, translate
+from registry.core.keys import (
     DEFAULT_KEY_PREFIX,
     NamespaceKeys,
     engines_key,
@@ -39,18 +40,17 @@ from registry.keys import (
     gateway_load_key,
     node_index_key,
 )
-from registry.membership import engine_table, split_members, warn_invalid
-from registry.routing import (
-    NodeScore,
+from registry.core.scores import NodeScore, checked_hybrid
+from registry.fleet.membership import engine_table, split_members, warn_invalid
+from registry.routing.plan import (
     best_of,
-    checked_hybrid,
     chosen_namespaces,
     pack_hashes,
     routing_context,
     score_calls,
     scores_from_replies,
 )
-from registry.scripts import direct_pool, packed_commands, script_sha, script_source
+from registry.transport.scripts import direct_pool, packed_commands, script_sha, script_source
 
 if TYPE_CHECKING:
     from registry.fleet.view import FleetView
@@ -122,7 +122,7 @@ class AsyncPrefixRouter:
         self, hashes: Sequence[int], namespaces: Iterable[str] | None = None
     ) -> dict[str, NodeScore]:
         """Per live namespace (all, or those given), the cached prefix of ``hashes``."""
-        observer = _metrics.active
+        observer = observe.current
         if observer is None:
             return await self._score(hashes, namespaces)
         started = time.perf_counter()
@@ -167,7 +167,7 @@ class AsyncPrefixRouter:
         """``score`` and ``best`` from one round of scripts: the scores and the choice."""
         scores = await self.score(hashes, namespaces)
         choice = best_of(scores, load)
-        observer = _metrics.active
+        observer = observe.current
         if observer is not None:
             observer.routed(scores, choice, hashes)
         return scores, choice
@@ -270,7 +270,7 @@ class AsyncPrefixRouter:
 async def run_on_one_connection(
     client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]
 ) -> list[Any] | None:
-    """``registry.scripts.run_on_one_connection`` for ``redis.asyncio``: the commands
+    """``registry.transport.scripts.run_on_one_connection`` for ``redis.asyncio``: the commands
     in one write and one read of one pooled connection of a standalone server, packed by
     hiredis (redis-py's pipeline looks at every argument in Python, which for a prompt's
     hundreds of hashes costs more than the server's work). Error replies come back as
@@ -316,61 +316,10 @@ def _translated(exc: BaseException, what: str) -> RegistryError:
     return error
 
 
-def async_client_from_url(url: str, **options: Any) -> Any:
-    """A ``redis.asyncio`` client for a ``redis://``, ``rediss://``, ``unix://`` URL, or a
-    ``redis.asyncio.cluster.RedisCluster`` for ``redis+cluster://`` / ``rediss+cluster://``
-    (``options`` go to its ``from_url``). Sentinel URLs are not supported here."""
-    from registry.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
-
-    if not isinstance(url, str):
-        raise TypeError(f"url must be a str, not {type(url).__name__}")
-    scheme = url.partition("://")[0].lower()
-    if scheme in CLUSTER_SCHEMES:
-        from redis.asyncio.cluster import RedisCluster
-
-        return RedisCluster.from_url(CLUSTER_SCHEMES[scheme] + url[len(scheme) :], **options)
-    if scheme not in PLAIN_SCHEMES:
-        known = ", ".join(f"{s}://" for s in (*PLAIN_SCHEMES, *CLUSTER_SCHEMES))
-        raise ValueError(f"unsupported Redis URL scheme {scheme or '(none)'!r}; use one of {known}")
-    import redis.asyncio
-
-    return redis.asyncio.Redis.from_url(url, **options)
-
-
-def bounded_async_options(
-    cluster: bool = False, *, max_connections: int | None = None
-) -> dict[str, Any]:
-    """The bounded waits and the quick retry of ``PrefixCacheRegistry.from_url``, for an
-    asyncio client; with ``max_connections``, a pool of that many connections (per Redis
-    node on a cluster). redis-py refuses a command at once ("Too many connections") when
-    they are all in use, on both kinds of client: let no more callers than that use the
-    client at once (``pcr serve`` has them wait their turn)."""
-    from redis.asyncio.retry import Retry
-    from redis.backoff import ExponentialWithJitterBackoff
-
-    from registry.redis_registry import (
-        CONNECT_TIMEOUT,
-        READ_TIMEOUT,
-        RETRIES,
-        RETRY_BACKOFF_CAP,
-    )
-
-    options: dict[str, Any] = {
-        "socket_connect_timeout": CONNECT_TIMEOUT,
-        "socket_timeout": READ_TIMEOUT,
-    }
-    if not cluster:
-        options["retry"] = Retry(
-            ExponentialWithJitterBackoff(base=0.02, cap=RETRY_BACKOFF_CAP), RETRIES
-        )
-    if max_connections is not None:
-        options["max_connections"] = max_connections
-    return options
-
-
 async def _counted(operation: str, call: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """``await call(*args)``, counted and timed as ``operation`` when the metrics are on."""
-    observer = _metrics.active
+    """``await call(*args)``, published as ``operation`` with its outcome and time when an
+    observer listens."""
+    observer = observe.current
     if observer is None:
         return await call(*args)
-    return await observer.timed_async(operation, call, *args)
+    return await observe.timed_async(observer, operation, call, *args)

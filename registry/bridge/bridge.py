@@ -3,13 +3,13 @@
 One :class:`Bridge` follows one or more engines, each into its own namespace
 (:class:`EngineSource`). For every engine it subscribes to the ZeroMQ PUB socket, asks
 the replay socket (when given) for what it missed, decodes each batch
-(``registry.bridge_events``) and applies it with one ``bridge_apply`` script call:
+(``registry.bridge.bridge_events``) and applies it with one ``bridge_apply`` script call:
 atomic, in order, never partial. What a bridged namespace holds:
 
 - **Hashes any router can compute.** The engine's own hashes are seeded per process
   and cannot be recomputed outside it. The bridge hashes each stored block's
   ``token_ids`` with this project's Megatron-compatible chain
-  (``registry.hashing.block_hashes``), continued from the parent block's digest, so a
+  (``registry.core.hashing.block_hashes``), continued from the parent block's digest, so a
   router finds an engine's blocks with ``match_kv_prefix(block_hashes(tokens, bs))``.
   The engine hash -> (own hash, digest, holders) map is kept in Redis
   (``pcr:{NS}:engine-blocks``) so that ``BlockRemoved`` applies and a restarted bridge
@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from registry.bridge_events import (
+from registry.bridge.bridge_events import (
     AllBlocksCleared,
     BadEvent,
     BlockRemoved,
@@ -83,12 +83,13 @@ from registry.bridge_events import (
     split_frames,
     split_replay_reply,
 )
-from registry.errors import RegistryError, RegistryUnavailable, StaleEpochError, translate
-from registry.hashing import ZERO_PARENT, chain_digests, digest_hash
-from registry.keys import DEFAULT_KEY_PREFIX, validate_namespace
-from registry.membership import NodeIndex, validate_engine_url
-from registry.ownership import DEFAULT_LEASE_TTL
-from registry.redis_registry import PrefixCacheRegistry, bounded_options
+from registry.core.errors import RegistryError, RegistryUnavailable, StaleEpochError, translate
+from registry.core.hashing import ZERO_PARENT, chain_digests, digest_hash
+from registry.core.keys import DEFAULT_KEY_PREFIX, validate_namespace
+from registry.fleet.membership import NodeIndex, validate_engine_url
+from registry.namespace.ownership import DEFAULT_LEASE_TTL
+from registry.namespace.redis_registry import PrefixCacheRegistry
+from registry.transport.client import bounded_options
 
 log = logging.getLogger(__name__)
 
@@ -879,7 +880,7 @@ class Bridge:
                 "pcr bridge needs pyzmq: pip install 'prefix-cache-registry[bridge]'"
             ) from exc
         if isinstance(redis, str):
-            from registry.client import client_from_url
+            from registry.transport.client import client_from_url
 
             redis = client_from_url(redis, **bounded_options({}))
         self.client = redis

@@ -5,7 +5,7 @@ A claimed namespace's lease end (by the Redis server's clock) is kept in two pla
 it) and the node index ``pcr:nodes`` (a ZSET, so routers and ``collect_dead`` find
 namespaces without scanning the keyspace). A namespace whose lease ran out is garbage:
 ``collect_dead`` deletes its keys and its index entry; its old owner's next write fails
-with ``StaleEpochError``. Claiming and renewing live in ``registry.ownership``.
+with ``StaleEpochError``. Claiming and renewing live in ``registry.namespace.ownership``.
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ import logging
 import threading
 from typing import Any
 
-from registry.errors import REDIS_ERRORS, translate
-from registry.keys import (
+from registry.core.errors import REDIS_ERRORS, translate
+from registry.core.keys import (
     DEFAULT_KEY_PREFIX,
     NamespaceKeys,
     engines_key,
     node_index_key,
     validate_namespace,
 )
-from registry.scripts import ScriptRunner
+from registry.namespace.ownership import announce_lease
+from registry.transport.scripts import ScriptRunner
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class NodeIndex:
 
     def announce(self, namespace: str, lease_until_ms: int) -> None:
         """Record a lease end for ``namespace`` (never moving it back)."""
-        self._run("announce", (self.key,), (namespace, lease_until_ms))
+        announce_lease(self._runner, self.key_prefix, namespace, lease_until_ms)
 
     def announce_engine(self, namespace: str, url: str) -> None:
         """Say which engine serves ``namespace`` (its base URL, ``http://host:port``), for
@@ -146,8 +147,6 @@ class NodeIndex:
             self._run("forget_node", (self.key,), (namespace,))
             removed.append(namespace)
         return removed
-
-    gc = collect_dead  # the first release's name
 
 
 MAX_URL_LENGTH = 500

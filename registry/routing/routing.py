@@ -23,40 +23,24 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from registry import metrics as _metrics
-from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
-from registry.membership import NodeIndex
-from registry.scripts import ScriptRunner
-from registry.validation import prefix_hashes
+from registry.core import observe
+from registry.core.keys import DEFAULT_KEY_PREFIX, NamespaceKeys
+from registry.core.scores import NodeScore, checked_hybrid
+from registry.fleet.membership import NodeIndex
+from registry.routing.plan import (
+    best_of,
+    chosen_namespaces,
+    pack_hashes,
+    routing_context,
+    score_calls,
+    scores_from_replies,
+)
+from registry.transport.scripts import ScriptRunner
 
 if TYPE_CHECKING:
     from registry.fleet.view import FleetView
-
-
-@dataclass(frozen=True)
-class NodeScore:
-    """How much of a prompt one live node has cached, in blocks."""
-
-    namespace: str
-    kv_prefix: int  # leading blocks with KV cached
-    mamba_prefix: int  # leading blocks usable with Mamba state (farthest checkpoint <= kv_prefix);
-    # 0 from a router built with hybrid=False, which skips the Mamba lookup
-    usable: int  # what routing ranks by: what this node's engine can reuse (see Hybrid)
-
-    @classmethod
-    def of(cls, namespace: str, kv_prefix: int, mamba_prefix: int, usable: int) -> NodeScore:
-        """A score built without the frozen dataclass's per-field checks: a router
-        builds one per live member on every decision (hundreds), from checked values."""
-        score = object.__new__(cls)
-        fields = score.__dict__
-        fields["namespace"] = namespace
-        fields["kv_prefix"] = kv_prefix
-        fields["mamba_prefix"] = mamba_prefix
-        fields["usable"] = usable
-        return score
 
 
 class PrefixRouter:
@@ -111,9 +95,9 @@ class PrefixRouter:
         self, hashes: Sequence[int], namespaces: Iterable[str] | None = None
     ) -> dict[str, NodeScore]:
         """Per live namespace (all, or those given), the cached prefix of ``hashes``."""
-        observer = _metrics.active
+        observer = observe.current
         if observer is not None:
-            return observer.timed_score(self._score, hashes, namespaces)
+            return observe.timed_score(observer, self._score, hashes, namespaces)
         return self._score(hashes, namespaces)
 
     def _score(
@@ -138,11 +122,11 @@ class PrefixRouter:
         """The live node with the longest usable prefix; ties go to the lowest ``load``
         (missing = 0), then to the first namespace in sort order. None if none is live."""
         view = self.view
-        if view is not None and _metrics.active is None and view.fresh():
+        if view is not None and observe.current is None and view.fresh():
             return self._best_viewed(hashes, load, namespaces)
         scores = self.score(hashes, namespaces)
         choice = best_of(scores, load)
-        observer = _metrics.active
+        observer = observe.current
         if observer is not None:
             observer.routed(scores, choice, hashes)
         return choice
@@ -176,86 +160,3 @@ class PrefixRouter:
     def _run_pipeline(self, names: list[str], packed: bytes) -> list[Any]:
         calls = score_calls(names, packed, self.key_prefix, self._keys, hybrid=self.hybrid)
         return self._runner.run_many("score", calls, context=routing_context(names))
-
-
-# -- the rules both routers share (PrefixRouter here, AsyncPrefixRouter in aio_routing) --
-
-
-def pack_hashes(hashes: Sequence[int]) -> bytes:
-    """A prompt's hashes checked (cut before the first sentinel: it can never match) and
-    packed for ``lua/score.lua``: 19 zero-padded digits each, once for all namespaces."""
-    wanted = prefix_hashes(hashes)
-    return b"".join(b"%019d" % h for h in wanted)
-
-
-def chosen_namespaces(namespaces: Iterable[str]) -> list[str]:
-    """The namespaces a caller asked for, each checked against the naming rule."""
-    return [validate_namespace(n) for n in namespaces]
-
-
-def score_calls(
-    names: Sequence[str],
-    packed: bytes,
-    key_prefix: str,
-    keys_cache: dict[str, NamespaceKeys],
-    *,
-    hybrid: bool | None,
-) -> list[tuple[tuple[str, str, str], tuple[bytes, str]]]:
-    """The (keys, args) of one ``score`` script call per namespace (``keys_cache`` keeps
-    each namespace's key names between calls)."""
-    mode = "0" if hybrid is False else "1"
-    calls = []
-    for name in names:
-        keys = keys_cache.get(name)
-        if keys is None:
-            keys = keys_cache[name] = NamespaceKeys(name, key_prefix)
-        calls.append(((keys.kv, keys.mamba, keys.meta), (packed, mode)))
-    return calls
-
-
-def routing_context(names: Sequence[str]) -> str:
-    """What a routing call is doing, for error messages."""
-    return f"routing over {len(names)} namespaces"
-
-
-def checked_hybrid(hybrid: object) -> bool | None:
-    """``hybrid`` as a router takes it: None (the default) ranks each namespace by what
-    its engine can reuse: the Mamba-aware prefix where the namespace holds Mamba state
-    (a hybrid model's node: meta's ``mamba_seen``, set by its first Mamba entry since
-    its owner's claim), the KV prefix where it never held any (an attention-only node).
-    True ranks every namespace by the Mamba-aware prefix, False by the KV prefix (and
-    skips the Mamba lookup)."""
-    if hybrid is not None and not isinstance(hybrid, bool):
-        raise TypeError(f"hybrid must be True, False or None, not {type(hybrid).__name__}")
-    return hybrid
-
-
-def scores_from_replies(
-    names: Sequence[str], replies: Sequence[Any], *, hybrid: bool | None
-) -> dict[str, NodeScore]:
-    """The scripts' replies as scores; a namespace without a live lease (-1) is left out.
-    With ``hybrid=None`` each reply's third value says whether its namespace is a hybrid
-    model's node, and so which prefix its engine can reuse."""
-    scores = {}
-    for name, reply in zip(names, replies, strict=True):
-        if reply == -1:
-            continue  # no live lease: never scored
-        kv_prefix, mamba_prefix = int(reply[0]), int(reply[1])
-        if hybrid is None:
-            reuses_mamba = len(reply) > 2 and int(reply[2]) == 1
-            usable = mamba_prefix if reuses_mamba else kv_prefix
-        else:
-            usable = mamba_prefix if hybrid else kv_prefix
-        scores[name] = NodeScore(name, kv_prefix, mamba_prefix, usable)
-    return scores
-
-
-def best_of(scores: Mapping[str, NodeScore], load: Mapping[str, float] | None = None) -> str | None:
-    """The longest usable prefix; ties go to the lowest ``load`` (missing = 0), then to
-    the first namespace in sort order. None when ``scores`` is empty."""
-    if not scores:
-        return None
-    loads = load or {}
-    return min(
-        scores.values(), key=lambda s: (-s.usable, loads.get(s.namespace, 0), s.namespace)
-    ).namespace

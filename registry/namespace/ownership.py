@@ -5,7 +5,8 @@ at start: a new epoch, unique for all time, an empty namespace and a lease. Its 
 carry the epoch and fail with ``StaleEpochError`` once another process claimed the
 namespace, ``gc`` collected it, or its ``meta`` was lost. The lease end (server clock)
 is kept in the namespace's ``meta`` and in the node index, where routers and ``gc``
-find it. Readers (routers, tools) and operators never claim.
+find it (``announce_lease`` writes it there; ``registry.fleet.membership`` reads it).
+Readers (routers, tools) and operators never claim.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import weakref
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol
 
-from registry.errors import StaleEpochError
-from registry.keys import NamespaceKeys
-from registry.membership import NodeIndex
-from registry.notices import EvictionNotice, parse_notice
+from registry.core.errors import StaleEpochError
+from registry.core.keys import NamespaceKeys, node_index_key
+from registry.core.notices import EvictionNotice, parse_notice
+from registry.transport.scripts import ScriptRunner
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class Ownership:
     client: Any
     epoch: int | None
     lease_ttl: float = DEFAULT_LEASE_TTL
-    _index: NodeIndex | None = None
+    _runner: ScriptRunner
 
     @abstractmethod
     def _write(
@@ -113,9 +114,19 @@ class Ownership:
 
     def _announce(self, lease_until_ms: int) -> None:
         """Record the lease end in the node index, where routers and ``gc`` find it."""
-        if self._index is None:
-            self._index = NodeIndex(self.client, self.keys.key_prefix)
-        self._index.announce(self.keys.namespace, lease_until_ms)
+        announce_lease(self._runner, self.keys.key_prefix, self.keys.namespace, lease_until_ms)
+
+
+def announce_lease(
+    runner: ScriptRunner, key_prefix: str, namespace: str, lease_until_ms: int
+) -> None:
+    """Record ``namespace``'s lease end in the node index (``lua/announce.lua``, never
+    moving it back): what a claim and a renewal do, and ``NodeIndex.announce``
+    (``registry.fleet.membership``, which reads the index)."""
+    key = node_index_key(key_prefix)
+    runner.run(
+        "announce", (key,), (namespace, lease_until_ms), context=f"node index {key!r}", write=False
+    )
 
 
 def lease_seconds(value: object) -> float:

@@ -3,10 +3,12 @@
 Every write is one EVALSHA of the script named after it in ``lua/`` (through the one
 ``ScriptRunner``), under a fresh request id so that a re-sent copy never runs twice;
 every read of one key is a single HMGET or HGET. Empty input costs no round trip. Redis
-faults raise the registry's own errors (``registry.errors``).
+faults raise the registry's own errors (``registry.core.errors``).
 
-Ownership (``claim``, ``renew``, the heartbeat) is in ``registry.ownership``; reading
-notices back from the stream in ``registry.replay``.
+Ownership (``claim``, ``renew``, the heartbeat) is in ``registry.namespace.ownership``;
+reading notices back from the stream in ``registry.namespace.replay``; what ``info()``
+reads, for many namespaces at once too, in ``registry.namespace.admin``; the client's
+bounds (``CALL_BOUND``) in ``registry.transport.client``.
 
 Thread safety: the object keeps no mutable state besides the callback, hooks and the
 epoch it claimed, and a redis-py client is thread-safe, so one instance may be shared
@@ -19,28 +21,24 @@ import itertools
 import logging
 import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any
 
-from registry import metrics as _metrics
-from registry.base import RegistryBase
-from registry.client import RedisClient, client_from_url
-from registry.errors import (
+from registry.core import observe
+from registry.core.base import RegistryBase
+from registry.core.errors import (
     REDIS_ERRORS,
     RegistryMisconfigured,
     RegistryPermissionError,
     translate,
 )
-from registry.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
-from registry.membership import NodeIndex
-from registry.notices import EvictionNotice, parse_notice
-from registry.ownership import DEFAULT_LEASE_TTL, Ownership
-from registry.replay import notices_after
-from registry.scripts import ScriptRunner, run_batched
-from registry.validation import flatten
-
-if TYPE_CHECKING:
-    from registry.mirror import MirroredRegistry
+from registry.core.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
+from registry.core.notices import EvictionNotice, parse_notice
+from registry.core.validation import flatten
+from registry.namespace.admin import NamespaceInfo, info_commands, info_from, memory_commands
+from registry.namespace.ownership import DEFAULT_LEASE_TTL, Ownership
+from registry.namespace.replay import notices_after
+from registry.transport.client import RedisClient, bounded_options, client_from_url, redacted
+from registry.transport.scripts import ScriptRunner
 
 log = logging.getLogger(__name__)
 
@@ -49,31 +47,8 @@ DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
 
 DEFAULT_REPLY_TTL = 30.0
 """Seconds a write's reply stays recorded under its request id: longer than any one
-call can keep retrying (``CALL_BOUND``), so a re-sent copy never runs twice."""
-
-CONNECT_TIMEOUT = 1.0
-READ_TIMEOUT = 2.0
-RETRIES = 1
-RETRY_BACKOFF_CAP = 0.25
-CALL_BOUND = (RETRIES + 1) * (CONNECT_TIMEOUT + 2 * READ_TIMEOUT) + RETRIES * RETRY_BACKOFF_CAP
-"""The longest a call on a ``from_url`` client blocks before raising (10.25 s): each
-attempt may connect, send its handshake and read one reply, and there is one retry."""
-
-DEFAULT_CLIENT_OPTIONS: dict[str, Any] = {
-    "socket_connect_timeout": CONNECT_TIMEOUT,
-    "socket_timeout": READ_TIMEOUT,
-    "health_check_interval": 30,
-}
-"""``from_url`` defaults (any may be overridden): bounded waits (``CALL_BOUND``), so a
-serving node sees ``RegistryUnavailable`` within seconds instead of hanging."""
-
-
-def default_retry() -> Any:
-    """The ``from_url`` retry policy: one quick retry with jittered backoff."""
-    from redis.backoff import ExponentialWithJitterBackoff
-    from redis.retry import Retry
-
-    return Retry(ExponentialWithJitterBackoff(base=0.02, cap=RETRY_BACKOFF_CAP), RETRIES)
+call can keep retrying (``registry.transport.client.CALL_BOUND``), so a re-sent copy
+never runs twice."""
 
 
 class PrefixCacheRegistry(RegistryBase, Ownership):
@@ -109,7 +84,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self.epoch: int | None = None
         self.lease_ttl = DEFAULT_LEASE_TTL
         self._runner = ScriptRunner(client)
-        self._index: NodeIndex | None = None
         # Request ids: a random prefix per object, then a counter (next() is atomic).
         self._request_prefix = secrets.token_hex(6)
         self._requests = itertools.count(1)
@@ -164,67 +138,41 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         head.extend(data)
         return (self._reply_prefix + number, *keys), head
 
-    @overload
-    @classmethod
-    def from_url(
-        cls, url: str, namespace: str, *, mirror: Literal[True], **options: Any
-    ) -> MirroredRegistry: ...
-
-    @overload
-    @classmethod
-    def from_url(
-        cls, url: str, namespace: str, *, mirror: Literal[False] = False, **options: Any
-    ) -> PrefixCacheRegistry: ...
-
     @classmethod
     def from_url(
         cls,
         url: str,
         namespace: str,
         *,
-        mirror: bool = False,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         notice_stream_maxlen: int = DEFAULT_NOTICE_STREAM_MAXLEN,
         reply_ttl: float = DEFAULT_REPLY_TTL,
         cluster: bool | None = None,
         **client_options: Any,
-    ) -> PrefixCacheRegistry | MirroredRegistry:
+    ) -> PrefixCacheRegistry:
         """Connect with a URL: ``redis://``, ``rediss://``, ``unix://``, Redis Cluster
         through ``redis+cluster://host:port`` / ``rediss+cluster://`` or ``cluster=True``,
         or a Sentinel-managed master through ``redis+sentinel://h:p[,h:p]/service``.
 
         ``client_options`` go to redis-py (``decode_responses``, ``password``...), over
-        ``DEFAULT_CLIENT_OPTIONS`` and ``default_retry()``: with them no call blocks
-        longer than ``CALL_BOUND`` seconds.
+        ``DEFAULT_CLIENT_OPTIONS`` and ``default_retry()`` (``registry.transport.client``):
+        with them no call blocks longer than ``CALL_BOUND`` seconds.
 
-        ``mirror=True`` returns a ``registry.mirror.MirroredRegistry`` (an owner's
-        registry answered locally and written behind); its options (``max_delay``,
-        ``max_batch``, ``max_queue``, ``owner``) may be given here too.
+        An owner's registry answered locally and written behind to Redis:
+        ``registry.mirror.MirroredRegistry.from_url``.
         """
         validate_namespace(namespace)
-        mirror_options: dict[str, Any] = {}
-        if mirror:
-            from registry.mirror import MIRROR_OPTIONS
-
-            mirror_options = {
-                k: client_options.pop(k) for k in MIRROR_OPTIONS if k in client_options
-            }
         try:  # a cluster client connects here already
             client = client_from_url(url, cluster=cluster, **bounded_options(client_options))
         except REDIS_ERRORS as exc:
             raise (translate(exc, f"connecting to {redacted(url)}") or exc) from exc
-        registry = cls(
+        return cls(
             client,
             namespace,
             key_prefix=key_prefix,
             notice_stream_maxlen=notice_stream_maxlen,
             reply_ttl=reply_ttl,
         )
-        if mirror:
-            from registry.mirror import MirroredRegistry
-
-            return MirroredRegistry.wrap(registry, **mirror_options)
-        return registry
 
     @property
     def namespace(self) -> str:
@@ -243,10 +191,11 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
 
     def _read(self, operation: str, command: Any, *args: Any) -> Any:
         """Run one read command; a Redis fault becomes the registry error for it.
-        Counted and timed when metrics are on (``registry.metrics``)."""
-        observer = _metrics.active
+        Published with its outcome and time when an observer listens
+        (``registry.core.observe``)."""
+        observer = observe.current
         if observer is not None:
-            return observer.timed(operation, self._read_now, operation, command, *args)
+            return observe.timed(observer, operation, self._read_now, operation, command, *args)
         return self._read_now(operation, command, *args)
 
     def _read_now(self, operation: str, command: Any, *args: Any) -> Any:
@@ -311,7 +260,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         )
         return ("" if incarnation is None else _text(incarnation)), int(seq or 0)
 
-    # -- the dict views (registry.views): one command per lookup ------------------------
+    # -- the dict views (registry.core.views): one command per lookup ------------------------
 
     def _view_key(self, kind: str) -> str:
         return self.keys.kv if kind == "kv" else self.keys.mamba
@@ -355,14 +304,14 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
     def info(self) -> NamespaceInfo:
         """Sizes, owner epoch, lease and notice position of the namespace, in one round
         trip (plus one ``MEMORY USAGE`` per key when ``memory`` is wanted)."""
-        replies = self._pipelined("info", _info_commands(self.keys))
-        return _info_from(self.namespace, replies)
+        replies = self._pipelined("info", info_commands(self.keys))
+        return info_from(self.namespace, replies)
 
     def memory_bytes(self) -> int | None:
         """Bytes the namespace's long-lived keys take (``MEMORY USAGE``); None where the
         server has no such command (fakeredis) or refuses it (ACL)."""
         try:
-            replies = self._pipelined("memory", _memory_commands(self.keys))
+            replies = self._pipelined("memory", memory_commands(self.keys))
         except (RegistryMisconfigured, RegistryPermissionError):
             return None
         return sum(int(r or 0) for r in replies)
@@ -403,128 +352,8 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self, seq: int, *, incarnation: str | None = None, page: int = 500
     ) -> list[EvictionNotice] | None:
         """Every notice numbered above ``seq``, oldest first, read back from the stream;
-        ``None`` when the stream cannot give all of them (see ``registry.replay``)."""
+        ``None`` when the stream cannot give all of them (see ``registry.namespace.replay``)."""
         return notices_after(self, seq, incarnation=incarnation, page=page)
-
-
-def redacted(url: str) -> str:
-    """``url`` without its user name and password."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return "the Redis URL"
-    return f"{scheme}://{rest.rpartition('@')[2]}"
-
-
-def bounded_options(client_options: dict[str, Any]) -> dict[str, Any]:
-    """``client_options`` over the bounded defaults (timeouts and one quick retry)."""
-    options = {**DEFAULT_CLIENT_OPTIONS, **client_options}
-    options.setdefault("retry", default_retry())
-    return options
-
-
-@dataclass(frozen=True)
-class NamespaceInfo:
-    """What ``PrefixCacheRegistry.info()`` reads about a namespace."""
-
-    namespace: str
-    kv_entries: int
-    mamba_entries: int
-    epoch: int | None  # the owner's epoch; None if never claimed (or not a number)
-    incarnation: str  # its history ("" before the first write)
-    notice_seq: int | None  # the last notice number (None: meta holds something else)
-    lease_until_ms: int | None  # the owner's lease end (server clock); None if never claimed
-    server_ms: int  # the server's clock when read
-    # Set on namespaces fed by ``pcr bridge`` (registry.bridge): which engine, where,
-    # its block size and the last engine sequence number applied.
-    bridge_engine: str | None = None
-    bridge_endpoint: str | None = None
-    bridge_block_size: int | None = None
-    bridge_seq: int | None = None
-
-    @property
-    def state(self) -> str:
-        """ "live", "dead" (lease over) or "no lease"."""
-        if self.lease_until_ms is None:
-            return "no lease"
-        return "live" if self.lease_until_ms > self.server_ms else "dead"
-
-    @property
-    def lease_left_s(self) -> float | None:
-        """Seconds of lease left (negative: ran out that long ago); None if no lease."""
-        if self.lease_until_ms is None:
-            return None
-        return (self.lease_until_ms - self.server_ms) / 1000
-
-
-def _info_commands(keys: NamespaceKeys) -> list[tuple[Any, ...]]:
-    return [("HLEN", keys.kv), ("HLEN", keys.mamba), ("HGETALL", keys.meta), ("TIME",)]
-
-
-def _memory_commands(keys: NamespaceKeys) -> list[tuple[Any, ...]]:
-    return [("MEMORY", "USAGE", key) for key in keys.all_keys()]
-
-
-def _info_from(namespace: str, replies: list[Any]) -> NamespaceInfo:
-    kv, mamba, meta, now = replies
-    fields = {_text(k): _text(v) for k, v in meta.items()}
-    seconds, micros = now
-    return NamespaceInfo(
-        namespace=namespace,
-        kv_entries=int(kv),
-        mamba_entries=int(mamba),
-        epoch=_whole(fields.get("epoch")),
-        incarnation=fields.get("incarnation", ""),
-        notice_seq=_whole(fields.get("notice_seq", "0")),
-        lease_until_ms=_whole(fields.get("lease_until")),
-        server_ms=int(seconds) * 1000 + int(micros) // 1000,
-        bridge_engine=fields.get("bridge_engine"),
-        bridge_endpoint=fields.get("bridge_endpoint"),
-        bridge_block_size=_whole(fields.get("bridge_block_size")),
-        bridge_seq=_whole(fields.get("bridge_seq")),
-    )
-
-
-def namespace_infos(
-    client: Any,
-    namespaces: list[str],
-    *,
-    key_prefix: str = DEFAULT_KEY_PREFIX,
-    memory: bool = True,
-) -> list[tuple[NamespaceInfo, int | None]]:
-    """``info()`` and ``memory_bytes()`` of many namespaces in one round trip per Redis
-    node (for ``pcr stats``): a pipeline on a standalone server, one batch per primary on
-    a cluster. Memory is None where the server has no ``MEMORY USAGE`` or refuses it."""
-    routed: list[tuple[str, tuple[Any, ...]]] = []
-    for namespace in namespaces:
-        keys = NamespaceKeys(namespace, key_prefix)
-        commands = _info_commands(keys) + (_memory_commands(keys) if memory else [])
-        routed += [(keys.meta, command) for command in commands]
-    if not routed:
-        return []
-    try:
-        replies = run_batched(client, routed)
-    except REDIS_ERRORS as exc:
-        raise (translate(exc, f"reading {len(namespaces)} namespaces") or exc) from exc
-    per = len(routed) // len(namespaces)
-    result = []
-    for i, namespace in enumerate(namespaces):
-        mine = replies[i * per : (i + 1) * per]
-        for reply in mine[:4]:
-            if isinstance(reply, Exception):
-                raise (translate(reply, f"namespace {namespace!r}: info") or reply) from reply
-        used = None
-        if memory and not any(isinstance(r, Exception) for r in mine[4:]):
-            used = sum(int(r or 0) for r in mine[4:])
-        result.append((_info_from(namespace, mine[:4]), used))
-    return result
-
-
-def _whole(text: str | None) -> int | None:
-    """A meta field as an int; None when absent or written as something else."""
-    try:
-        return None if text is None else int(text)
-    except ValueError:
-        return None
 
 
 def _int_map(raw: Any) -> dict[int, int]:

@@ -19,7 +19,7 @@ from array import array
 from collections.abc import Iterable
 from typing import Any
 
-from registry.types import MAX_HASH
+from registry.core.types import MAX_HASH
 
 ZERO_PARENT = bytes(32)
 SALT_DOMAIN = b"megatron-prefix-cache-salt-v1\0"
