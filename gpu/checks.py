@@ -15,7 +15,6 @@ import numbers
 import operator
 import threading
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -218,46 +217,6 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     storage_a, start_a, end_a = _span(a)
     storage_b, start_b, end_b = _span(b)
     return storage_a == storage_b and start_a < end_b and start_b < end_a
-
-
-def check_listener_arguments(
-    client_or_url: object,
-    namespace: object,
-    pool: object,
-    key_prefix: object,
-    poll_interval: object,
-    resync_interval: object,
-    max_backoff: object,
-) -> None:
-    """``EvictionListener``'s arguments, checked before it creates a client.
-
-    The pool must be one whose registry is the same namespace: a listener on another
-    namespace would free the pool's slots because of another node's evictions.
-    """
-    from gpu.slot_pool import MambaSlotPool  # a cycle at import time otherwise
-    from registry import PrefixCacheRegistry
-    from registry.core.keys import validate_key_prefix, validate_namespace
-
-    if not isinstance(client_or_url, str) and not callable(getattr(client_or_url, "pubsub", None)):
-        raise TypeError(
-            f"client_or_url must be a Redis URL or a redis-py client, "
-            f"not {type(client_or_url).__name__}"
-        )
-    validate_namespace(namespace)
-    validate_key_prefix(key_prefix)
-    if not isinstance(pool, MambaSlotPool):
-        raise TypeError(f"pool must be a MambaSlotPool, not {type(pool).__name__}")
-    registry: Any = pool.registry
-    if isinstance(registry, PrefixCacheRegistry) and (
-        registry.keys.namespace != namespace or registry.keys.key_prefix != key_prefix
-    ):
-        raise ValueError(
-            f"pool belongs to namespace {registry.keys.namespace!r} (key prefix "
-            f"{registry.keys.key_prefix!r}), not {namespace!r} (key prefix {key_prefix!r})"
-        )
-    seconds(poll_interval, "poll_interval")
-    seconds(resync_interval, "resync_interval", infinite=True)
-    seconds(max_backoff, "max_backoff")
 
 
 def seconds(value: object, what: str, *, infinite: bool = False) -> float:

@@ -28,12 +28,12 @@ from typing import Any
 
 import redis
 
-from gpu.checks import check_listener_arguments
+from gpu import checks
 from gpu.slot_pool import MambaSlotPool
 from registry import EvictionNotice, PrefixCacheRegistry, parse_notice
 from registry.core import observe
 from registry.core.errors import RegistryUnavailable
-from registry.core.keys import DEFAULT_KEY_PREFIX
+from registry.core.keys import DEFAULT_KEY_PREFIX, validate_key_prefix, validate_namespace
 from registry.transport.client import bounded_options, client_from_url
 
 log = logging.getLogger(__name__)
@@ -272,6 +272,42 @@ class EvictionListener:
             if replay:
                 self._replays += 1
                 self._last_seq = replay[-1].seq
+
+
+def check_listener_arguments(
+    client_or_url: object,
+    namespace: object,
+    pool: object,
+    key_prefix: object,
+    poll_interval: object,
+    resync_interval: object,
+    max_backoff: object,
+) -> None:
+    """``EvictionListener``'s arguments, checked before it creates a client.
+
+    The pool must be one whose registry is the same namespace: a listener on another
+    namespace would free the pool's slots because of another node's evictions.
+    """
+    if not isinstance(client_or_url, str) and not callable(getattr(client_or_url, "pubsub", None)):
+        raise TypeError(
+            f"client_or_url must be a Redis URL or a redis-py client, "
+            f"not {type(client_or_url).__name__}"
+        )
+    validate_namespace(namespace)
+    validate_key_prefix(key_prefix)
+    if not isinstance(pool, MambaSlotPool):
+        raise TypeError(f"pool must be a MambaSlotPool, not {type(pool).__name__}")
+    registry: Any = pool.registry
+    if isinstance(registry, PrefixCacheRegistry) and (
+        registry.keys.namespace != namespace or registry.keys.key_prefix != key_prefix
+    ):
+        raise ValueError(
+            f"pool belongs to namespace {registry.keys.namespace!r} (key prefix "
+            f"{registry.keys.key_prefix!r}), not {namespace!r} (key prefix {key_prefix!r})"
+        )
+    checks.seconds(poll_interval, "poll_interval")
+    checks.seconds(resync_interval, "resync_interval", infinite=True)
+    checks.seconds(max_backoff, "max_backoff")
 
 
 def _freed(notice: EvictionNotice) -> None:

@@ -25,20 +25,21 @@ from collections.abc import Iterator
 from http import HTTPStatus
 from typing import Any
 
-from pcr.common import CommandError, UsageError, _int_in, _port, _scheme, _where
+from pcr.common import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_POOL_TIMEOUT,
+    CommandError,
+    UsageError,
+    _int_in,
+    _port,
+    _scheme,
+    _where,
+)
 from registry.transport.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
 
 SERVE_SCHEMES = (*PLAIN_SCHEMES, *CLUSTER_SCHEMES)
 NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httptools": "httptools"}  # module: package
 
-DEFAULT_MAX_CONNECTIONS = 64
-"""Requests using Redis at once, and connections per Redis node: one event loop's worth
-(each request holds a connection for a round trip of ~0.1 ms; the loop, not Redis, is
-what runs out first)."""
-DEFAULT_POOL_TIMEOUT = 5.0
-"""Seconds a request waits for its turn before 503: past Redis' own bounds (1 s connect,
-2 s read, one retry), so only a Redis that hangs or a service overloaded for seconds
-reaches it."""
 HEADER_TIMEOUT = 10.0
 """Seconds for a request's headers, from the connection's start or the request's first byte."""
 BODY_TIMEOUT = 20.0

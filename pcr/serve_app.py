@@ -39,8 +39,8 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
+from pcr.common import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
 from pcr.http_errors import error_body, error_content
-from pcr.serve import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
 from registry.core import observe
 from registry.core.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
 from registry.core.hashing import block_hashes

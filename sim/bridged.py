@@ -35,14 +35,12 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from registry import PrefixCacheRegistry, block_hashes, metrics
 from registry.bridge.bridge import Bridge, EngineSource
 from sim.audit import audit_bridged
 from sim.config import BridgeConfig, BridgeStalled, FleetConfig
-from sim.engine_events import EnginePublisher, engine_chain, removed, stored
-from sim.fleet import drive, figures, router_tag
+from sim.driver import drive, figures, router_tag
+from sim.engine_events import EnginePublisher, engine_chain, removed, shared_context, stored
 from sim.kv_pool import KVBlockPool
 from sim.node import Totals
 from sim.timings import Timings
@@ -322,7 +320,7 @@ def simulate_bridged(
     """``sim.fleet.simulate`` with the nodes fed through ``pcr bridge``."""
     timings = Timings()
     names = [f"sim-{router_tag(router)}-engine-{i}" for i in range(config.nodes)]
-    context = zmq.Context()  # one for all the engines' sockets
+    context = shared_context()  # one for all the engines' sockets
     with contextlib.ExitStack() as stack:
         stack.callback(context.term)  # last: after every socket closed
         publishers = [

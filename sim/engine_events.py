@@ -83,6 +83,12 @@ def batch(events: list[Any], layout: str = "map") -> bytes:
     return bytes(msgpack.packb({"ts": time.time(), "events": events, "data_parallel_rank": None}))
 
 
+def shared_context() -> zmq.Context[Any]:
+    """One ZeroMQ context for many publishers of one process (``EnginePublisher(context=
+    ...)``); its caller ends it (``term()``) after every publisher closed."""
+    return zmq.Context()
+
+
 class EnginePublisher:
     """Publishes event batches with per-process sequence numbers and serves replays."""
 

@@ -356,9 +356,7 @@ def _throughput(url: str, effort: Effort, processes: int = 4) -> dict[str, float
 def _listener_latency(url: str, effort: Effort) -> dict[str, float] | None:
     """Eviction (from another registry object) to slot freed by the listener, in ms."""
     try:
-        import torch
-
-        from gpu import EvictionListener, MambaSlotPool
+        from gpu import EvictionListener, MambaSlotPool  # torch: the gpu extra
     except ImportError:
         return None
     client = redis.Redis.from_url(url)
@@ -377,7 +375,8 @@ def _listener_latency(url: str, effort: Effort) -> dict[str, float] | None:
         ),
     )
     hashes = [3 * 10**15 + i for i in range(count)]
-    pool.store(list(range(count)), hashes, torch.zeros(1, count, 4), torch.zeros(1, count, 4))
+    zeros = pool.conv_states.new_zeros((1, count, 4))  # the pool's dtype and device
+    pool.store(list(range(count)), hashes, zeros, zeros.clone())
     evictor_client = redis.Redis.from_url(url)
     evictor = PrefixCacheRegistry(evictor_client, "bench-listener")
     sent: dict[int, float] = {}
