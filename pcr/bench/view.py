@@ -23,6 +23,7 @@ blocks); both in this process, on the same prompts, alternating.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
@@ -31,10 +32,12 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from registry.fleet.view import FleetView
+from registry.transport import scripts
 
 SYSTEM_PROMPTS = 8
 SYSTEM_BLOCKS = 128
@@ -253,7 +256,7 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
     blocks (64 x 1,024 with ``quick``); and what an owner's ``register_kv`` /
     ``evict_kv`` of 32 blocks costs (its change record included)."""
     from registry import PrefixCacheRegistry
-    from registry.client import client_from_url
+    from registry.transport.client import client_from_url
 
     client = client_from_url(url)
     client.flushall()
@@ -290,21 +293,63 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
     cold.close()
     writer = PrefixCacheRegistry(client, "cost")
     writer.claim(lease_ttl=600)
-    registers: list[float] = []
-    evicts: list[float] = []
-    for _ in range(100 if quick else 600):
-        hashes = [rng.randrange(1, 2**63) for _ in range(32)]
-        t0 = time.perf_counter()
-        writer.register_kv(range(32), hashes)
-        t1 = time.perf_counter()
-        writer.evict_kv(hashes)
-        t2 = time.perf_counter()
-        registers.append(t1 - t0)
-        evicts.append(t2 - t1)
-    out["register_kv_us"] = round(statistics.median(registers) * 1e6, 1)
-    out["evict_kv_us"] = round(statistics.median(evicts) * 1e6, 1)
+    costs: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+    for _ in range(4 if quick else 12):  # the two in turn, in blocks (the machine drifts)
+        for recorded in (True, False):
+            with _change_records(recorded):
+                registers, evicts = costs[recorded]
+                for _ in range(25 if quick else 50):
+                    hashes = [rng.randrange(1, 2**63) for _ in range(32)]
+                    t0 = time.perf_counter()
+                    writer.register_kv(range(32), hashes)
+                    t1 = time.perf_counter()
+                    writer.evict_kv(hashes)
+                    t2 = time.perf_counter()
+                    registers.append(t1 - t0)
+                    evicts.append(t2 - t1)
+    for recorded, tag in ((True, ""), (False, "_unrecorded")):
+        registers, evicts = costs[recorded]
+        out[f"register_kv{tag}_us"] = round(statistics.median(registers) * 1e6, 1)
+        out[f"evict_kv{tag}_us"] = round(statistics.median(evicts) * 1e6, 1)
+    for op in ("register_kv", "evict_kv"):
+        out[f"{op}_record_ratio"] = round(out[f"{op}_us"] / out[f"{op}_unrecorded_us"], 3)
     client.close()
     return out
+
+
+@contextlib.contextmanager
+def _change_records(on: bool) -> Iterator[None]:
+    """The write scripts as shipped (``on``), or with their change records left out (the
+    prelude's ``record_changes`` and ``add_part`` returning at once): what the fleet view
+    costs a write, measured side by side. Scripts are sent by their SHA, so the two
+    variants live side by side in Redis; the caches of sources and SHAs are cleared at
+    each switch."""
+    if on:
+        yield
+        return
+    read = scripts.read_script
+
+    def without(name: str) -> str:
+        text = read(name)
+        if name != scripts.PRELUDE:
+            return text
+        for head in (
+            "local function record_changes(meta_key, parts)\n",
+            "local function add_part(parts, op, list, from, to, step)\n",
+        ):
+            assert head in text, head
+            text = text.replace(head, head + "  do return end\n", 1)
+        return text
+
+    scripts.script_source.cache_clear()
+    scripts.script_sha.cache_clear()
+    scripts.read_script = without
+    try:
+        yield
+    finally:
+        scripts.read_script = read
+        scripts.script_source.cache_clear()
+        scripts.script_sha.cache_clear()
 
 
 def format_redis(row: dict[str, Any]) -> list[str]:
@@ -314,6 +359,8 @@ def format_redis(row: dict[str, Any]) -> list[str]:
         f"  an owner's write seen by a view: p50 {row['write_to_view_p50_ms']} ms, "
         f"p99 {row['write_to_view_p99_ms']} ms",
         f"  a view's cold start over {row['cold_start_fleet']} blocks: {row['cold_start_s']} s",
-        f"  an owner's register_kv of 32 blocks: p50 {row['register_kv_us']} µs, its "
-        f"evict_kv: p50 {row['evict_kv_us']} µs (each with its change record)",
+        f"  an owner's register_kv of 32 blocks: p50 {row['register_kv_us']} µs, "
+        f"{row['register_kv_unrecorded_us']} µs without its change record "
+        f"({row['register_kv_record_ratio']}x); its evict_kv: p50 {row['evict_kv_us']} µs, "
+        f"{row['evict_kv_unrecorded_us']} µs without ({row['evict_kv_record_ratio']}x)",
     ]

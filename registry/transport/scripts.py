@@ -90,7 +90,8 @@ def lua_folder() -> Traversable:
     raise FileNotFoundError("the registry's Lua scripts are missing: neither registry/lua nor lua/")
 
 
-def _read(name: str) -> str:
+def read_script(name: str) -> str:
+    """The text of one file of the Lua folder (``name`` without ``.lua``)."""
     return lua_folder().joinpath(f"{name}.lua").read_text(encoding="utf-8")
 
 
@@ -99,7 +100,7 @@ def script_source(operation: str) -> str:
     """The full source sent to Redis for ``operation``: prelude, then the body."""
     if operation not in OPERATIONS:
         raise ValueError(f"unknown operation {operation!r}; known: {', '.join(OPERATIONS)}")
-    return f"{_read(PRELUDE)}\n{_read(operation)}"
+    return f"{read_script(PRELUDE)}\n{read_script(operation)}"
 
 
 @cache
