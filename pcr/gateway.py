@@ -138,6 +138,14 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         help="cost, in prompts, of a backend's excess share of the recent work (default 1)",
     )
     gateway.add_argument(
+        "--affinity-weight",
+        type=_number(0, "--affinity-weight", zero=True),
+        default=0.5,
+        help="pull, in prompts, towards the backend serving the prompt's kin (requests "
+        "that start with the same block: a shared system prompt), so engines specialize "
+        "(default 0.5; 0: none)",
+    )
+    gateway.add_argument(
         "--half-life",
         type=_number(0, "--half-life"),
         default=30.0,
@@ -239,7 +247,10 @@ def command_gateway(args: argparse.Namespace) -> int:
     from pcr.serve_app import create_app
 
     rule = BalanceRule(
-        queue_weight=args.queue_weight, spread_weight=args.spread_weight, half_life=args.half_life
+        queue_weight=args.queue_weight,
+        spread_weight=args.spread_weight,
+        affinity_weight=args.affinity_weight,
+        half_life=args.half_life,
     )
     config = GatewayConfig(
         backends=backends,

@@ -45,7 +45,9 @@ from pcr.gateway_balance import (
     BackendLoad,
     BalanceRule,
     Choice,
+    Kin,
     cached_tokens,
+    prompt_root,
     ranked,
 )
 from pcr.gateway_metrics import BackendMetrics, GatewayMetrics
@@ -183,6 +185,7 @@ class GatewayState:
         self.registry_up = True
         self.registry_retry_at = 0.0
         self.turn = 0  # round-robin position
+        self.kin = Kin()  # per prompt root, the requests sent to each backend lately
         self.mean_prefill = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -546,8 +549,9 @@ class GatewayState:
         if self.metrics.on:
             self.metrics.registry_up.set(1 if up else 0)
 
-    async def choose(self, tokens: list[int] | None) -> tuple[list[Choice], str]:
-        """The backends in the order to try them, and the routing outcome."""
+    async def choose(self, tokens: list[int] | None, root: Any = None) -> tuple[list[Choice], str]:
+        """The backends in the order to try them, and the routing outcome (``root``: the
+        prompt's ``prompt_root``)."""
         backends = self.candidates()
         names = [b.namespace for b in backends]
         if not names:
@@ -570,7 +574,9 @@ class GatewayState:
                 if any(cached.values()):
                     outcome = "prefix"
         loads = {b.namespace: b.load for b in backends}
-        order = ranked(names, prompt, cached, loads, self.config.rule, time.monotonic())
+        now = time.monotonic()
+        kin = self.kin.counts(root, now, self.config.rule.half_life)
+        order = ranked(names, prompt, cached, loads, self.config.rule, now, kin)
         return order, outcome
 
 
@@ -699,12 +705,13 @@ async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat
         if state.config.policy != "round-robin"
         else None
     )
-    order, outcome = await state.choose(tokens)
+    root = prompt_root(tokens, state.config.block_size)
+    order, outcome = await state.choose(tokens, root)
     if state.metrics.on:
         state.metrics.routed_as[outcome].inc()
     watch = _ClientWatch(receive)
     try:
-        await _forward(state, scope, send, body, raw, order, tokens, arrived, watch)
+        await _forward(state, scope, send, body, raw, order, tokens, root, arrived, watch)
     except asyncio.CancelledError:
         if not watch.left:
             raise  # the server is stopping
@@ -759,6 +766,7 @@ async def _forward(
     raw: bytes,
     order: list[Choice],
     tokens: list[int] | None,
+    root: Any,
     arrived: float,
     watch: _ClientWatch,
 ) -> None:
@@ -776,7 +784,7 @@ async def _forward(
             continue
         tried += 1
         prefill = max(0, prompt - choice.cached)
-        _started(state, backend, prefill, choice, prompt)
+        _started(state, backend, prefill, choice, prompt, root)
         try:
             if state.metrics.on:
                 state.metrics.overhead.observe(time.perf_counter() - arrived)
@@ -827,13 +835,15 @@ def _forwarded(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
 
 
 def _started(
-    state: GatewayState, backend: Backend, prefill: int, choice: Choice, prompt: int
+    state: GatewayState, backend: Backend, prefill: int, choice: Choice, prompt: int, root: Any
 ) -> None:
     load = backend.load
     load.in_flight += 1
     load.pending += prefill
     rule = state.config.rule
-    load.recent.add(float(prefill or 1), time.monotonic(), rule.half_life)
+    now = time.monotonic()
+    load.recent.add(float(prefill or 1), now, rule.half_life)
+    state.kin.record(root, backend.namespace, now, rule.half_life)
     if prompt:
         state.mean_prefill += (prefill - state.mean_prefill) * 0.05
     state.nudge()

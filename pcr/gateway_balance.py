@@ -8,6 +8,7 @@ term that keeps the fleet's caches from collapsing onto one engine; the lowest c
     cost(b) = prefill(b)                                  # the prompt's uncached tokens
             + queue_weight  * queued(b)                   # work ahead of it on b
             + spread_weight * fresh * (N * share(b) - 1)  # b's share of recent work
+            - affinity_weight * fresh * N * (kin(b) - sent(b))  # b's kin, beyond its share
             + prompt * [kv_usage(b) >= kv_usage_limit]
 
 - ``prefill(b) = prompt - cached(b)``; ``cached(b)`` is the prefix the registry says b's
@@ -36,6 +37,14 @@ term that keeps the fleet's caches from collapsing onto one engine; the lowest c
   whole prompts would move even fully cached turns to the empty engine), while a new
   conversation, cached nowhere but for a shared system prompt, goes where the work is
   lighter.
+- ``kin(b)`` is b's part of the recent requests whose prompt starts with the same block
+  as this one (a shared system prompt, a template's preamble), ``sent(b)`` its part of
+  all recent requests, both decayed by the same half-life, each backend counted as if it
+  had one more. Where b serves more of this prompt's kin than of the traffic at large,
+  new work is pulled there, so engines specialize by shared prefix: each keeps its own
+  system prompts hot instead of both keeping every one half as hot, and their caches
+  hold conversations that share more. With one prefix shared by everything, ``kin`` is
+  ``sent`` and the term is 0.
 - ``kv_usage(b)`` (``vllm:kv_cache_usage_perc``, scraped): an engine whose KV cache is
   full queues or preempts, so it costs one more prompt.
 
@@ -52,7 +61,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 REPLICA_ID = re.compile(r"[!-~]{1,200}")
@@ -77,6 +87,7 @@ class BalanceRule:
     """Measured on the same engines: 0.5 and 1 level on the smaller workload (one request
     at a time 67.1 / 66.3%), 1 ahead on the larger (one at a time 55.1 / 57.0%, four
     streams 55.0 / 55.6% over eight runs, its runs spread half as wide)."""
+    affinity_weight: float = 0.5
     half_life: float = 30.0
     """Seconds over which a backend's recent work counts half."""
     request_tokens: float = 32.0
@@ -84,7 +95,7 @@ class BalanceRule:
     kv_usage_limit: float = 0.95
 
     def __post_init__(self) -> None:
-        for name in ("queue_weight", "spread_weight", "request_tokens"):
+        for name in ("queue_weight", "spread_weight", "affinity_weight", "request_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number")
@@ -161,8 +172,11 @@ def ranked(
     loads: Mapping[str, BackendLoad],
     rule: BalanceRule,
     now: float,
+    kin: tuple[Mapping[str, float], Mapping[str, float]] | None = None,
 ) -> list[Choice]:
-    """The candidates from best to worst by the rule (module docstring)."""
+    """The candidates from best to worst by the rule (module docstring); ``kin``: each
+    backend's recent requests that share this prompt's first block, and its recent
+    requests of any kind (``Kin.counts``)."""
     names = sorted(set(candidates))
     if not names:
         return []
@@ -171,6 +185,9 @@ def ranked(
     count = len(names)
     hits = {n: min(max(0, cached.get(n, 0)), max(0, prompt_tokens)) for n in names}
     fresh = float(max(0, prompt_tokens) - max(hits.values()))
+    kinned, sent = kin or ({}, {})
+    kin_total = sum(kinned.get(n, 0.0) for n in names)
+    sent_total = sum(sent.get(n, 0.0) for n in names)
     out = []
     for name in names:
         load = loads.get(name) or BackendLoad()
@@ -182,6 +199,10 @@ def ranked(
         cost = float(prompt_tokens - hit)
         cost += rule.queue_weight * queued
         cost += rule.spread_weight * fresh * (count * share - 1.0)
+        if kin_total:
+            kin_share = (kinned.get(name, 0.0) + 1.0) / (kin_total + count)
+            sent_share = (sent.get(name, 0.0) + 1.0) / (sent_total + count)
+            cost -= rule.affinity_weight * fresh * count * (kin_share - sent_share)
         if load.kv_usage >= rule.kv_usage_limit:
             cost += prompt_tokens
         out.append(Choice(name, cost, hit, queued, share))
@@ -203,3 +224,49 @@ def _recent(load: BackendLoad | None, now: float, half_life: float) -> float:
     if remote and now > load.remote_at:
         remote *= math.pow(0.5, (now - load.remote_at) / half_life)
     return load.recent.now(now, half_life) + remote
+
+
+class Kin:
+    """Per prompt root (its first block), the requests sent to each backend lately, and
+    all requests sent to each, decayed: what ``ranked``'s ``kin`` reads. Remembers the
+    ``limit`` roots used last."""
+
+    def __init__(self, limit: int = 4_096) -> None:
+        self.limit = limit
+        self._roots: OrderedDict[Hashable, dict[str, Decayed]] = OrderedDict()
+        self._all: dict[str, Decayed] = {}
+
+    def counts(
+        self, root: Hashable | None, now: float, half_life: float
+    ) -> tuple[dict[str, float], dict[str, float]] | None:
+        kinned = self._roots.get(root) if root is not None else None
+        if not kinned:
+            return None
+        return (
+            {name: decayed.now(now, half_life) for name, decayed in kinned.items()},
+            {name: decayed.now(now, half_life) for name, decayed in self._all.items()},
+        )
+
+    def record(self, root: Hashable | None, backend: str, now: float, half_life: float) -> None:
+        self._all.setdefault(backend, Decayed()).add(1.0, now, half_life)
+        if root is None:
+            return
+        sent = self._roots.get(root)
+        if sent is None:
+            sent = self._roots[root] = {}
+            if len(self._roots) > self.limit:
+                self._roots.popitem(last=False)
+        else:
+            self._roots.move_to_end(root)
+        sent.setdefault(backend, Decayed()).add(1.0, now, half_life)
+
+    def __len__(self) -> int:
+        return len(self._roots)
+
+
+def prompt_root(tokens: Sequence[int] | None, block_size: int) -> Hashable | None:
+    """What a prompt's kin share: its first block of tokens (None for a prompt shorter
+    than a block, or none known)."""
+    if not tokens or len(tokens) <= block_size:
+        return None
+    return tuple(tokens[:block_size])

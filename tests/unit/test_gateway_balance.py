@@ -7,7 +7,15 @@ import random
 
 import pytest
 
-from pcr.gateway_balance import BackendLoad, BalanceRule, Decayed, cached_tokens, ranked
+from pcr.gateway_balance import (
+    BackendLoad,
+    BalanceRule,
+    Decayed,
+    Kin,
+    cached_tokens,
+    prompt_root,
+    ranked,
+)
 
 RULE = BalanceRule()
 
@@ -108,6 +116,70 @@ def test_after_an_outage_cached_turns_stay_and_only_new_work_moves() -> None:
     assert best(600, {"a": 96, "b": 0}, loads) == "b"
 
 
+def test_new_work_goes_to_the_engine_that_serves_its_kin() -> None:
+    """Two engines equally loaded and both caching the system prompt: a new conversation
+    goes where the requests that share its first block have gone lately (the engines
+    specialize by system prompt), and without kin the rule is as before."""
+    kin = ({"a": 0.0, "b": 12.0}, {"a": 12.0, "b": 12.0})  # b serves this kin, a others
+    loads = {n: BackendLoad(recent=Decayed(5_000.0, 0.0)) for n in ("a", "b")}
+    assert ranked(["a", "b"], 300, {"a": 96, "b": 96}, loads, RULE, 0.0, kin)[0].namespace == "b"
+    assert ranked(["a", "b"], 300, {"a": 96, "b": 96}, loads, RULE, 0.0)[0].namespace == "a"
+    cached = {"a": 256, "b": 96}  # a turn cached on a stays there whatever its kin says
+    assert ranked(["a", "b"], 300, cached, loads, RULE, 0.0, kin)[0].namespace == "a"
+
+
+def test_one_prefix_shared_by_everything_still_spreads_the_work() -> None:
+    """Every prompt starts with the same system prompt (one root for all): requests one
+    at a time, new conversations and later turns; kin pulls towards the engine that
+    served the root most only beyond its share of all requests, which is none here, so
+    both engines get conversations."""
+    rng = random.Random(5)
+    size = 16
+    system = 64
+    loads = {"a": BackendLoad(), "b": BackendLoad()}
+    kin = Kin()
+    holds: dict[str, set[int]] = {"a": set(), "b": set()}
+    home: dict[int, str] = {}
+    length: dict[int, int] = {}
+    now = 0.0
+    for _ in range(120):
+        conversation = rng.randrange(24)
+        length[conversation] = length.get(conversation, system) + 64
+        prompt = length[conversation]
+        tokens = [7] * prompt  # the same first block for every prompt
+        root = prompt_root(tokens, size)
+        cached = {}
+        for name in ("a", "b"):
+            held = prompt - 64 if conversation in holds[name] else system if holds[name] else 0
+            cached[name] = cached_tokens(held // size, size, prompt)
+        counts = kin.counts(root, now, RULE.half_life)
+        choice = ranked(["a", "b"], prompt, cached, loads, RULE, now, counts)[0]
+        loads[choice.namespace].recent.add(prompt - choice.cached, now, RULE.half_life)
+        kin.record(root, choice.namespace, now, RULE.half_life)
+        holds[choice.namespace].add(conversation)
+        home.setdefault(conversation, choice.namespace)
+        now += 0.5
+    sent = {name: sum(1 for h in home.values() if h == name) for name in ("a", "b")}
+    assert min(sent.values()) >= 6, sent
+
+
+def test_kin_remembers_the_roots_used_last_and_a_prompt_root_is_its_first_block() -> None:
+    kin = Kin(limit=3)
+    for root in range(5):
+        kin.record(root, "a", 0.0, 30.0)
+    kin.record(2, "b", 1.0, 30.0)
+    kin.record(5, "a", 1.0, 30.0)
+    assert len(kin) == 3
+    assert kin.counts(0, 1.0, 30.0) is None
+    kinned, sent = kin.counts(2, 1.0, 30.0) or ({}, {})
+    assert set(kinned) == {"a", "b"}
+    assert sent["a"] == pytest.approx(6.0, rel=0.1)  # every request, of any root
+    assert kin.counts(None, 1.0, 30.0) is None
+    assert prompt_root([1, 2, 3, 4, 5], 4) == (1, 2, 3, 4)
+    assert prompt_root([1, 2, 3, 4], 4) is None  # not more than one block
+    assert prompt_root(None, 4) is None
+
+
 def test_with_both_weights_zero_the_rule_is_greedy() -> None:
     greedy = BalanceRule(queue_weight=0, spread_weight=0)
     loads = {"a": BackendLoad(in_flight=50, pending=1e6)}
@@ -132,6 +204,7 @@ def test_recent_work_decays_by_its_half_life() -> None:
     "changes",
     [
         {"queue_weight": -1.0},
+        {"affinity_weight": float("nan")},
         {"spread_weight": float("inf")},
         {"half_life": 0.0},
         {"kv_usage_limit": 1.5},
