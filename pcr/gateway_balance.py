@@ -79,14 +79,9 @@ class BalanceRule:
 
     queue_weight: float = 0.1
     """An engine batches the requests it runs: work queued ahead delays a request's first
-    token by a part of it, not all. Measured on two engines with small caches under four
-    streams, each step up costs hit rate (0, 0.1, 0.25, 0.5: 55.6, 55.5, 54.2, 52.7%, eight
-    runs each; BENCHMARKS.md): requests moved off the engine that caches their
-    conversation."""
+    token by a part of it, not all; a heavier weight moves turns off the engine that caches
+    their conversation (BENCHMARKS.md, "What moved the figures", compares weights)."""
     spread_weight: float = 1.0
-    """Measured on the same engines: 0.5 and 1 level on the smaller workload (one request
-    at a time 67.1 / 66.3%), 1 ahead on the larger (one at a time 55.1 / 57.0%, four
-    streams 55.0 / 55.6% over eight runs, its runs spread half as wide)."""
     affinity_weight: float = 0.5
     half_life: float = 30.0
     """Seconds over which a backend's recent work counts half."""
