@@ -886,7 +886,7 @@ def test_a_fault_inside_the_gateway_is_500_in_the_openai_shape(redis_server: Red
         state = served.app.state.gateway
         choose = state.choose
 
-        async def broken(tokens: Any) -> Any:
+        async def broken(tokens: Any, root: Any = None) -> Any:
             raise RuntimeError(MARKER)
 
         state.choose = broken
