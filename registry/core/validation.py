@@ -24,6 +24,43 @@ from registry.core.types import NO_PARENT as NO_PARENT
 _INT_ONLY = {int}
 
 
+def is_number(value: object, *, integer: bool = False) -> bool:
+    """Whether ``value`` is a plain number: an int, or with ``integer`` False a float
+    too; never a bool (a bool is an int to Python, never a number to a caller)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) if integer else isinstance(value, (int, float))
+
+
+def checked_number(
+    value: object,
+    what: str,
+    low: float,
+    high: float,
+    *,
+    integer: bool = False,
+    unit: str = "",
+) -> float:
+    """``value`` if it is a number (an int with ``integer``; never a bool) within
+    [low, high], else ``TypeError`` or ``ValueError`` naming ``what`` (NaN lies in no
+    range). ``unit`` follows the bounds in the message (" s")."""
+    if not is_number(value, integer=integer):
+        kind = "an int" if integer else "a number"
+        raise TypeError(f"{what} must be {kind}, not {type(value).__name__}")
+    number: float = value  # type: ignore[assignment]
+    if not low <= number <= high:
+        raise ValueError(f"{what} must lie between {low:,} and {high:,}{unit}, not {number}")
+    return number
+
+
+def text(value: object) -> str:
+    """A Redis reply value as text: bytes decoded as UTF-8 (anything undecodable
+    escaped, never an error), anything else through ``str``."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    return str(value)
+
+
 def as_int(value: object, what: str, position: int) -> int:
     """``value`` as an int (``operator.index``); ``TypeError`` naming ``what[position]``."""
     if isinstance(value, bool):
