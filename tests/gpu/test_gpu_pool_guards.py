@@ -61,7 +61,7 @@ def snapshot(reg: PrefixCacheRegistry, pool: MambaSlotPool) -> dict[str, Any]:
         "counts": pool.counts(),
         "pairs": pool.pairs(),
         "slots": {block: pool.slot_of(block) for block in range(SLOTS)},
-        "lru": list(pool._lru),
+        "lru": list(pool._table.lru),
         "conv": pool.conv_states.numpy().tobytes(),
         "ssm": pool.ssm_states.numpy().tobytes(),
         "redis": dump_keys(reg),

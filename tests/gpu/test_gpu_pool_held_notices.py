@@ -41,7 +41,7 @@ def node(redis_backend: Backend) -> PrefixCacheRegistry:
 
 def held_copies(pool: MambaSlotPool) -> list[int]:
     """How many notices each in-flight occupant holds (white box: the bug's own measure)."""
-    return [len(o.held) for o in pool._occupants if o is not None and o.stamp is None]
+    return [len(o.held) for o in pool._table.occupants if o is not None and o.stamp is None]
 
 
 class GatedRegistrations:
