@@ -221,7 +221,9 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def seconds(value: object, what: str, *, infinite: bool = False) -> float:
     """A positive duration in seconds, at most what ``threading`` can wait (or
-    infinite, where allowed: never)."""
+    infinite, where allowed: never). Any ``numbers.Real`` but a bool is taken, numpy's
+    scalars among them: wider than ``registry.core.validation.is_number`` (int and
+    float only), so that check is not used here."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
     try:

@@ -34,6 +34,7 @@ from registry import EvictionNotice, PrefixCacheRegistry, parse_notice
 from registry.core import observe
 from registry.core.errors import RegistryUnavailable
 from registry.core.keys import DEFAULT_KEY_PREFIX, validate_key_prefix, validate_namespace
+from registry.core.validation import text
 from registry.transport.client import bounded_options, client_from_url
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class EvictionListener:
                     pubsub.subscribe(self.channel)
                 message = pubsub.get_message(timeout=self.poll_interval)
                 if message is not None:
-                    kind = _text(message["type"])
+                    kind = text(message["type"])
                     if kind == "subscribe":
                         with self._lock:
                             self._subscriptions += 1
@@ -317,10 +318,6 @@ def _freed(notice: EvictionNotice) -> None:
     observer = observe.current
     if observer is not None and notice.published_ms is not None:
         observer.listener_lag(max(0.0, time.time() - notice.published_ms / 1000))
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _close(pubsub: Any) -> None:

@@ -39,10 +39,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from pcr.gateway_backends import Backend, engine_load, merge_announced
 from pcr.gateway_balance import (
     POLICIES,
     REPLICA_ID,
-    BackendLoad,
     BalanceRule,
     Choice,
     Kin,
@@ -50,13 +50,13 @@ from pcr.gateway_balance import (
     prompt_root,
     ranked,
 )
-from pcr.gateway_metrics import BackendMetrics, GatewayMetrics
+from pcr.gateway_exchange import LoadExchange, RegistryHealth
+from pcr.gateway_metrics import GatewayMetrics
 from pcr.gateway_tokens import PromptTokenizer, prompt_tokens
 from pcr.http_errors import error_content
 from registry.core.errors import RegistryError
 from registry.core.hashing import block_hashes
-from registry.core.keys import gateway_load_channel
-from registry.core.validation import prefix_hashes
+from registry.core.validation import checked_number, is_number, prefix_hashes
 from registry.fleet.membership import validate_engine_url
 from registry.fleet.view import FleetView
 
@@ -73,8 +73,6 @@ VIEW_START_S = 5.0
 HASH_IN_LOOP = 4_096
 """Token lists longer than this are hashed in a worker thread."""
 SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
-REFUSED_FOR = 2.0
-"""Seconds a backend that refused a connection is passed over (then tried again)."""
 HOP_HEADERS = frozenset(
     {
         "connection",
@@ -130,10 +128,7 @@ class GatewayConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         if self.replica_id and not REPLICA_ID.fullmatch(self.replica_id):
             raise ValueError("a replica id is 1 to 200 printable ASCII characters, no spaces")
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
-            raise TypeError("block_size must be an int")
-        if not 1 <= self.block_size <= 1 << 20:
-            raise ValueError("block_size must be in [1, 1048576]")
+        checked_number(self.block_size, "block_size", 1, 1 << 20, integer=True)
         for name in (
             "share_interval",
             "discover_interval",
@@ -142,35 +137,45 @@ class GatewayConfig:
             "upstream_timeout",
         ):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            if not is_number(value) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive finite number of seconds")
-        if not isinstance(self.scrape_interval, (int, float)) or not (
-            0 <= self.scrape_interval < math.inf
-        ):
+        if not is_number(self.scrape_interval) or not 0 <= self.scrape_interval < math.inf:
             raise ValueError("scrape_interval must be a finite number of seconds >= 0")
 
 
-@dataclass
-class Backend:
-    """One engine the gateway sends requests to."""
+class EngineScraper:
+    """Reads each engine's own queue and KV-cache usage from its ``/metrics``, and
+    whether it answers (``Backend.mark``)."""
 
-    namespace: str
-    url: str
-    source: str  # "config" or "announced"
-    load: BackendLoad = field(default_factory=BackendLoad)
-    refused_until: float = 0.0
-    up: bool = True
-    _metrics: BackendMetrics | None = None
+    def __init__(self, http: aiohttp.ClientSession, metrics: GatewayMetrics) -> None:
+        self.http = http
+        self.metrics = metrics
 
-    def metrics(self, metrics: GatewayMetrics) -> BackendMetrics:
-        """This backend's labelled collectors (looked up once, not per request)."""
-        if self._metrics is None:
-            self._metrics = metrics.backend(self.namespace)
-        return self._metrics
+    async def scrape(self, backends: Mapping[str, Backend]) -> None:
+        """Every backend at once."""
+        await asyncio.gather(*(self.scrape_one(b) for b in list(backends.values())))
+
+    async def scrape_one(self, backend: Backend) -> None:
+        """One backend: its load from its /metrics; refusing while it does not answer."""
+        try:
+            async with self.http.get(f"{backend.url}/metrics", timeout=SCRAPE_TIMEOUT) as reply:
+                status = reply.status
+                text = await reply.text(errors="replace") if status == 200 else ""
+        except (aiohttp.ClientError, TimeoutError):
+            backend.mark(self.metrics, up=False)
+            return
+        backend.mark(self.metrics, up=True)
+        running, waiting, usage = engine_load(text)
+        # Only its queue: a running request seen a moment ago is often this gateway's own,
+        # just finished (requests one at a time would then look like load).
+        backend.load.engine_requests = waiting
+        backend.load.engine_running = running
+        backend.load.kv_usage = usage
 
 
 class GatewayState:
-    """What the gateway holds: backends, their load, the HTTP client, background tasks."""
+    """What the gateway holds: backends, their load, the HTTP client, background tasks;
+    and how it chooses a backend for a request."""
 
     def __init__(self, config: GatewayConfig, registry: Any) -> None:
         self.config = config
@@ -182,27 +187,28 @@ class GatewayState:
         self.tokenizer = PromptTokenizer(config.tokenizer) if config.tokenizer else None
         self.metrics = GatewayMetrics.get()
         self.http: aiohttp.ClientSession | None = None
-        self.registry_up = True
-        self.registry_retry_at = 0.0
+        self.health = RegistryHealth(self.metrics)
+        self.exchange = LoadExchange(
+            self.replica,
+            self.backends,
+            registry,
+            self.health,
+            share_interval=config.share_interval,
+            registry_timeout=config.registry_timeout,
+            half_life=config.rule.half_life,
+        )
         self.turn = 0  # round-robin position
         self.kin = Kin()  # per prompt root, the requests sent to each backend lately
         self.mean_prefill = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
-        self._peers: dict[str, _Peer] = {}
-        """The other replicas' load: from each exchange, and as it changes (pushed)."""
-        self._seq = time.time_ns() // 1000  # numbers this replica's published load (a
-        # replica restarted under the same id continues above its old numbers)
-        self._shared_at = 0.0
-        self._exchanging = asyncio.Lock()
-        self._sharing: asyncio.Task[None] | None = None
-        self._share_again = False
-        self._untold_until = 0.0  # replies wait for no exchange until then (Redis slow)
         self.view: FleetView | None = None
 
     # -- lifetime ------------------------------------------------------------------------
 
     async def open(self) -> None:
+        """Open the HTTP client and the fleet view, learn the announced backends, tell
+        the other replicas of this one, and start the background loops."""
         timeout = aiohttp.ClientTimeout(
             total=None,
             connect=self.config.upstream_timeout,  # waiting for a pooled connection too
@@ -229,13 +235,16 @@ class GatewayState:
         # Announce this replica at once: the others learn of it from the push, it of
         # them from the reply (a replica tells its peers of each request's start and end
         # only once it knows of some).
-        await self._share_quietly()
+        await self.exchange.share_quietly()
         loops = [self._every(self.config.share_interval, self._tick)]
         if self.config.announced:
             loops.append(self._every(self.config.discover_interval, self._discover))
-        loops.append(self._listen())
+        loops.append(self.exchange.listen())
         if self.config.scrape_interval > 0:
-            loops.append(self._every(self.config.scrape_interval, self._scrape))
+            scraper = EngineScraper(self.http, self.metrics)
+            loops.append(
+                self._every(self.config.scrape_interval, lambda: scraper.scrape(self.backends))
+            )
         self._tasks = [asyncio.ensure_future(loop) for loop in loops]
 
     async def close(self) -> None:
@@ -243,7 +252,7 @@ class GatewayState:
         ``asyncio.wait_for`` on Python 3.11, so each is cancelled again until it ends, and
         the loops also stop at their flag), then the HTTP client."""
         self._stopping = True
-        tasks = [*self._tasks, *([self._sharing] if self._sharing is not None else [])]
+        tasks = [*self._tasks, *self.exchange.stop()]
         pending = {t for t in tasks if not t.done()}
         for _ in range(20):
             if not pending:
@@ -258,7 +267,7 @@ class GatewayState:
         if self.http is not None:
             await self.http.close()
 
-    async def _every(self, interval: float, step: Any) -> None:
+    async def _every(self, interval: float, step: Callable[[], Awaitable[None]]) -> None:
         while not self._stopping:
             await asyncio.sleep(interval)
             try:
@@ -268,216 +277,18 @@ class GatewayState:
             except Exception as exc:  # a background step never ends the loop
                 log.debug("gateway background step failed: %s", type(exc).__name__)
 
-    # -- what the gateway learns in the background --------------------------------------
-
     async def _discover(self) -> None:
         """Backends announced in Redis (``pcr bridge --engine-url``)."""
         router, gate = self.registry.ready()
         async with asyncio.timeout(max(1.0, self.config.registry_timeout)), gate.turn():
             table = await router.engines()
-        for namespace, url in table.items():
-            known = self.backends.get(namespace)
-            if known is None:
-                self.backends[namespace] = Backend(namespace, url, "announced")
-            elif known.source == "announced":
-                known.url = url
-        for namespace in [n for n, b in self.backends.items() if b.source == "announced"]:
-            if namespace not in table:
-                del self.backends[namespace]
-
-    async def _share(self) -> None:
-        """Publish this replica's load and take the others' (one round trip; the
-        script also pushes it to the other replicas, ``_listen``). One exchange at a
-        time, each sending the load as it is when it goes: an older one never lands
-        after a newer one and overwrites it; one asked for while another waited to go
-        is done by that one."""
-        asked = time.monotonic()
-        async with self._exchanging:
-            if self._shared_at > asked:
-                return  # an exchange that started after this was asked for sent it
-            now = self._shared_at = time.monotonic()
-            half_life = self.config.rule.half_life
-            self._seq += 1
-            mine = {
-                "seq": self._seq,
-                "load": {
-                    ns: [
-                        b.load.in_flight,
-                        round(b.load.pending, 1),
-                        round(b.load.recent.now(now, half_life), 1),
-                    ]
-                    for ns, b in self.backends.items()
-                },
-            }
-            router, gate = self.registry.ready()
-            try:
-                async with asyncio.timeout(max(1.0, self.config.registry_timeout)), gate.turn():
-                    others = await router.exchange_load(
-                        self.replica, self._ttl_ms(), json.dumps(mine, separators=(",", ":"))
-                    )
-            except (RegistryError, TimeoutError) as exc:
-                self._peers.clear()  # Redis away: balance on what this replica knows
-                self._registry(False, exc)
-            else:
-                if not self.registry_up and time.monotonic() >= self.registry_retry_at:
-                    self._registry(True)
-                known = self._peers
-                self._peers = {}
-                for replica, payload in others.items():
-                    peer = _peer(payload, now)
-                    if peer is None:
-                        continue
-                    held = known.get(replica)
-                    self._peers[replica] = (
-                        held if held is not None and held.seq > peer.seq else peer
-                    )
-                for replica, held in known.items():  # pushed while the exchange was under way
-                    if replica not in self._peers and held.received > now:
-                        self._peers[replica] = held
-            self._apply_peers()
+        merge_announced(self.backends, table)
 
     async def _tick(self) -> None:
-        """The periodic exchange, unless a nudged one ran within half an interval."""
+        """The periodic exchange (``LoadExchange.tick``), after asking the fleet view
+        whether it still follows Redis."""
         self.registry_reachable()
-        if time.monotonic() - self._shared_at >= self.config.share_interval / 2:
-            await self._share()
-
-    def _ttl_ms(self) -> int:
-        """Entries live ten intervals (1 to 60 s)."""
-        return max(1000, min(60_000, round(self.config.share_interval * 10_000)))
-
-    def nudge(self) -> None:
-        """Share now, in the background (a request started or ended): the other replicas
-        see it as it happens, not at the next 100 ms tick. One exchange at a time; a
-        nudge during one makes one more after it."""
-        if self._stopping or (not self.registry_up and time.monotonic() < self.registry_retry_at):
-            return  # Redis known away: the periodic exchange finds out when it is back
-        if not self._peers:
-            return  # nobody to tell; a replica that starts learns it at the next exchange
-        if self._sharing is not None and not self._sharing.done():
-            self._share_again = True
-            return
-        self._sharing = asyncio.ensure_future(self._share_nudged())
-
-    async def tell_peers(self) -> None:
-        """Share this replica's load now, when other replicas are known, and wait until
-        Redis has it (at most ``registry_timeout``; the exchange goes on behind): a
-        reply's end is then known to them before its client can send the next request to
-        one of them, so two replicas choose as one would. Redis away or slower than that:
-        not waited for again for a second."""
-        if self._stopping or not self._peers or time.monotonic() < self._untold_until:
-            return
-        told = asyncio.ensure_future(self._share_quietly())
-        done, _ = await asyncio.wait({told}, timeout=self.config.registry_timeout)
-        if not done or not self.registry_up:
-            self._untold_until = time.monotonic() + 1.0
-
-    async def _share_quietly(self) -> None:
-        with contextlib.suppress(Exception):  # the periodic exchange says why
-            await self._share()
-
-    async def _share_nudged(self) -> None:
-        again = True
-        while again and not self._stopping:
-            self._share_again = False
-            await self._share_quietly()
-            again = self._share_again
-
-    async def _listen(self) -> None:
-        """The other replicas' load as they publish it (``lua/gateway_load.lua``
-        pushes every entry it writes); reconnects while Redis is away."""
-        channel = gateway_load_channel(self.registry.key_prefix)
-        while not self._stopping:
-            pubsub = None
-            try:
-                pubsub = self.registry.client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(channel)
-                while not self._stopping:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is not None:
-                        self._pushed(message.get("data"))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis away: the exchange says so; try again
-                log.debug("gateway load channel: %s", type(exc).__name__)
-                await asyncio.sleep(1.0)
-            finally:
-                if pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()
-
-    def _pushed(self, data: Any) -> None:
-        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
-        replica, _, payload = text.partition(" ")
-        if not replica or replica == self.replica:
-            return
-        peer = _peer(payload, time.monotonic())
-        held = self._peers.get(replica)
-        if peer is not None and (held is None or peer.seq > held.seq):
-            self._peers[replica] = peer
-            self._apply_peers()
-
-    def _apply_peers(self) -> None:
-        """The other replicas' load summed per backend (entries older than the TTL, from
-        a replica that stopped publishing, dropped)."""
-        now = time.monotonic()
-        ttl = self._ttl_ms() / 1000
-        totals: dict[str, list[float]] = {}
-        for replica in [r for r, p in self._peers.items() if now - p.received > ttl]:
-            del self._peers[replica]
-        for peer in self._peers.values():
-            for ns, values in peer.load.items():
-                total = totals.setdefault(ns, [0.0, 0.0, 0.0])
-                for i in range(3):
-                    total[i] += values[i]
-        for ns, backend in self.backends.items():
-            in_flight, pending, recent = totals.get(ns, (0.0, 0.0, 0.0))
-            backend.load.remote_in_flight = int(in_flight)
-            backend.load.remote_pending = pending
-            backend.load.remote_recent = recent
-            backend.load.remote_at = now
-
-    async def _scrape(self) -> None:
-        """Each engine's own queue and KV-cache usage; also its health."""
-        await asyncio.gather(*(self._scrape_one(b) for b in list(self.backends.values())))
-
-    async def _scrape_one(self, backend: Backend) -> None:
-        assert self.http is not None
-        try:
-            async with self.http.get(f"{backend.url}/metrics", timeout=SCRAPE_TIMEOUT) as reply:
-                status = reply.status
-                text = await reply.text(errors="replace") if status == 200 else ""
-        except (aiohttp.ClientError, TimeoutError):
-            self._mark(backend, up=False)
-            return
-        self._mark(backend, up=True)
-        running = waiting = usage = 0.0
-        for line in text.splitlines():
-            if not line.startswith("vllm:"):
-                continue
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            with contextlib.suppress(ValueError, IndexError):
-                value = float(line.rsplit(" ", 1)[1])
-                if name == "vllm:num_requests_running":
-                    running += value
-                elif name == "vllm:num_requests_waiting":
-                    waiting += value
-                elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-                    usage = max(usage, value)
-        # Only its queue: a running request seen a moment ago is often this gateway's own,
-        # just finished (requests one at a time would then look like load).
-        backend.load.engine_requests = waiting
-        backend.load.engine_running = running
-        backend.load.kv_usage = usage
-
-    def _mark(self, backend: Backend, *, up: bool) -> None:
-        """Whether ``backend`` took a connection just now: one that refused is passed
-        over for ``REFUSED_FOR`` seconds, one that answered (its /metrics) is a candidate
-        again at once (an engine back from a restart gets requests from its next scrape)."""
-        backend.up = up
-        backend.refused_until = 0.0 if up else time.monotonic() + REFUSED_FOR
-        if self.metrics.on:
-            self.metrics.backend_up.labels(backend.namespace).set(1 if up else 0)
+        await self.exchange.tick()
 
     # -- choosing ------------------------------------------------------------------------
 
@@ -491,7 +302,7 @@ class GatewayState:
         """Each backend's cached prefix of ``tokens`` in tokens, from the registry; None
         when Redis is away (or slower than ``registry_timeout``)."""
         now = time.monotonic()
-        if not self.registry_up and now < self.registry_retry_at:
+        if not self.health.up and now < self.health.retry_at:
             return None
         size = self.config.block_size
         if self.view is not None:
@@ -506,9 +317,9 @@ class GatewayState:
             async with asyncio.timeout(self.config.registry_timeout), gate.turn():
                 scores = await router.score(wanted, namespaces=names)
         except (RegistryError, TimeoutError) as exc:
-            self._registry(False, exc)
+            self.health.mark(False, exc)
             return None
-        self._registry(True)
+        self.health.mark(True)
         return {n: cached_tokens(s.usable, size, len(tokens)) for n, s in scores.items()}
 
     async def _viewed(self, names: list[str], tokens: list[int]) -> dict[str, int] | None:
@@ -525,7 +336,7 @@ class GatewayState:
         else:
             hashes = block_hashes(tokens, size)
         usable = view.match(hashes, names, hybrid=self.registry.hybrid)
-        self._registry(True)
+        self.health.mark(True)
         return {n: cached_tokens(blocks, size, len(tokens)) for n, blocks in usable.items()}
 
     def registry_reachable(self) -> bool:
@@ -533,21 +344,9 @@ class GatewayState:
         following Redis; else: whether the last routing call reached it)."""
         if self.view is not None:
             fresh = self.view.fresh()
-            if fresh != self.registry_up:
-                self._registry(fresh, RegistryError("the fleet view is not following Redis"))
-        return self.registry_up
-
-    def _registry(self, up: bool, exc: BaseException | None = None) -> None:
-        if up != self.registry_up:
-            if up:
-                log.warning("registry reachable again: routing by cached prefix")
-            else:
-                log.warning("registry away (%s): routing by load alone", type(exc).__name__)
-        self.registry_up = up
-        if not up:
-            self.registry_retry_at = time.monotonic() + 1.0
-        if self.metrics.on:
-            self.metrics.registry_up.set(1 if up else 0)
+            if fresh != self.health.up:
+                self.health.mark(fresh, RegistryError("the fleet view is not following Redis"))
+        return self.health.up
 
     async def choose(self, tokens: list[int] | None, root: Any = None) -> tuple[list[Choice], str]:
         """The backends in the order to try them, and the routing outcome (``root``: the
@@ -578,34 +377,6 @@ class GatewayState:
         kin = self.kin.counts(root, now, self.config.rule.half_life)
         order = ranked(names, prompt, cached, loads, self.config.rule, now, kin)
         return order, outcome
-
-
-@dataclass(frozen=True)
-class _Peer:
-    """Another replica's load as last heard: its number, per backend ``[in flight,
-    pending tokens, recent tokens]``, and when it was heard (this clock)."""
-
-    seq: int
-    load: dict[str, list[float]]
-    received: float
-
-
-def _peer(payload: str, received: float) -> _Peer | None:
-    """A replica's published load, or None for a payload that is not one."""
-    try:
-        data = json.loads(payload)
-        seq = data["seq"]
-        load = {
-            str(ns): [max(0.0, float(values[i])) for i in range(3)]
-            for ns, values in data["load"].items()
-        }
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
-        return None
-    if isinstance(seq, bool) or not isinstance(seq, int):
-        return None
-    if not all(math.isfinite(v) for values in load.values() for v in values):
-        return None
-    return _Peer(seq, load, received)
 
 
 # -- the proxy, in plain ASGI -----------------------------------------------------------
@@ -793,7 +564,7 @@ async def _forward(
             _ended(state, backend, prefill)
             _count_error(state, backend, failed.kind)
             if failed.kind == "connect":
-                state._mark(backend, up=False)
+                backend.mark(state.metrics, up=False)
             if tried == 1 and len(order) > 1:
                 if state.metrics.on:
                     backend.metrics(state.metrics).retries.inc()
@@ -846,7 +617,7 @@ def _started(
     state.kin.record(root, backend.namespace, now, rule.half_life)
     if prompt:
         state.mean_prefill += (prefill - state.mean_prefill) * 0.05
-    state.nudge()
+    state.exchange.nudge()
     if state.metrics.on:
         counted = backend.metrics(state.metrics)
         counted.in_flight.inc()
@@ -860,7 +631,7 @@ def _ended(state: GatewayState, backend: Backend, prefill: int, nudge: bool = Tr
     load.in_flight = max(0, load.in_flight - 1)
     load.pending = max(0.0, load.pending - prefill)
     if nudge:
-        state.nudge()
+        state.exchange.nudge()
     if state.metrics.on:
         backend.metrics(state.metrics).in_flight.dec()
 
@@ -886,7 +657,7 @@ class _Ending:
         if not self.done:
             self.done = True
             _ended(self.state, self.backend, self.prefill, nudge=False)
-            await self.state.tell_peers()
+            await self.state.exchange.tell_peers()
 
 
 def _count_error(state: GatewayState, backend: Backend, kind: str) -> None:
@@ -1048,7 +819,7 @@ async def models(request: Request) -> Response:
                 content = await reply.read()
                 return Response(content, status_code=reply.status, headers=_reply_headers(reply))
         except (aiohttp.ClientError, TimeoutError):
-            state._mark(backend, up=False)
+            backend.mark(state.metrics, up=False)
     return openai_error(503, "no backend answered")
 
 

@@ -307,7 +307,8 @@ def test_a_lone_replica_exchanges_no_load_per_request_and_replicas_hear_each_end
             assert reply.status_code == 200
         made.append(replica("two"))
         assert heard_until("two") == ["two"]  # nothing from one meanwhile
-        wait_until(lambda: made[0].app.state.gateway._peers, 30, "replica one hearing of two")
+        one = made[0].app.state.gateway
+        wait_until(lambda: one.exchange.peers, 30, "replica one hearing of two")
         for n in range(3):
             reply = made[0].http.post("/v1/completions", json={"model": "m", "prompt": [n] * 9})
             assert reply.status_code == 200

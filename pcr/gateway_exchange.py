@@ -1,0 +1,282 @@
+"""``pcr gateway``'s replicas sharing their load through Redis, and whether Redis answers.
+
+Every replica publishes the load it has in flight per backend and takes the others' in
+one round trip (``lua/gateway_load.lua``, which also pushes each entry it writes on the
+gateway load channel): periodically, when a request starts or ends (``nudge``), and
+before a reply's last bytes (``tell_peers``). ``LoadExchange`` sums the others' load
+into each backend's ``BackendLoad``; ``RegistryHealth`` is what routing and the exchange
+learn of Redis (away: routing by load alone, said by ``pcr_gateway_registry_up``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pcr.gateway_backends import Backend
+from pcr.gateway_metrics import GatewayMetrics
+from registry.core.errors import RegistryError
+from registry.core.keys import gateway_load_channel
+from registry.core.validation import text
+
+log = logging.getLogger(__name__)
+
+
+class RegistryHealth:
+    """Whether the registry answers the gateway: down after a call that failed (or was
+    slower than ``registry_timeout``), and not asked again for a second; a change is
+    logged and exported (``pcr_gateway_registry_up``)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.up = True
+        self.retry_at = 0.0
+        """Until then, with ``up`` False, routing does not ask Redis."""
+
+    def mark(self, up: bool, exc: BaseException | None = None) -> None:
+        """What the last call to Redis showed (``exc``: why it failed)."""
+        if up != self.up:
+            if up:
+                log.warning("registry reachable again: routing by cached prefix")
+            else:
+                log.warning("registry away (%s): routing by load alone", type(exc).__name__)
+        self.up = up
+        if not up:
+            self.retry_at = time.monotonic() + 1.0
+        if self.metrics.on:
+            self.metrics.registry_up.set(1 if up else 0)
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """Another replica's load as last heard: its number, per backend ``[in flight,
+    pending tokens, recent tokens]``, and when it was heard (this clock)."""
+
+    seq: int
+    load: dict[str, list[float]]
+    received: float
+
+
+def _peer(payload: str, received: float) -> _Peer | None:
+    """A replica's published load, or None for a payload that is not one."""
+    try:
+        data = json.loads(payload)
+        seq = data["seq"]
+        load = {
+            str(ns): [max(0.0, float(values[i])) for i in range(3)]
+            for ns, values in data["load"].items()
+        }
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
+        return None
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        return None
+    if not all(math.isfinite(v) for values in load.values() for v in values):
+        return None
+    return _Peer(seq, load, received)
+
+
+class LoadExchange:
+    """This replica's load told to the others, and theirs summed into ``backends``.
+
+    ``registry`` is the scoring service's state (``pcr.serve_app.State``: its Redis
+    client, router and gate). One exchange at a time; ``stop`` ends them.
+    """
+
+    def __init__(
+        self,
+        replica: str,
+        backends: Mapping[str, Backend],
+        registry: Any,
+        health: RegistryHealth,
+        *,
+        share_interval: float,
+        registry_timeout: float,
+        half_life: float,
+    ) -> None:
+        self.replica = replica
+        self.backends = backends
+        self.registry = registry
+        self.health = health
+        self.share_interval = share_interval
+        self.registry_timeout = registry_timeout
+        self.half_life = half_life
+        self.stopping = False
+        self.peers: dict[str, _Peer] = {}
+        """The other replicas' load: from each exchange, and as it changes (pushed)."""
+        self._seq = time.time_ns() // 1000  # numbers this replica's published load (a
+        # replica restarted under the same id continues above its old numbers)
+        self._shared_at = 0.0
+        self._exchanging = asyncio.Lock()
+        self._sharing: asyncio.Task[None] | None = None
+        self._share_again = False
+        self._untold_until = 0.0  # replies wait for no exchange until then (Redis slow)
+
+    def stop(self) -> list[asyncio.Task[None]]:
+        """No more exchanges; returns the one under way in the background, if any."""
+        self.stopping = True
+        return [self._sharing] if self._sharing is not None else []
+
+    async def share(self) -> None:
+        """Publish this replica's load and take the others' (one round trip; the
+        script also pushes it to the other replicas, ``listen``). One exchange at a
+        time, each sending the load as it is when it goes: an older one never lands
+        after a newer one and overwrites it; one asked for while another waited to go
+        is done by that one."""
+        asked = time.monotonic()
+        async with self._exchanging:
+            if self._shared_at > asked:
+                return  # an exchange that started after this was asked for sent it
+            now = self._shared_at = time.monotonic()
+            mine = self._mine(now)
+            router, gate = self.registry.ready()
+            try:
+                async with asyncio.timeout(max(1.0, self.registry_timeout)), gate.turn():
+                    others = await router.exchange_load(self.replica, self.ttl_ms(), mine)
+            except (RegistryError, TimeoutError) as exc:
+                self.peers.clear()  # Redis away: balance on what this replica knows
+                self.health.mark(False, exc)
+            else:
+                health = self.health
+                if not health.up and time.monotonic() >= health.retry_at:
+                    health.mark(True)
+                self._heard(others, now)
+            self._apply_peers()
+
+    def _mine(self, now: float) -> str:
+        """This replica's load, numbered, as the exchange publishes it."""
+        self._seq += 1
+        mine = {
+            "seq": self._seq,
+            "load": {
+                ns: [
+                    b.load.in_flight,
+                    round(b.load.pending, 1),
+                    round(b.load.recent.now(now, self.half_life), 1),
+                ]
+                for ns, b in self.backends.items()
+            },
+        }
+        return json.dumps(mine, separators=(",", ":"))
+
+    def _heard(self, others: Mapping[str, str], now: float) -> None:
+        """The peers an exchange started at ``now`` answered with, each kept newer if it
+        was pushed newer meanwhile (or pushed after ``now`` and not in the reply)."""
+        known = self.peers
+        self.peers = {}
+        for replica, payload in others.items():
+            peer = _peer(payload, now)
+            if peer is None:
+                continue
+            held = known.get(replica)
+            self.peers[replica] = held if held is not None and held.seq > peer.seq else peer
+        for replica, held in known.items():  # pushed while the exchange was under way
+            if replica not in self.peers and held.received > now:
+                self.peers[replica] = held
+
+    async def tick(self) -> None:
+        """The periodic exchange, unless a nudged one ran within half an interval."""
+        if time.monotonic() - self._shared_at >= self.share_interval / 2:
+            await self.share()
+
+    def ttl_ms(self) -> int:
+        """Entries live ten intervals (1 to 60 s)."""
+        return max(1000, min(60_000, round(self.share_interval * 10_000)))
+
+    def nudge(self) -> None:
+        """Share now, in the background (a request started or ended): the other replicas
+        see it as it happens, not at the next 100 ms tick. One exchange at a time; a
+        nudge during one makes one more after it."""
+        health = self.health
+        if self.stopping or (not health.up and time.monotonic() < health.retry_at):
+            return  # Redis known away: the periodic exchange finds out when it is back
+        if not self.peers:
+            return  # nobody to tell; a replica that starts learns it at the next exchange
+        if self._sharing is not None and not self._sharing.done():
+            self._share_again = True
+            return
+        self._sharing = asyncio.ensure_future(self._share_nudged())
+
+    async def tell_peers(self) -> None:
+        """Share this replica's load now, when other replicas are known, and wait until
+        Redis has it (at most ``registry_timeout``; the exchange goes on behind): a
+        reply's end is then known to them before its client can send the next request to
+        one of them, so two replicas choose as one would. Redis away or slower than that:
+        not waited for again for a second."""
+        if self.stopping or not self.peers or time.monotonic() < self._untold_until:
+            return
+        told = asyncio.ensure_future(self.share_quietly())
+        done, _ = await asyncio.wait({told}, timeout=self.registry_timeout)
+        if not done or not self.health.up:
+            self._untold_until = time.monotonic() + 1.0
+
+    async def share_quietly(self) -> None:
+        """``share``, its failure left for the periodic exchange to report."""
+        with contextlib.suppress(Exception):  # the periodic exchange says why
+            await self.share()
+
+    async def _share_nudged(self) -> None:
+        again = True
+        while again and not self.stopping:
+            self._share_again = False
+            await self.share_quietly()
+            again = self._share_again
+
+    async def listen(self) -> None:
+        """The other replicas' load as they publish it (``lua/gateway_load.lua``
+        pushes every entry it writes); reconnects while Redis is away."""
+        channel = gateway_load_channel(self.registry.key_prefix)
+        while not self.stopping:
+            pubsub = None
+            try:
+                pubsub = self.registry.client.pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(channel)
+                while not self.stopping:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        self._pushed(message.get("data"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: the exchange says so; try again
+                log.debug("gateway load channel: %s", type(exc).__name__)
+                await asyncio.sleep(1.0)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
+
+    def _pushed(self, data: Any) -> None:
+        replica, _, payload = text(data).partition(" ")
+        if not replica or replica == self.replica:
+            return
+        peer = _peer(payload, time.monotonic())
+        held = self.peers.get(replica)
+        if peer is not None and (held is None or peer.seq > held.seq):
+            self.peers[replica] = peer
+            self._apply_peers()
+
+    def _apply_peers(self) -> None:
+        """The other replicas' load summed per backend (entries older than the TTL, from
+        a replica that stopped publishing, dropped)."""
+        now = time.monotonic()
+        ttl = self.ttl_ms() / 1000
+        totals: dict[str, list[float]] = {}
+        for replica in [r for r, p in self.peers.items() if now - p.received > ttl]:
+            del self.peers[replica]
+        for peer in self.peers.values():
+            for ns, values in peer.load.items():
+                total = totals.setdefault(ns, [0.0, 0.0, 0.0])
+                for i in range(3):
+                    total[i] += values[i]
+        for ns, backend in self.backends.items():
+            in_flight, pending, recent = totals.get(ns, (0.0, 0.0, 0.0))
+            backend.load.remote_in_flight = int(in_flight)
+            backend.load.remote_pending = pending
+            backend.load.remote_recent = recent
+            backend.load.remote_at = now
