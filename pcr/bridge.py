@@ -15,7 +15,7 @@ from typing import Any
 
 from pcr import common
 from pcr.common import CommandError, UsageError, _talking, _where
-from registry.bridge.bridge import ENGINES, EngineSource
+from registry.bridge.source import ENGINES, EngineSource
 
 STATUS_FIELDS = (
     "batches",
@@ -32,10 +32,10 @@ STATUS_FIELDS = (
 
 def endpoint(text: str) -> str:
     """An argparse type: a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH)."""
-    from registry.bridge.bridge import _endpoint
+    from registry.bridge.source import checked_endpoint
 
     try:
-        return _endpoint(text, "endpoint")
+        return checked_endpoint(text, "endpoint")
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
