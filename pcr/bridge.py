@@ -15,7 +15,7 @@ from typing import Any
 
 from pcr import common
 from pcr.common import CommandError, UsageError, _talking, _where
-from registry.bridge.bridge import ENGINES, EngineSource
+from registry.bridge.source import ENGINES, EngineSource
 
 STATUS_FIELDS = (
     "batches",
@@ -32,10 +32,10 @@ STATUS_FIELDS = (
 
 def endpoint(text: str) -> str:
     """An argparse type: a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH)."""
-    from registry.bridge.bridge import _endpoint
+    from registry.bridge.source import checked_endpoint
 
     try:
-        return _endpoint(text, "endpoint")
+        return checked_endpoint(text, "endpoint")
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -54,8 +54,6 @@ def media(text: str) -> tuple[str, ...]:
 
 def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     """The ``pcr bridge`` subcommand."""
-    from pcr.common import _block_size, _seconds
-
     bridge = commands.add_parser(
         "bridge",
         help="follow vLLM / SGLang KV-event streams (ZeroMQ) into bridged namespaces",
@@ -64,6 +62,15 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         "--replay-endpoint either never or once per engine ('-' for an engine without one).",
     )
     redis_options(bridge, url_default)
+    _add_engine_options(bridge)
+    _add_run_options(bridge)
+    bridge.set_defaults(handler=command_bridge, command_parser=bridge)
+
+
+def _add_engine_options(bridge: Any) -> None:
+    """The options that say which engines are followed, and into which namespaces."""
+    from pcr.common import _block_size
+
     bridge.add_argument("--engine", choices=ENGINES, default="vllm", help="default: vllm")
     bridge.add_argument(
         "--endpoint",
@@ -99,6 +106,12 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         help="tokens per block routers hash with (default: the engine's, from its first event)",
     )
     bridge.add_argument("--medium", type=media, default=("GPU",), help="GPU (default) or GPU,CPU")
+
+
+def _add_run_options(bridge: Any) -> None:
+    """The options that say how the bridge runs: the lease, silence, counts, duration."""
+    from pcr.common import _seconds
+
     bridge.add_argument(
         "--lease-ttl", type=_seconds, default=10.0, help="lease length in seconds (default 10)"
     )
@@ -119,7 +132,6 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         "--duration", type=_seconds, help="stop after this many seconds (default: until stopped)"
     )
     bridge.add_argument("--json", action="store_true", help="print counts as JSON lines")
-    bridge.set_defaults(handler=command_bridge, command_parser=bridge)
 
 
 def sources(args: argparse.Namespace) -> list[EngineSource]:
@@ -179,6 +191,8 @@ def _stopped_by_signals(stop: threading.Event) -> Iterator[None]:
 
 
 def command_bridge(args: argparse.Namespace) -> int:
+    """``pcr bridge``: follow the engines until stopped (or ``--duration``), printing
+    each engine's counts every ``--stats-interval`` and at the end."""
     followed = sources(args)
     needed = {"zmq": "pyzmq", "msgpack": "msgpack"}  # module: package
     missing = [

@@ -26,7 +26,9 @@ import importlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NewType, TypeAlias
+from typing import Any, NewType, TypeAlias, cast
+
+from registry.core.validation import is_number
 
 EngineHash = NewType("EngineHash", int)
 """An engine's block hash in one canonical form: an unsigned 64-bit int in [0, 2**64-1]."""
@@ -138,11 +140,12 @@ def engine_hash(value: object, field: str = "block hash") -> EngineHash:
 
 def _int(value: object, field: str, *, minimum: int | None = None) -> int:
     """Return ``value`` if it is an int (never a bool) at or above ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_number(value, integer=True):
         raise BadEvent(f"{field} must be an int, not {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise BadEvent(f"{field} must be at least {minimum}, not {value}")
-    return value
+    number = cast(int, value)
+    if minimum is not None and number < minimum:
+        raise BadEvent(f"{field} must be at least {minimum}, not {number}")
+    return number
 
 
 def _optional_int(value: object, field: str, *, minimum: int | None = None) -> int | None:
@@ -280,7 +283,7 @@ def _batch(raw: object) -> EventBatch:
         ts, events, rank = raw["ts"], raw["events"], raw.get("data_parallel_rank")
     else:
         raise BadEvent(f"batch must be an array or a map, not {type(raw).__name__}")
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+    if not is_number(ts):
         raise BadEvent(f"batch ts must be a number, not {type(ts).__name__}")
     if not math.isfinite(ts):
         raise BadEvent(f"batch ts must be finite, not {ts}")

@@ -170,7 +170,7 @@ def wait_applied(client: Any, namespace: str, seq: int, bridge: Bridge | None = 
         if bridge.error is not None:
             raise AssertionError(f"the bridge stopped: {bridge.error!r}")
         follower = next(f for f in bridge.followers if f.source.namespace == namespace)
-        return applied(client, namespace, seq) and follower.pending_seq is None
+        return applied(client, namespace, seq) and follower.pending.seq is None
 
     wait_until(done, WAIT, f"{namespace} applied through engine seq {seq}")
 
@@ -483,9 +483,8 @@ def test_a_resent_call_applies_once(rig: Rig, client: Any) -> None:
     data = [k for k in registry.keys.all_keys() if k != registry.keys.meta]  # renewals move meta
     before = {k: client.dump(k) for k in data}
     ops = follower._operations(decode_batch(batch([stored(hashes, None, tokens, BS)])))
-    reply = follower.registry._write(
-        "bridge_apply", follower._keys, False, (str(seq), "vllm", source.endpoint, str(BS), *ops)
-    )
+    args = (str(seq), "vllm", source.endpoint, str(BS), *ops)
+    reply = follower.registry._write("bridge_apply", follower.pending.keys, False, args)
     assert [int(x) for x in reply[:4]] == [0, 0, 0, 0]
     assert {k: client.dump(k) for k in data} == before
     assert applied(client, ns, seq)

@@ -20,6 +20,7 @@ pytest.importorskip("msgpack")
 pytest.importorskip("zmq")  # sim.engine_events
 
 import registry.bridge.bridge as bridge_module
+import registry.bridge.chain as chain_module
 from registry.bridge.bridge import EngineSource, Follower
 from sim.engine_events import batch, engine_chain, prompt, removed, stored
 
@@ -159,7 +160,7 @@ def test_subscription_copies_of_replayed_messages_are_duplicates(client: Any) ->
     assert (f.counts.gaps, f.counts.restarts, f.counts.engine_restarts) == (1, 0, 0)
     # The next message goes past the replay: the remembered copies are dropped.
     f.offer([engine.publish([stored(hashes[3:], hashes[2], tokens[3 * BS :], BS)])])
-    assert f.window == {}
+    assert f.sequence.window == {}
     assert kv(client) == {h: i for i, h in enumerate(block_hashes(tokens, BS)) if i}
 
 
@@ -229,12 +230,12 @@ def test_an_undecodable_message_moves_the_sequence_only_in_order(client: Any) ->
     f.offer([engine.publish([stored(hashes[:1], None, tokens[:BS], BS)])])
     # Out of sequence: counted, moves nothing (no gap, no restart).
     f.offer([[b"", (2**64 - 1).to_bytes(8, "big"), b"\xc1"], [b"", (77).to_bytes(8, "big"), b""]])
-    assert f.last == 0
+    assert f.sequence.last == 0
     # In sequence: counted, and its seq is seen (no gap after it).
     bad = engine.publish([])
     bad[2] = b"\xc1"
     f.offer([bad, engine.publish([stored(hashes[1:], hashes[0], tokens[BS:], BS)])])
-    assert f.last == 2
+    assert f.sequence.last == 2
     assert kv(client) == listed((tokens, 3))
     c = f.counts
     assert (c.bad_messages, c.gaps, c.restarts, c.engine_restarts) == (3, 0, 0, 0)
@@ -249,7 +250,7 @@ def test_the_largest_seq_never_overflows_a_replay_request(client: Any) -> None:
     f = follower(client, engine, clock, lease_ttl=3.0, silence_timeout=30.0)
     f.start()
     f.offer([[b"", (2**64 - 1).to_bytes(8, "big"), batch([stored(hashes, None, tokens, BS)])]])
-    assert f.last == 2**64 - 1
+    assert f.sequence.last == 2**64 - 1
     clock.now += 1.5
     f.tick()
     assert f.counts.probes == 1
@@ -282,7 +283,7 @@ def test_the_digest_cache_is_emptied_only_between_writes(
 ) -> None:
     """A chain longer than the in-memory cache, within one batch and across batches
     applied in one write: no block becomes an orphan."""
-    monkeypatch.setattr(bridge_module, "CACHE_BLOCKS", 2)
+    monkeypatch.setattr(chain_module, "CACHE_BLOCKS", 2)
     engine = FakeEngine()
     tokens, hashes = chain(12, 8)
 
@@ -376,7 +377,7 @@ def test_a_lost_namespace_is_claimed_again_and_a_superseded_follower_stops(
     client.flushall()  # the server lost everything
     f.offer([engine.publish([stored(ha[2:], ha[1], a[2 * BS :], BS)])])
     assert (f.counts.restarts, f.counts.superseded) == (1, 0)
-    assert f.last == 1
+    assert f.sequence.last == 1
     assert kv(client) == {block_hashes(a, BS)[2]: 2}  # listed; its parents went with Redis
     PrefixCacheRegistry(client, "ns-f").claim()  # another owner
     f.offer([engine.publish([removed(ha)])])

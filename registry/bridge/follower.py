@@ -1,0 +1,455 @@
+"""One engine's follower (:class:`Follower`): the state machine between an engine's
+KV-event stream and its namespace. Transport-free: the bridge hands it messages, a
+replay function and clock ticks; ``registry.bridge.bridge`` owns the sockets.
+
+It composes what it keeps: where the stream stands (``EngineSequence``), the own hash
+chain (``HashChain``), the batch waiting for its ``bridge_apply`` call
+(``PendingWrite``) and the lease schedule (``Liveness``); what it decides itself is
+what a gap, a restart, a lost namespace or a Redis fault does to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NoReturn
+
+from registry.bridge.bridge_events import BadEvent, EventBatch, decode_batch, split_frames
+from registry.bridge.chain import HashChain
+from registry.bridge.counts import FollowerCounts, OnceLog
+from registry.bridge.liveness import RETRY_DELAY, Liveness
+from registry.bridge.sequence import (
+    SEQ_LIMIT,
+    EngineSequence,
+    Frames,
+    Replayed,
+    Replayer,
+    as_messages,
+    contiguous,
+)
+from registry.bridge.source import EngineSource
+from registry.bridge.writes import PendingWrite
+from registry.core.errors import RegistryError, RegistryUnavailable, StaleEpochError
+from registry.core.validation import text
+from registry.fleet.membership import NodeIndex
+from registry.namespace.ownership import DEFAULT_LEASE_TTL
+from registry.namespace.redis_registry import PrefixCacheRegistry
+
+# One logger for the whole bridge: its name is what operators configure (and what
+# ``pcr simulate`` filters the expected gap warnings on).
+log = logging.getLogger("registry.bridge.bridge")
+
+DEFAULT_SILENCE_TIMEOUT = 30.0
+
+
+class _Blocked(Exception):
+    """Redis refused or did not answer: keep everything and try again later."""
+
+
+def _registry_error(blocked: _Blocked) -> RegistryError:
+    """The registry error behind ``blocked``, for callers that expect one."""
+    cause = blocked.__cause__
+    if isinstance(cause, RegistryError):
+        return cause
+    return RegistryUnavailable(f"Redis unavailable: {cause}")
+
+
+class Follower:
+    """One engine's state machine: sequence, hashing, writes and lease. Transport-free:
+    the bridge hands it messages (``offer``), a replay function and clock ticks."""
+
+    def __init__(
+        self,
+        registry: PrefixCacheRegistry,
+        source: EngineSource,
+        *,
+        replay: Replayer | None = None,
+        probe: Replayer | None = None,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.source = source
+        self.replay = replay if source.replay_endpoint is not None else None
+        # Probes may wait less for an answer than gap replays (default: the same call).
+        self.probe = (probe or replay) if source.replay_endpoint is not None else None
+        self.liveness = Liveness(lease_ttl, silence_timeout, clock)
+        self.clock = clock
+        self.counts = FollowerCounts()
+        self.log = OnceLog(log, f"bridge[{source.namespace} <- {source.endpoint}]")
+        self.sequence = EngineSequence()
+        self.chain = HashChain(registry, source, self.counts, self.log.once)
+        self.pending = PendingWrite(registry, source, self.counts)
+        self.backlog: deque[Frames] = deque()
+        self.blocked_until = 0.0
+        self.restart_due: str | None = None
+        self.stopped = False
+        self.started = False
+
+    @property
+    def lease_ttl(self) -> float:
+        """The lease this follower holds the namespace by, in seconds."""
+        return self.liveness.lease_ttl
+
+    @property
+    def blocked(self) -> bool:
+        """Whether writes are waiting for Redis (the transport stops reading)."""
+        return self.blocked_until > 0.0 or self.stopped
+
+    # -- start: resume what a previous bridge left, or claim afresh ------------------------
+
+    def start(self) -> None:
+        """Take over the namespace: resume it when it is still a live bridged namespace
+        of this endpoint, else claim it (empty). Raises registry errors; once it has
+        taken the namespace over, Redis faults only block (``tick`` retries)."""
+        if not self._resume():
+            self._claim()
+            try:
+                self._write([], None)  # record the engine and endpoint for pcr stats
+            except _Blocked as exc:
+                raise _registry_error(exc) from None
+        if self.source.engine_url is not None:  # which engine a gateway sends it to
+            NodeIndex(self.registry.client, self.registry.keys.key_prefix).announce_engine(
+                self.source.namespace, self.source.engine_url
+            )
+        self.started = True
+        self.liveness.renewed(self.clock())
+        if self.replay is not None:
+            try:
+                replayed = self._recover(self.sequence.next_seq(), initial=True)
+            except _Blocked:  # a restart is due: tick() retries it
+                self.blocked_until = self.clock() + RETRY_DELAY
+                return
+            self.backlog.extendleft(reversed(replayed))
+            self._drain()
+
+    def _resume(self) -> bool:
+        """Resume the namespace where a previous bridge of this endpoint left it, when
+        it is still live and hashed with this block size; False when it is not."""
+        lease_ms = max(1, round(self.lease_ttl * 1000))
+        reply = self.registry._write(
+            "bridge_resume",
+            (self.registry.keys.meta,),
+            False,
+            (lease_ms, self.source.endpoint),
+            fence="",
+        )
+        if not reply:
+            return False
+        size = self.chain.block_size
+        if size is not None and text(reply[3]) not in ("", str(size)):
+            # Its entries were hashed with another block size: no router would find them.
+            log.warning(
+                "%s: the namespace was bridged with block size %s, not %d: starting it afresh",
+                self.log.name, text(reply[3]), size,
+            )  # fmt: skip
+            return False
+        epoch, lease_until, seq, block_size = (text(v) for v in reply)
+        self.registry._set_epoch(int(epoch))
+        self.registry.lease_ttl = self.lease_ttl
+        self.registry._announce(int(lease_until))  # the lease, in the node index
+        self.sequence.last = int(seq) if seq else None
+        if size is None and block_size:
+            self.chain.block_size = int(block_size)
+        self.counts.resumed += 1
+        log.info("%s: resumed after engine seq %s", self.log.name, seq or "(none)")
+        return True
+
+    def _claim(self) -> None:
+        self.registry.claim(self.lease_ttl)
+        self.sequence.last = None  # the window stays: the subscription may still deliver copies
+        self.pending.clear()
+        self.chain.forget()
+
+    # -- messages -------------------------------------------------------------------------
+
+    def offer(self, messages: Iterable[Frames]) -> None:
+        """Queue published messages and apply what can be applied now."""
+        self.backlog.extend(messages)
+        if self.backlog:
+            self.liveness.heard()
+        self._drain()
+
+    def _drain(self) -> None:
+        if self.stopped:
+            return
+        try:
+            if self.restart_due is not None:
+                self._restart(self.restart_due)
+                if self.replay is not None:  # what the replay still has, as a suffix
+                    self.backlog.extendleft(reversed(self._recover(0, initial=True)))
+            while self.backlog:
+                if self.pending.full:
+                    self._flush()
+                frames = self.backlog.popleft()
+                try:
+                    self._process(frames)
+                except _Blocked:
+                    self.backlog.appendleft(frames)
+                    raise
+            self._flush()
+            self.blocked_until = 0.0
+        except _Blocked:
+            self.blocked_until = self.clock() + RETRY_DELAY
+
+    def _process(self, frames: Frames) -> None:
+        """Apply one message, or deal with its sequence number first (may raise
+        ``_Blocked``; then nothing of it was applied)."""
+        try:
+            _, seq, payload = split_frames(frames)
+        except BadEvent as exc:
+            self._bad("frames", exc)
+            return
+        sequence = self.sequence
+        last = sequence.last
+        if sequence.is_copy(seq, payload):
+            self.counts.duplicates += 1
+            return
+        try:
+            batch = decode_batch(payload)
+        except BadEvent as exc:
+            self.counts.messages += 1
+            self._bad("payload", exc)
+            if last is not None and seq == last + 1:
+                self._advance(seq, payload)
+            return
+        if last is not None and seq != last + 1:
+            self._flush()
+            replayed = self._out_of_sequence(seq, last)
+            if replayed:  # apply them first, then this message again
+                self.backlog.appendleft(frames)
+                self.backlog.extendleft(reversed(replayed))
+                return
+        sequence.passed(seq)
+        self.counts.messages += 1
+        self.pending.ops.extend(self._operations(batch))
+        self._advance(seq, payload)
+        self.counts.batches += 1
+
+    def _out_of_sequence(self, seq: int, last: int) -> list[Frames]:
+        """A gap after ``last`` (the replay brings what is missing) or a seq that went
+        back (the engine restarted: the namespace restarts); the replayed messages."""
+        if seq > last + 1:
+            log.warning("%s: gap: engine seq %d follows %d", self.log.name, seq, last)
+            replayed = self._recover(last + 1)
+            self.counts.gaps += 1
+            return replayed
+        log.warning(
+            "%s: engine seq went back from %d to %d: the engine restarted", self.log.name, last, seq
+        )
+        self._restart(f"the engine restarted (seq {last} -> {seq})")
+        self.counts.engine_restarts += 1
+        self.sequence.forget_engine()
+        return self._recover(0, initial=True) if seq > 0 else []
+
+    def _advance(self, seq: int, payload: bytes) -> None:
+        self.sequence.advance(seq, payload)
+        self.pending.seq = seq
+
+    def _recover(self, start: int, *, initial: bool = False) -> list[Frames]:
+        """The replayed messages from ``start`` on, to apply before anything newer. A
+        gap the replay cannot reach back to restarts the namespace first; so does, at
+        ``initial`` (a start or an engine restart), a replay that begins after ``start``
+        on a namespace that already holds entries."""
+        batches = None
+        if self.replay is not None:
+            self.counts.replays += 1
+            batches = self.replay(start)
+            if batches is None:
+                self.counts.replay_failures += 1
+            else:
+                self.liveness.heard()
+        run = contiguous(batches or [])
+        covers = bool(run) and run[0][0] == start
+        if not covers and (not initial or (self.sequence.last is not None and run)):
+            self._restart(
+                f"no replay reaches back to seq {start}"
+                + (f" (it starts at {run[0][0]})" if run else "")
+            )
+        if not run:
+            return []
+        if self.sequence.last is None:
+            self.sequence.last = run[0][0] - 1
+        return self._replayed(run)
+
+    def _replayed(self, run: Replayed) -> list[Frames]:
+        """The messages of a replay, remembered so that the subscription's copies of
+        them count as duplicates."""
+        self.sequence.remember(run)
+        return as_messages(self.source.topic, run)
+
+    def _restart(self, reason: str) -> None:
+        """Claim the namespace afresh: it restarts empty (may raise ``_Blocked``)."""
+        self.restart_due = reason
+        try:
+            self._claim()
+            self._write([], None)
+        except StaleEpochError:  # claims are not fenced; kept for completeness
+            raise _Blocked() from None
+        except RegistryError as exc:
+            self._redis_error(exc)
+        self.restart_due = None
+        self.counts.restarts += 1
+        log.warning("%s: namespace restarted empty: %s", self.log.name, reason)
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def _operations(self, batch: EventBatch) -> list[Any]:
+        """The ``bridge_apply`` operations of one decoded batch (may raise ``_Blocked``
+        while fetching parent digests); their blocks count towards the pending write."""
+        try:
+            ops, blocks = self.chain.operations(batch)
+        except RegistryError as exc:
+            self._redis_error(exc)
+        self.pending.blocks += blocks
+        return ops
+
+    def _flush(self) -> None:
+        if self.pending.empty:
+            return
+        self._write(self.pending.ops, self.pending.seq)
+        self.pending.clear()
+        self.chain.trim()
+
+    def _write(self, ops: Sequence[Any], seq: int | None) -> None:
+        """One ``bridge_apply`` call; Redis faults block, a lost namespace restarts it."""
+        try:
+            self.pending.apply(ops, seq, self.chain.block_size)
+        except StaleEpochError as exc:
+            self._lost(exc)
+            # The namespace restarted empty: the batches at hand still apply to it (a
+            # suffix of the engine's history lists a subset of its blocks).
+            self._write(ops, seq)
+            if seq is not None:
+                self.sequence.last = seq
+        except RegistryError as exc:
+            self._redis_error(exc)
+
+    def _lost(self, exc: StaleEpochError) -> None:
+        """This bridge's epoch is no longer the namespace's: if the namespace is gone
+        (gc, an emptied server) start it again; if another process owns it, stop."""
+        try:
+            current = self.registry.client.hget(self.registry.keys.meta, "epoch")
+        except Exception as error:
+            raise _Blocked() from error
+        if current is not None:
+            self.counts.superseded += 1
+            self.stopped = True
+            log.error(
+                "%s: another process owns the namespace now; this follower stops: %s",
+                self.log.name,
+                exc,
+            )
+            raise _Blocked() from exc
+        self._restart("the namespace was collected or lost")
+
+    def _redis_error(self, exc: RegistryError) -> NoReturn:
+        self.counts.redis_errors += 1
+        self.log.once(f"redis:{type(exc).__name__}", f"Redis: {exc}; retrying", warning=True)
+        raise _Blocked() from exc
+
+    # -- time: retries, lease, probes --------------------------------------------------------
+
+    def tick(self) -> None:
+        """Retry blocked writes, renew the lease while the engine is heard, probe a quiet
+        engine through its replay socket."""
+        if self.stopped or not self.started:
+            return
+        now = self.clock()
+        if self.blocked_until and now >= self.blocked_until:
+            self._drain()
+            if self.blocked:
+                return
+        liveness = self.liveness
+        quiet = liveness.quiet(now)
+        if self.probe is not None and liveness.probe_due(now):
+            try:
+                self._probe()
+            except _Blocked:
+                self.blocked_until = self.clock() + RETRY_DELAY
+                return
+            quiet = liveness.quiet(self.clock())
+        if liveness.silent(quiet):
+            if "silent" not in self.log:
+                self.counts.silent += 1
+                self.log.once(
+                    "silent", f"engine silent for {quiet:.0f} s; the lease runs out", warning=True
+                )
+            return
+        self.log.again("silent")
+        if liveness.renewal_due(now) and not self.blocked:
+            self._renew(now)
+
+    def _renew(self, now: float) -> None:
+        try:
+            self.registry.renew()
+            self.counts.renewals += 1
+            self.liveness.renewed(now)
+        except StaleEpochError as exc:
+            with contextlib.suppress(_Blocked):
+                self._lost(exc)
+        except RegistryError as exc:
+            self.counts.redis_errors += 1
+            self.log.once(f"renew:{type(exc).__name__}", f"lease renewal failed: {exc}")
+            self.liveness.renewal_failed(now)
+
+    def _probe(self) -> None:
+        """Ask a quiet engine's replay socket for its batches from the last one applied
+        on: the answer proves it is alive, brings what the subscription lost, and shows
+        a restart the engine has not spoken of yet (its replay no longer holds that
+        batch: the namespace restarts and takes what the new process published)."""
+        self.counts.probes += 1
+        sequence = self.sequence
+        last = sequence.last
+        start = SEQ_LIMIT // 2 - 1 if last is None else last
+        batches = self.probe(start) if self.probe is not None else None
+        self.liveness.probed(batches is not None)
+        if batches is None:
+            return
+        run = contiguous(batches)
+        if last is not None:
+            if sequence.replay_shows_restart(run):
+                self._quiet_restart(last)
+                return
+            if run[0][0] == last:
+                run = run[1:]  # the batch applied last: the same engine
+        if run and run[0][0] == sequence.next_seq():  # published, and the subscription lost it
+            self.offer(self._replayed(run))
+        elif run:  # a gap the replay does not reach back to: handled as one
+            self.offer(as_messages(self.source.topic, run))
+
+    def _quiet_restart(self, last: int) -> None:
+        """The engine's replay no longer holds batch ``last`` (or holds another one under
+        that seq): a new process. Restart the namespace and take what it published."""
+        log.warning(
+            "%s: the engine's replay no longer holds seq %d: the engine restarted",
+            self.log.name,
+            last,
+        )
+        self._restart(f"the engine restarted (its replay no longer holds seq {last})")
+        self.counts.engine_restarts += 1
+        self.sequence.forget_engine()
+        self.sequence.last_fingerprint = None
+        replayed = self._recover(0, initial=True)
+        if replayed:
+            self.offer(replayed)
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def internal_error(self) -> None:
+        """A step raised an unexpected error (a bug; call while handling it): logged
+        once with its traceback, counted, and the namespace restarts."""
+        self.counts.internal_errors += 1
+        self.log.exception("internal", "internal error; its namespace restarts")
+        self.backlog.clear()
+        self.restart_due = "an internal error"
+        self.blocked_until = self.clock() + 1.0
+
+    def _bad(self, kind: str, exc: BadEvent) -> None:
+        self.counts.bad_messages += 1
+        self.counts.bad_kinds[kind] = self.counts.bad_kinds.get(kind, 0) + 1
+        self.log.once(f"bad:{kind}", f"skipping a bad message ({kind}): {exc}", warning=True)
