@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from registry.core.errors import StaleEpochError
 from registry.core.keys import NamespaceKeys, node_index_key
 from registry.core.notices import EvictionNotice, parse_notice
+from registry.core.validation import checked_number
 from registry.transport.scripts import ScriptRunner
 
 log = logging.getLogger(__name__)
@@ -131,11 +132,7 @@ def announce_lease(
 
 def lease_seconds(value: object) -> float:
     """A lease length or heartbeat interval, checked: a number of seconds, 1 ms to a year."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"a lease length must be a number of seconds, not {type(value).__name__}")
-    if not 0.001 <= value <= 86_400 * 365:
-        raise ValueError(f"a lease length must lie between 1 ms and a year, not {value}")
-    return float(value)
+    return float(checked_number(value, "a lease length", 0.001, 86_400 * 365, unit=" s"))
 
 
 def owner_label(value: object) -> str:

@@ -33,7 +33,7 @@ from registry.core.errors import (
 )
 from registry.core.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.core.notices import EvictionNotice, parse_notice
-from registry.core.validation import flatten
+from registry.core.validation import checked_number, flatten, text
 from registry.namespace.admin import NamespaceInfo, info_commands, info_from, memory_commands
 from registry.namespace.ownership import DEFAULT_LEASE_TTL, Ownership
 from registry.namespace.replay import notices_after
@@ -65,14 +65,8 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
     ) -> None:
         super().__init__()
         self.keys = NamespaceKeys(namespace, key_prefix)
-        if isinstance(notice_stream_maxlen, bool) or not isinstance(notice_stream_maxlen, int):
-            raise TypeError("notice_stream_maxlen must be an int")
-        if not 1 <= notice_stream_maxlen <= 10_000_000:
-            raise ValueError("notice_stream_maxlen must lie between 1 and 10,000,000")
-        if isinstance(reply_ttl, bool) or not isinstance(reply_ttl, (int, float)):
-            raise TypeError("reply_ttl must be a number of seconds")
-        if not 1 <= reply_ttl <= 86_400:
-            raise ValueError(f"reply_ttl must lie between 1 s and a day, not {reply_ttl}")
+        checked_number(notice_stream_maxlen, "notice_stream_maxlen", 1, 10_000_000, integer=True)
+        checked_number(reply_ttl, "reply_ttl", 1, 86_400, unit=" s")
         if not callable(getattr(client, "evalsha", None)):
             raise TypeError(
                 f"client must be a redis-py style client (redis.Redis, RedisCluster, "
@@ -258,7 +252,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         incarnation, seq = self._read(
             "notice_position", self.client.hmget, self.keys.meta, ["incarnation", "notice_seq"]
         )
-        return ("" if incarnation is None else _text(incarnation)), int(seq or 0)
+        return ("" if incarnation is None else text(incarnation)), int(seq or 0)
 
     # -- the dict views (registry.core.views): one command per lookup ------------------------
 
@@ -363,7 +357,3 @@ def _int_map(raw: Any) -> dict[int, int]:
 def _notice(text: Any) -> EvictionNotice | None:
     """The notice a script published and replied with ("" when it published none)."""
     return parse_notice(text) if text else None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 from registry.core.keys import NamespaceKeys
 from registry.core.notices import EvictionNotice, parse_stream_entry
+from registry.core.validation import text
 
 
 class StreamReader(Protocol):
@@ -53,7 +54,7 @@ def notices_after(
             found.append(notice)
         if len(entries) < page:
             break
-        upper = "(" + _text(entries[-1][0])
+        upper = "(" + text(entries[-1][0])
     found.reverse()
     numbers = [n.seq for n in found]
     if not found or numbers != list(range(seq + 1, seq + 1 + len(found))):
@@ -69,7 +70,3 @@ def history_start(incarnation: str) -> int | None:
     if len(incarnation) > 3 and incarnation.isdigit() and incarnation.isascii():
         return int(incarnation[:-3])
     return None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
