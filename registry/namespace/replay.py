@@ -4,20 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from registry.core.keys import NamespaceKeys
 from registry.core.notices import EvictionNotice, parse_stream_entry
 from registry.core.validation import text
 
 
 class StreamReader(Protocol):
-    """What replay needs of a registry: its keys, its position and one read path."""
-
-    keys: NamespaceKeys
-    client: Any
+    """What replay needs of a registry: its notice position and pages of its stream."""
 
     def notice_position(self) -> tuple[str, int]: ...
 
-    def _read(self, operation: str, command: Any, *args: Any) -> Any: ...
+    def notice_page(self, upper: str, count: int) -> list[Any]: ...
 
 
 def notices_after(
@@ -41,11 +37,8 @@ def notices_after(
     found: list[EvictionNotice] = []
     upper = "+"
     reached = False
-    stream = registry.keys.mamba_evictions
     while not reached:
-        entries = registry._read(
-            "notices_after", registry.client.xrevrange, stream, upper, "-", page
-        )
+        entries = registry.notice_page(upper, page)
         for _entry_id, fields in entries:
             notice = parse_stream_entry(fields)
             if notice.seq <= seq or notice.incarnation != current:  # older: all found
