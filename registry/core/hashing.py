@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from registry.core.types import MAX_HASH
+from registry.core.validation import is_number
 
 ZERO_PARENT = bytes(32)
 SALT_DOMAIN = b"megatron-prefix-cache-salt-v1\0"
@@ -67,7 +68,7 @@ def _int64_bytes(tokens: Any) -> bytes:
 
 def block_hashes(tokens: Any, block_size: int, *, salt: str | bytes | None = None) -> list[int]:
     """Hashes in [1, 2^63-1] of every complete ``block_size``-token block of ``tokens``."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
+    if not is_number(block_size, integer=True):
         raise TypeError(f"block_size must be an int, not {type(block_size).__name__}")
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")

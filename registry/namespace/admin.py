@@ -10,6 +10,7 @@ from typing import Any
 
 from registry.core.errors import REDIS_ERRORS, translate
 from registry.core.keys import DEFAULT_KEY_PREFIX, NamespaceKeys
+from registry.core.validation import text
 from registry.transport.scripts import run_batched
 
 
@@ -57,7 +58,7 @@ def memory_commands(keys: NamespaceKeys) -> list[tuple[Any, ...]]:
 
 def info_from(namespace: str, replies: list[Any]) -> NamespaceInfo:
     kv, mamba, meta, now = replies
-    fields = {_text(k): _text(v) for k, v in meta.items()}
+    fields = {text(k): text(v) for k, v in meta.items()}
     seconds, micros = now
     return NamespaceInfo(
         namespace=namespace,
@@ -116,7 +117,3 @@ def _whole(text: str | None) -> int | None:
         return None if text is None else int(text)
     except ValueError:
         return None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

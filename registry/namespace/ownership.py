@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from registry.core.errors import StaleEpochError
 from registry.core.keys import NamespaceKeys, node_index_key
 from registry.core.notices import EvictionNotice, parse_notice
+from registry.core.validation import checked_number
 from registry.transport.scripts import ScriptRunner
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ DEFAULT_LEASE_TTL = 10.0
 
 class Ownership:
     """``claim``, ``renew`` and ``start_heartbeat`` of ``PrefixCacheRegistry``, over its
-    write path (``_write``) and its epoch."""
+    write path (``run_write``) and its epoch."""
 
     keys: NamespaceKeys
     client: Any
@@ -39,7 +40,7 @@ class Ownership:
     _runner: ScriptRunner
 
     @abstractmethod
-    def _write(
+    def run_write(
         self,
         operation: str,
         keys: tuple[str, ...],
@@ -51,7 +52,7 @@ class Ownership:
         """Run a write script under a fresh request id."""
 
     @abstractmethod
-    def _set_epoch(self, epoch: int | None) -> None:
+    def adopt_epoch(self, epoch: int | None) -> None:
         """Carry ``epoch`` in every later write."""
 
     if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class Ownership:
         lease_ttl = lease_seconds(lease_ttl)
         extra: tuple[str, ...] = () if mirror is None else (owner_label(mirror),)
         k = self.keys
-        epoch, lease_until, notice = self._write(
+        epoch, lease_until, notice = self.run_write(
             "claim",
             (k.kv, k.mamba, k.meta, k.mamba_evictions, k.engine_blocks),
             True,
@@ -85,9 +86,9 @@ class Ownership:
             fence="",  # claims are never fenced
         )
         self.lease_ttl = lease_ttl
-        self._set_epoch(int(epoch))
+        self.adopt_epoch(int(epoch))
         self._notify(parse_notice(notice) if notice else None)
-        self._announce(int(lease_until))
+        self.announce(int(lease_until))
         return int(epoch)
 
     def renew(self) -> float:
@@ -99,8 +100,8 @@ class Ownership:
         if self.epoch is None:
             raise RuntimeError("renew() needs an owner: call claim() first")
         lease_ms = max(1, round(self.lease_ttl * 1000))
-        lease_until = int(self._write("renew", (self.keys.meta,), False, (lease_ms,)))
-        self._announce(lease_until)
+        lease_until = int(self.run_write("renew", (self.keys.meta,), False, (lease_ms,)))
+        self.announce(lease_until)
         return lease_until / 1000
 
     def start_heartbeat(self, interval: float | None = None) -> Heartbeat:
@@ -112,9 +113,13 @@ class Ownership:
         beat = self.lease_ttl / 3 if interval is None else lease_seconds(interval)
         return Heartbeat(self, beat, name=f"heartbeat[{self.keys.namespace}]")
 
-    def _announce(self, lease_until_ms: int) -> None:
-        """Record the lease end in the node index, where routers and ``gc`` find it."""
+    def announce(self, lease_until_ms: int) -> None:
+        """Record the lease end (server clock, Unix ms) in the node index, where routers
+        and ``gc`` find it: what a claim and a renewal do, and a caller resuming an
+        owner's epoch with its own lease (``pcr bridge``'s ``bridge_resume``)."""
         announce_lease(self._runner, self.keys.key_prefix, self.keys.namespace, lease_until_ms)
+
+    _announce = announce  # reached by registry.bridge until it calls announce
 
 
 def announce_lease(
@@ -131,11 +136,7 @@ def announce_lease(
 
 def lease_seconds(value: object) -> float:
     """A lease length or heartbeat interval, checked: a number of seconds, 1 ms to a year."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"a lease length must be a number of seconds, not {type(value).__name__}")
-    if not 0.001 <= value <= 86_400 * 365:
-        raise ValueError(f"a lease length must lie between 1 ms and a year, not {value}")
-    return float(value)
+    return float(checked_number(value, "a lease length", 0.001, 86_400 * 365, unit=" s"))
 
 
 def owner_label(value: object) -> str:

@@ -33,7 +33,7 @@ from registry.core.errors import (
 )
 from registry.core.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
 from registry.core.notices import EvictionNotice, parse_notice
-from registry.core.validation import flatten
+from registry.core.validation import checked_number, flatten, text
 from registry.namespace.admin import NamespaceInfo, info_commands, info_from, memory_commands
 from registry.namespace.ownership import DEFAULT_LEASE_TTL, Ownership
 from registry.namespace.replay import notices_after
@@ -65,14 +65,8 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
     ) -> None:
         super().__init__()
         self.keys = NamespaceKeys(namespace, key_prefix)
-        if isinstance(notice_stream_maxlen, bool) or not isinstance(notice_stream_maxlen, int):
-            raise TypeError("notice_stream_maxlen must be an int")
-        if not 1 <= notice_stream_maxlen <= 10_000_000:
-            raise ValueError("notice_stream_maxlen must lie between 1 and 10,000,000")
-        if isinstance(reply_ttl, bool) or not isinstance(reply_ttl, (int, float)):
-            raise TypeError("reply_ttl must be a number of seconds")
-        if not 1 <= reply_ttl <= 86_400:
-            raise ValueError(f"reply_ttl must lie between 1 s and a day, not {reply_ttl}")
+        checked_number(notice_stream_maxlen, "notice_stream_maxlen", 1, 10_000_000, integer=True)
+        checked_number(reply_ttl, "reply_ttl", 1, 86_400, unit=" s")
         if not callable(getattr(client, "evalsha", None)):
             raise TypeError(
                 f"client must be a redis-py style client (redis.Redis, RedisCluster, "
@@ -94,13 +88,24 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self._kv_write_keys = (k.kv, k.meta)
         self._all_keys = (k.kv, k.mamba, k.meta, k.mamba_evictions)
         self._mamba_write_keys = (k.mamba, k.meta, k.mamba_evictions)
-        self._set_epoch(None)
+        self.adopt_epoch(None)
 
-    def _set_epoch(self, epoch: int | None) -> None:
+    def adopt_epoch(self, epoch: int | None) -> None:
+        """Carry ``epoch`` in every later write: what ``claim`` does with the epoch it
+        took, and what a caller resuming an owner's epoch instead of claiming one does
+        (``pcr bridge``'s ``bridge_resume``). None: writes carry none (unfenced)."""
         self.epoch = epoch
         self._fence = "" if epoch is None else str(epoch)
 
-    def _write(
+    _set_epoch = adopt_epoch  # reached by registry.bridge until it calls adopt_epoch
+
+    @property
+    def all_write_keys(self) -> tuple[str, ...]:
+        """The KEYS, after its reply key, of a write over both maps and the notice
+        stream (``kv``, ``mamba``, ``meta``, ``mamba_evictions``): for ``write_args``."""
+        return self._all_keys
+
+    def run_write(
         self,
         operation: str,
         keys: tuple[str, ...],
@@ -109,13 +114,19 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         *,
         fence: str | None = None,
     ) -> Any:
-        """Run a write script under a fresh request id (see ``lua/_prelude.lua``)."""
-        all_keys, args = self._write_args(operation, keys, notices, data, fence=fence)
+        """Run the write script ``operation`` under a fresh request id (see
+        ``lua/_prelude.lua``): ``keys`` after its reply key, then (``notices``) the
+        notice channel and the stream's length, then ``data``; fenced by this object's
+        epoch unless ``fence`` says otherwise ("": unfenced). Its reply, or a registry
+        error (``StaleEpochError`` once superseded)."""
+        all_keys, args = self.write_args(operation, keys, notices, data, fence=fence)
         return self._runner.run(
             operation, all_keys, args, namespace=self.keys.namespace, epoch=self.epoch
         )
 
-    def _write_args(
+    _write = run_write  # reached by registry.bridge until it calls run_write
+
+    def write_args(
         self,
         operation: str,
         keys: tuple[str, ...],
@@ -124,9 +135,9 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         *,
         fence: str | None = None,
     ) -> tuple[tuple[str, ...], list[Any]]:
-        """The (KEYS, ARGV) of one write under a fresh request id: ``_write`` sends them
-        at once; a batching caller (the mirror's flusher) keeps them to send, and re-send
-        unchanged, later: the request id makes a re-sent copy a no-op."""
+        """The (KEYS, ARGV) of one write under a fresh request id: ``run_write`` sends
+        them at once; a batching caller (the mirror's flusher) keeps them to send, and
+        re-send unchanged, later: the request id makes a re-sent copy a no-op."""
         number = f"{next(self._requests):x}"
         head: list[Any] = [
             self._fence if fence is None else fence,
@@ -137,6 +148,8 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             head += [self.keys.mamba_evicted_channel, self.notice_stream_maxlen]
         head.extend(data)
         return (self._reply_prefix + number, *keys), head
+
+    _write_args = write_args  # reached by registry.mirror until it calls write_args
 
     @classmethod
     def from_url(
@@ -208,8 +221,8 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
     # -- storage primitives -----------------------------------------------------
 
     # Reads of one key are a single HMGET/HGET: atomic and one round trip already, and
-    # several times cheaper on the server than a script, which must first turn every
-    # argument into a Lua string (measured in BENCHMARKS.md).
+    # cheaper on the server than a script, which must first turn every argument into a
+    # Lua string (see BENCHMARKS.md).
 
     def _match_kv_prefix(self, hashes: list[int]) -> list[int]:
         values = self._read("match_kv_prefix", self.client.hmget, self.keys.kv, hashes)
@@ -218,10 +231,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         return list(map(int, values))
 
     def _register_kv(self, entries: dict[int, int]) -> None:
-        self._write("register_kv", self._kv_write_keys, False, flatten(entries, ()))
+        self.run_write("register_kv", self._kv_write_keys, False, flatten(entries, ()))
 
     def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
-        removed, notice = self._write("evict_kv", self._all_keys, True, hashes)
+        removed, notice = self.run_write("evict_kv", self._all_keys, True, hashes)
         # The script lists the removed hashes only when some were missing.
         gone = set(hashes) if isinstance(removed, int) else set(map(int, removed))
         return gone, _notice(notice)
@@ -236,13 +249,13 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         return farthest
 
     def _register_mamba(self, entries: dict[int, int]) -> tuple[EvictionNotice | None, int]:
-        notice, stamp = self._write(
+        notice, stamp = self.run_write(
             "register_mamba", self._mamba_write_keys, True, flatten(entries, ())
         )
         return _notice(notice), int(stamp)
 
     def _evict_mamba(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
-        notice = _notice(self._write("evict_mamba", self._mamba_write_keys, True, hashes))
+        notice = _notice(self.run_write("evict_mamba", self._mamba_write_keys, True, hashes))
         return ({h for _, h in notice.pairs} if notice else set()), notice
 
     def _mamba_block_ids(self, hashes: list[int]) -> list[int | None]:
@@ -258,7 +271,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         incarnation, seq = self._read(
             "notice_position", self.client.hmget, self.keys.meta, ["incarnation", "notice_seq"]
         )
-        return ("" if incarnation is None else _text(incarnation)), int(seq or 0)
+        return ("" if incarnation is None else text(incarnation)), int(seq or 0)
 
     # -- the dict views (registry.core.views): one command per lookup ------------------------
 
@@ -303,7 +316,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
 
     def info(self) -> NamespaceInfo:
         """Sizes, owner epoch, lease and notice position of the namespace, in one round
-        trip (plus one ``MEMORY USAGE`` per key when ``memory`` is wanted)."""
+        trip (its memory: ``memory_bytes``)."""
         replies = self._pipelined("info", info_commands(self.keys))
         return info_from(self.namespace, replies)
 
@@ -342,11 +355,20 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
 
     def _clear(self, *, kv: bool, mamba: bool) -> EvictionNotice | None:
         if kv and mamba:
-            return _notice(self._write("reset", self._all_keys, True))
+            return _notice(self.run_write("reset", self._all_keys, True))
         if kv:
-            self._write("clear_kv", self._kv_write_keys, False)
+            self.run_write("clear_kv", self._kv_write_keys, False)
             return None
-        return _notice(self._write("clear_mamba", self._mamba_write_keys, True))
+        return _notice(self.run_write("clear_mamba", self._mamba_write_keys, True))
+
+    def notice_page(self, upper: str, count: int) -> list[Any]:
+        """One page of the notice stream, newest first: up to ``count`` (entry id,
+        fields) entries at or below the entry id ``upper`` ("+": the newest; "(ID":
+        below ID), in one ``XREVRANGE`` (what ``notices_after`` reads)."""
+        entries: list[Any] = self._read(
+            "notices_after", self.client.xrevrange, self.keys.mamba_evictions, upper, "-", count
+        )
+        return entries
 
     def notices_after(
         self, seq: int, *, incarnation: str | None = None, page: int = 500
@@ -363,7 +385,3 @@ def _int_map(raw: Any) -> dict[int, int]:
 def _notice(text: Any) -> EvictionNotice | None:
     """The notice a script published and replied with ("" when it published none)."""
     return parse_notice(text) if text else None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from registry.core.keys import NamespaceKeys
 from registry.core.notices import EvictionNotice, parse_stream_entry
+from registry.core.validation import text
 
 
 class StreamReader(Protocol):
-    """What replay needs of a registry: its keys, its position and one read path."""
-
-    keys: NamespaceKeys
-    client: Any
+    """What replay needs of a registry: its notice position and pages of its stream."""
 
     def notice_position(self) -> tuple[str, int]: ...
 
-    def _read(self, operation: str, command: Any, *args: Any) -> Any: ...
+    def notice_page(self, upper: str, count: int) -> list[Any]: ...
 
 
 def notices_after(
@@ -40,11 +37,8 @@ def notices_after(
     found: list[EvictionNotice] = []
     upper = "+"
     reached = False
-    stream = registry.keys.mamba_evictions
     while not reached:
-        entries = registry._read(
-            "notices_after", registry.client.xrevrange, stream, upper, "-", page
-        )
+        entries = registry.notice_page(upper, page)
         for _entry_id, fields in entries:
             notice = parse_stream_entry(fields)
             if notice.seq <= seq or notice.incarnation != current:  # older: all found
@@ -53,7 +47,7 @@ def notices_after(
             found.append(notice)
         if len(entries) < page:
             break
-        upper = "(" + _text(entries[-1][0])
+        upper = "(" + text(entries[-1][0])
     found.reverse()
     numbers = [n.seq for n in found]
     if not found or numbers != list(range(seq + 1, seq + 1 + len(found))):
@@ -69,7 +63,3 @@ def history_start(incarnation: str) -> int | None:
     if len(incarnation) > 3 and incarnation.isdigit() and incarnation.isascii():
         return int(incarnation[:-3])
     return None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

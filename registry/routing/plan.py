@@ -1,17 +1,105 @@
 """The plan both routers share (``PrefixRouter`` in ``registry.routing.routing``,
-``AsyncPrefixRouter`` in ``registry.routing.aio_routing``): checking and packing the
-prompt, the ``lua/score.lua`` calls, their replies as scores (``NodeScore``), choosing
-the best. No I/O here: each router adds only its round trips.
+``AsyncPrefixRouter`` in ``registry.routing.aio_routing``): what a router holds and
+checks (``RouterBase``), checking and packing the prompt, the ``lua/score.lua`` calls,
+their replies as scores (``NodeScore``), choosing the best. No I/O here: each router
+adds only its round trips.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from registry.core.keys import NamespaceKeys, validate_namespace
-from registry.core.scores import NodeScore
+from registry.core import observe
+from registry.core.keys import DEFAULT_KEY_PREFIX, NamespaceKeys, validate_namespace
+from registry.core.scores import NodeScore, checked_hybrid
 from registry.core.validation import prefix_hashes
+
+if TYPE_CHECKING:
+    from registry.fleet.view import FleetView
+
+ScoreCall = tuple[tuple[str, str, str], tuple[bytes, str]]
+"""The (keys, args) of one ``lua/score.lua`` call."""
+
+
+class RouterBase:
+    """What both routers hold and decide without I/O: their settings, checked; the
+    live-node cache; whether the fleet view answers; the ``score`` round for Redis and
+    its replies as scores; the choice, published. Each router adds its round trips, and
+    builds what does them in ``_attach``."""
+
+    def __init__(
+        self,
+        client: Any,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        *,
+        hybrid: bool | None = None,
+        live_cache_ttl: float = 1.0,
+        exact: bool = False,
+        view: FleetView | None = None,
+    ) -> None:
+        if not isinstance(exact, bool):
+            raise TypeError("exact must be True or False")
+        if view is not None and exact:
+            raise ValueError("a router scores exactly or from a fleet view, not both")
+        self.view = view
+        """A started ``registry.fleet.view.FleetView`` to score from (memory work, no
+        round trip; it may lag the writes by the time a change record takes to arrive:
+        ``view.sync()`` waits for them) while it follows Redis, asking Redis when it has
+        not for ``registry.fleet.view.STALE_S`` seconds; or None: Redis, exactly, per
+        namespace."""
+        self.client = client
+        self.key_prefix = key_prefix
+        self.hybrid = checked_hybrid(hybrid)
+        self.live_cache_ttl = live_cache_ttl
+        self.exact = exact
+        """Always per namespace (``lua/score.lua``), never from a view: the reference
+        a view is checked against."""
+        self._live: tuple[float, list[str]] = (float("-inf"), [])
+        self._keys: dict[str, NamespaceKeys] = {}
+        self._attach(client, key_prefix)
+
+    def _attach(self, client: Any, key_prefix: str) -> None:
+        """Build what the router does its round trips with (its script runner...)."""
+
+    def _cached_live(self) -> list[str] | None:
+        """The live nodes listed less than ``live_cache_ttl`` seconds ago, else None."""
+        fetched_at, names = self._live
+        return names if time.monotonic() - fetched_at < self.live_cache_ttl else None
+
+    def _remember_live(self, names: list[str]) -> None:
+        self._live = (time.monotonic(), names)
+
+    def _viewed(
+        self, hashes: Sequence[int], namespaces: Iterable[str] | None
+    ) -> dict[str, NodeScore] | None:
+        """The scores from the fleet view while it follows Redis; None: ask Redis."""
+        view = self.view
+        if view is not None and view.fresh():
+            return view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
+        return None
+
+    def _score_round(self, names: Sequence[str], packed: bytes) -> tuple[list[ScoreCall], str]:
+        """The ``score`` calls for ``names`` and what they do, for error messages."""
+        calls = score_calls(names, packed, self.key_prefix, self._keys, hybrid=self.hybrid)
+        return calls, routing_context(names)
+
+    def _scores(self, names: Sequence[str], replies: Sequence[Any]) -> dict[str, NodeScore]:
+        return scores_from_replies(names, replies, hybrid=self.hybrid)
+
+    def _chosen(
+        self,
+        scores: Mapping[str, NodeScore],
+        load: Mapping[str, float] | None,
+        hashes: Sequence[int],
+    ) -> str | None:
+        """``best_of`` the scores, published to an observer as a routing decision."""
+        choice = best_of(scores, load)
+        observer = observe.current
+        if observer is not None:
+            observer.routed(scores, choice, hashes)
+        return choice
 
 
 def pack_hashes(hashes: Sequence[int]) -> bytes:
@@ -33,11 +121,11 @@ def score_calls(
     keys_cache: dict[str, NamespaceKeys],
     *,
     hybrid: bool | None,
-) -> list[tuple[tuple[str, str, str], tuple[bytes, str]]]:
+) -> list[ScoreCall]:
     """The (keys, args) of one ``score`` script call per namespace (``keys_cache`` keeps
     each namespace's key names between calls)."""
     mode = "0" if hybrid is False else "1"
-    calls = []
+    calls: list[ScoreCall] = []
     for name in names:
         keys = keys_cache.get(name)
         if keys is None:

@@ -21,74 +21,36 @@ A router never writes and never claims an epoch. It is thread-safe.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from registry.core import observe
-from registry.core.keys import DEFAULT_KEY_PREFIX, NamespaceKeys
-from registry.core.scores import NodeScore, checked_hybrid
+from registry.core.scores import NodeScore
 from registry.fleet.membership import NodeIndex
-from registry.routing.plan import (
-    best_of,
-    chosen_namespaces,
-    pack_hashes,
-    routing_context,
-    score_calls,
-    scores_from_replies,
-)
+from registry.routing.plan import RouterBase, chosen_namespaces, pack_hashes
 from registry.transport.scripts import ScriptRunner
 
-if TYPE_CHECKING:
-    from registry.fleet.view import FleetView
 
-
-class PrefixRouter:
+class PrefixRouter(RouterBase):
     """Scores live nodes for a prompt's block hashes and picks the best one."""
 
-    def __init__(
-        self,
-        client: Any,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        *,
-        hybrid: bool | None = None,
-        live_cache_ttl: float = 1.0,
-        exact: bool = False,
-        view: FleetView | None = None,
-    ) -> None:
-        if not isinstance(exact, bool):
-            raise TypeError("exact must be True or False")
-        if view is not None and exact:
-            raise ValueError("a router scores exactly or from a fleet view, not both")
-        self.view = view
-        """A started ``registry.fleet.view.FleetView`` to score from (memory work, no
-        round trip; it may lag the writes by the time a change record takes to arrive:
-        ``view.sync()`` waits for them) while it follows Redis, asking Redis when it has
-        not for ``registry.fleet.view.STALE_S`` seconds; or None: Redis, exactly, per
-        namespace."""
-        self.client = client
-        self.key_prefix = key_prefix
-        self.hybrid = checked_hybrid(hybrid)
-        self.live_cache_ttl = live_cache_ttl
-        self.exact = exact
-        """Always per namespace (``lua/score.lua``), never from a view: the reference
-        a view is checked against."""
+    def _attach(self, client: Any, key_prefix: str) -> None:
+        """The node index listing live nodes, the script runner scoring them, and the
+        lock over the live-node cache (the router is shared by threads)."""
         self._index = NodeIndex(client, key_prefix)
         self._runner = ScriptRunner(client)
         self._lock = threading.Lock()
-        self._live: tuple[float, list[str]] = (float("-inf"), [])
-        self._keys: dict[str, NamespaceKeys] = {}
 
     def live_nodes(self) -> list[str]:
         """Namespaces with a live lease (cached for ``live_cache_ttl`` seconds; a node
         that died within that time is still never scored: each score checks its lease)."""
         with self._lock:
-            fetched_at, names = self._live
-        if time.monotonic() - fetched_at < self.live_cache_ttl:
-            return names
+            cached = self._cached_live()
+        if cached is not None:
+            return cached
         names = self._index.live()
         with self._lock:
-            self._live = (time.monotonic(), names)
+            self._remember_live(names)
         return names
 
     def score(
@@ -103,15 +65,15 @@ class PrefixRouter:
     def _score(
         self, hashes: Sequence[int], namespaces: Iterable[str] | None
     ) -> dict[str, NodeScore]:
-        view = self.view
-        if view is not None and view.fresh():
-            return view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
+        viewed = self._viewed(hashes, namespaces)
+        if viewed is not None:
+            return viewed
         packed = pack_hashes(hashes)
         names = self.live_nodes() if namespaces is None else chosen_namespaces(namespaces)
         if not names:
             return {}
-        replies = self._run_pipeline(names, packed)
-        return scores_from_replies(names, replies, hybrid=self.hybrid)
+        calls, context = self._score_round(names, packed)
+        return self._scores(names, self._runner.run_many("score", calls, context=context))
 
     def best(
         self,
@@ -124,12 +86,7 @@ class PrefixRouter:
         view = self.view
         if view is not None and observe.current is None and view.fresh():
             return self._best_viewed(hashes, load, namespaces)
-        scores = self.score(hashes, namespaces)
-        choice = best_of(scores, load)
-        observer = observe.current
-        if observer is not None:
-            observer.routed(scores, choice, hashes)
-        return choice
+        return self._chosen(self.score(hashes, namespaces), load, hashes)
 
     def _best_viewed(
         self,
@@ -156,7 +113,3 @@ class PrefixRouter:
         if not live:
             return None
         return min(live, key=lambda n: (loads.get(n, 0), n))
-
-    def _run_pipeline(self, names: list[str], packed: bytes) -> list[Any]:
-        calls = score_calls(names, packed, self.key_prefix, self._keys, hybrid=self.hybrid)
-        return self._runner.run_many("score", calls, context=routing_context(names))

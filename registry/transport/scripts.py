@@ -8,23 +8,27 @@ each loaded script is still one self-contained, atomic unit on the server.
 :class:`ScriptRunner` is the only way the project executes a script: EVALSHA of the
 locally computed SHA1, SCRIPT LOAD and one retry on NOSCRIPT (a restart, a failover,
 ``SCRIPT FLUSH``), pipelines included, and every Redis fault translated once through
-``registry.core.errors.translate``.
+``registry.core.errors.translate``. :class:`AsyncScriptRunner` is its twin on
+``redis.asyncio``: the NOSCRIPT rule (``needs_reload``, one reload and one retry in
+``with_reload`` / ``with_reload_async``), the errors and the batches are shared, only
+the round trips are awaited.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import cache
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import (
     AskError,
     ClusterDownError,
+    MaxConnectionsError,
     MovedError,
     NoScriptError,
     ResponseError,
@@ -43,6 +47,8 @@ from registry.core.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
@@ -170,32 +176,40 @@ class ScriptRunner:
         epoch: int | None,
     ) -> Any:
         try:  # a plain try: this is every write's path
-            try:
-                if keys or self._direct:
-                    # One write and one read of a pooled connection (on a cluster, of
-                    # the primary serving the keys), packed by hiredis: redis-py's own
-                    # packing and cluster routing cost more than the server's work for
-                    # a write of a few dozen pairs. None on a lost connection, a
-                    # timeout or a redirection: redis-py's path below then retries and
-                    # follows it (writes are exactly-once by their request ids).
-                    command = ("EVALSHA", script_sha(operation), len(keys), *keys, *args)
-                    if self._direct:
-                        replies = run_on_one_connection(self.client, ((None, command),))
-                    else:
-                        replies = run_per_node(self.client, ((keys[0], command),))
-                    if replies is not None:
-                        reply = replies[0]
-                        if isinstance(reply, Exception):
-                            raise reply
-                        return reply
-                return self.client.evalsha(script_sha(operation), len(keys), *keys, *args)
-            except NoScriptError:
-                self.client.script_load(script_source(operation))
-                return self.client.evalsha(script_sha(operation), len(keys), *keys, *args)
+            replies = with_reload(
+                lambda: [self._send(operation, keys, args)],
+                lambda: self.client.script_load(script_source(operation)),
+            )
+            reply = replies[0]
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
         except REDIS_ERRORS as exc:
             if namespace is not None:
                 context = f"namespace {namespace!r}"
             raise self._error(exc, operation, context, write, namespace, epoch) from exc
+
+    def _send(self, operation: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """One EVALSHA of ``operation``: its reply, an error reply as its exception
+        (NOSCRIPT included, for ``with_reload``); a lost connection raises."""
+        if keys or self._direct:
+            # One write and one read of a pooled connection (on a cluster, of the
+            # primary serving the keys), packed by hiredis: redis-py's own packing and
+            # cluster routing cost more than the server's work for a write of a few
+            # dozen pairs. None on a lost connection, a timeout or a redirection:
+            # redis-py's path below then retries and follows it (writes are
+            # exactly-once by their request ids).
+            command = ("EVALSHA", script_sha(operation), len(keys), *keys, *args)
+            if self._direct:
+                replies = run_on_one_connection(self.client, ((None, command),))
+            else:
+                replies = run_per_node(self.client, ((keys[0], command),))
+            if replies is not None:
+                return replies[0]
+        try:
+            return self.client.evalsha(script_sha(operation), len(keys), *keys, *args)
+        except NoScriptError as exc:
+            return exc
 
     def run_many(
         self,
@@ -224,10 +238,10 @@ class ScriptRunner:
         write: bool,
     ) -> list[Any]:
         try:
-            replies = self._pipeline(operation, calls)
-            if any(isinstance(r, NoScriptError) for r in replies):
-                self.client.script_load(script_source(operation))
-                replies = self._pipeline(operation, calls)
+            replies = with_reload(
+                lambda: self._pipeline(operation, calls),
+                lambda: self.client.script_load(script_source(operation)),
+            )
         except REDIS_ERRORS as exc:
             raise self._error(exc, operation, context, write, None, None) from exc
         for reply in replies:
@@ -259,6 +273,36 @@ class ScriptRunner:
         if isinstance(exc, ResponseError) and str(exc).startswith(NAMESPACE_MIRRORED):
             return NamespaceMirrored(namespace or context, str(exc))
         return _translated(exc, what, write=write)
+
+
+def needs_reload(replies: Sequence[Any]) -> bool:
+    """Whether a round's replies say the server does not hold a script (NOSCRIPT: a
+    restart, a failover, ``SCRIPT FLUSH``), so it must be loaded and the round sent once
+    more. The rule without I/O that ``with_reload`` and ``with_reload_async`` share."""
+    return any(isinstance(reply, NoScriptError) for reply in replies)
+
+
+def with_reload(send: Callable[[], list[Any]], load: Callable[[], object]) -> list[Any]:
+    """``send()``'s replies (error replies as exception objects); when they carry a
+    NOSCRIPT, ``load()`` the scripts and ``send()`` once more (every script call here
+    tolerates a re-sent copy). The one NOSCRIPT path of ``ScriptRunner``, one call or a
+    batch."""
+    replies = send()
+    if needs_reload(replies):
+        load()
+        replies = send()
+    return replies
+
+
+async def with_reload_async(
+    send: Callable[[], Awaitable[list[Any]]], load: Callable[[], Awaitable[object]]
+) -> list[Any]:
+    """``with_reload`` for ``redis.asyncio``: the same rule, awaited."""
+    replies = await send()
+    if needs_reload(replies):
+        await load()
+        replies = await send()
+    return replies
 
 
 def is_cluster(client: Any) -> bool:
@@ -402,6 +446,167 @@ def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> 
     if any(isinstance(reply, REDIRECTED) for reply in replies):
         return None
     return replies
+
+
+class AsyncScriptRunner:
+    """``ScriptRunner`` on a ``redis.asyncio`` client (standalone or cluster), for the
+    asyncio router: EVALSHA by the same SHA, the same NOSCRIPT rule (``needs_reload``),
+    the same errors and the same published operations; only the round trips are
+    awaited. Use it from the event loop its client belongs to."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def load(self, operations: Iterable[str] = OPERATIONS, *, context: str = "") -> None:
+        """SCRIPT LOAD ``operations`` now, so the first calls need no NOSCRIPT retry."""
+        try:
+            for operation in operations:
+                await self.client.script_load(script_source(operation))
+        except REDIS_ERRORS as exc:
+            raise _translated(exc, context or "loading the scripts", write=False) from exc
+
+    async def loaded(self, operations: Iterable[str], *, context: str = "") -> bool:
+        """Whether the server holds every one of ``operations`` (SCRIPT EXISTS)."""
+        try:
+            found = await self.client.script_exists(*map(script_sha, operations))
+        except REDIS_ERRORS as exc:
+            raise _translated(exc, context or "checking the scripts", write=False) from exc
+        return all(bool(f) for f in found)
+
+    async def run(
+        self,
+        operation: str,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        *,
+        context: str = "",
+        write: bool = True,
+    ) -> Any:
+        """``ScriptRunner.run``, awaited: EVALSHA ``operation``; its reply, or a registry
+        error naming ``context``."""
+        return await _counted(operation, self._run, operation, keys, args, context, write)
+
+    async def _run(
+        self, operation: str, keys: Sequence[Any], args: Sequence[Any], context: str, write: bool
+    ) -> Any:
+        async def send() -> list[Any]:
+            try:
+                return [await self.client.evalsha(script_sha(operation), len(keys), *keys, *args)]
+            except NoScriptError as exc:
+                return [exc]
+
+        try:
+            (reply,) = await with_reload_async(send, lambda: self._load_one(operation))
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
+        except REDIS_ERRORS as exc:
+            raise ScriptRunner._error(exc, operation, context, write, None, None) from exc
+
+    async def run_many(
+        self,
+        operation: str,
+        calls: Sequence[tuple[Sequence[Any], Sequence[Any]]],
+        *,
+        context: str = "",
+        write: bool = False,
+    ) -> list[Any]:
+        """``ScriptRunner.run_many``, awaited: one pipeline of ``operation`` calls (one
+        round trip per Redis node), the replies in order; a NOSCRIPT reloads and runs the
+        batch again."""
+        if not calls:
+            return []
+        return await _counted(operation, self._run_many, operation, calls, context, write)
+
+    async def _run_many(
+        self,
+        operation: str,
+        calls: Sequence[tuple[Sequence[Any], Sequence[Any]]],
+        context: str,
+        write: bool,
+    ) -> list[Any]:
+        sha = script_sha(operation)
+        routed = [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls]
+        try:
+            replies = await with_reload_async(
+                lambda: run_batched_async(self.client, routed), lambda: self._load_one(operation)
+            )
+        except REDIS_ERRORS as exc:
+            raise ScriptRunner._error(exc, operation, context, write, None, None) from exc
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise ScriptRunner._error(reply, operation, context, write, None, None) from reply
+        return replies
+
+    async def _load_one(self, operation: str) -> None:
+        await self.client.script_load(script_source(operation))
+
+
+async def run_batched_async(
+    client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]
+) -> list[Any]:
+    """``run_batched`` for ``redis.asyncio``: on a standalone server one write and one
+    read of one pooled connection (``run_on_one_connection_async``), else (a cluster, a
+    lost connection) redis-py's pipeline, whose async cluster flavour sends each primary
+    its share at the same time. Error replies come back as exception objects, in order."""
+    direct = await run_on_one_connection_async(client, routed)
+    if direct is not None:
+        return direct
+    pipe = client.pipeline(transaction=False)
+    for _key, command in routed:
+        pipe.execute_command(*command)
+    replies: list[Any] = await pipe.execute(raise_on_error=False)
+    return replies
+
+
+async def run_on_one_connection_async(
+    client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]
+) -> list[Any] | None:
+    """``run_on_one_connection`` for ``redis.asyncio``: the commands in one write and one
+    read of one pooled connection of a standalone server, packed by hiredis
+    (``packed_commands``). Error replies come back as exception objects, in order. None
+    on a lost connection or a timeout, or for a client without a plain connection pool
+    (a cluster): the caller then runs redis-py's pipeline, which retries (every command
+    sent this way tolerates a re-sent copy). A pool with no free connection
+    (``MaxConnectionsError``) raises: it is not a lost connection, and the pipeline would
+    be refused as well."""
+    pool = direct_pool(client)
+    if pool is None:
+        return None
+    try:
+        connection = await pool.get_connection()
+    except MaxConnectionsError:
+        raise
+    except (RedisConnectionError, RedisTimeoutError):
+        return None
+    healthy = False
+    try:
+        await connection.send_packed_command(
+            packed_commands(connection, [command for _key, command in routed])
+        )
+        replies: list[Any] = []
+        for _ in routed:
+            try:
+                replies.append(await connection.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        healthy = True
+    except (RedisConnectionError, RedisTimeoutError):
+        return None
+    finally:
+        if not healthy:
+            await connection.disconnect()  # a half-read connection must not be reused
+        await pool.release(connection)
+    return replies
+
+
+async def _counted(operation: str, call: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``await call(*args)``, published as ``operation`` with its outcome and time when an
+    observer listens (``registry.core.observe``), as ``ScriptRunner`` publishes."""
+    observer = observe.current
+    if observer is None:
+        return await call(*args)
+    return await observe.timed_async(observer, operation, call, *args)
 
 
 def _translated(exc: BaseException, what: str, *, write: bool) -> RegistryError:

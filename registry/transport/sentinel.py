@@ -40,6 +40,8 @@ from redis.sentinel import (
     SentinelManagedConnection,
 )
 
+from registry.core.validation import text
+
 log = logging.getLogger(__name__)
 
 MASTER_RECHECK_S = 0.5
@@ -47,21 +49,17 @@ MASTER_RECHECK_S = 0.5
 when its connection sat idle this long."""
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
-
-
 def hello_role(reply: Any) -> str:
     """The ``role`` field of a ``HELLO`` reply (a RESP2 flat list or a RESP3 map)."""
     if isinstance(reply, dict):
-        fields = {_text(k): v for k, v in reply.items()}
+        fields = {text(k): v for k, v in reply.items()}
     elif isinstance(reply, (list, tuple)):
-        fields = {_text(reply[i]): reply[i + 1] for i in range(0, len(reply) - 1, 2)}
+        fields = {text(reply[i]): reply[i + 1] for i in range(0, len(reply) - 1, 2)}
     else:
         raise ConnectionError(f"HELLO answered a {type(reply).__name__}, not the server's info")
     if "role" not in fields:
         raise ConnectionError("HELLO's answer does not say the server's role")
-    return _text(fields["role"])
+    return text(fields["role"])
 
 
 class VerifiedMasterConnection(SentinelManagedConnection):
@@ -199,8 +197,8 @@ def _ask(sentinel: Any, service_name: str) -> tuple[tuple[str, int] | None, set[
         return None, set()
     flags = state.get("flags", "") if isinstance(state, dict) else ""
     if isinstance(flags, (bytes, bytearray, str)):
-        flags = set(_text(flags).split(","))
-    return (_text(address[0]), int(address[1])), {_text(f) for f in flags}
+        flags = set(text(flags).split(","))
+    return (text(address[0]), int(address[1])), {text(f) for f in flags}
 
 
 def _where(sentinel: Any) -> str:
