@@ -131,7 +131,7 @@ class Follower:
         """Resume the namespace where a previous bridge of this endpoint left it, when
         it is still live and hashed with this block size; False when it is not."""
         lease_ms = max(1, round(self.lease_ttl * 1000))
-        reply = self.registry._write(
+        reply = self.registry.run_write(
             "bridge_resume",
             (self.registry.keys.meta,),
             False,
@@ -149,9 +149,9 @@ class Follower:
             )  # fmt: skip
             return False
         epoch, lease_until, seq, block_size = (text(v) for v in reply)
-        self.registry._set_epoch(int(epoch))
+        self.registry.adopt_epoch(int(epoch))
         self.registry.lease_ttl = self.lease_ttl
-        self.registry._announce(int(lease_until))  # the lease, in the node index
+        self.registry.announce(int(lease_until))  # the lease, in the node index
         self.sequence.last = int(seq) if seq else None
         if size is None and block_size:
             self.chain.block_size = int(block_size)

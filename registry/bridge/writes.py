@@ -61,7 +61,7 @@ class PendingWrite:
             "" if block_size is None else str(block_size),
             *ops,
         )
-        stored, removed, unknown, cleared = self.registry._write(
+        stored, removed, unknown, cleared = self.registry.run_write(
             "bridge_apply", self.keys, False, data
         )
         counts = self.counts

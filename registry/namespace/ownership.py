@@ -119,7 +119,6 @@ class Ownership:
         owner's epoch with its own lease (``pcr bridge``'s ``bridge_resume``)."""
         announce_lease(self._runner, self.keys.key_prefix, self.keys.namespace, lease_until_ms)
 
-    _announce = announce  # reached by registry.bridge until it calls announce
 
 
 def announce_lease(

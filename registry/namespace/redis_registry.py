@@ -97,7 +97,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self.epoch = epoch
         self._fence = "" if epoch is None else str(epoch)
 
-    _set_epoch = adopt_epoch  # reached by registry.bridge until it calls adopt_epoch
 
     @property
     def all_write_keys(self) -> tuple[str, ...]:
@@ -124,7 +123,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             operation, all_keys, args, namespace=self.keys.namespace, epoch=self.epoch
         )
 
-    _write = run_write  # reached by registry.bridge until it calls run_write
 
     def write_args(
         self,

@@ -69,7 +69,7 @@ def test_bad_arguments_raise_and_change_nothing(
         def no_round_trip(*args: object, **kwargs: object) -> None:
             raise AssertionError("bad input reached Redis")
 
-        monkeypatch.setattr(reg, "_write", no_round_trip)
+        monkeypatch.setattr(reg, "run_write", no_round_trip)
         monkeypatch.setattr(reg, "_read", no_round_trip)
     with pytest.raises(error) as info:
         call(reg)

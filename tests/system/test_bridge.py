@@ -484,7 +484,7 @@ def test_a_resent_call_applies_once(rig: Rig, client: Any) -> None:
     before = {k: client.dump(k) for k in data}
     ops = follower._operations(decode_batch(batch([stored(hashes, None, tokens, BS)])))
     args = (str(seq), "vllm", source.endpoint, str(BS), *ops)
-    reply = follower.registry._write("bridge_apply", follower.pending.keys, False, args)
+    reply = follower.registry.run_write("bridge_apply", follower.pending.keys, False, args)
     assert [int(x) for x in reply[:4]] == [0, 0, 0, 0]
     assert {k: client.dump(k) for k in data} == before
     assert applied(client, ns, seq)
