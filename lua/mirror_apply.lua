@@ -1,11 +1,11 @@
--- mirror_apply: a mirrored owner (registry/mirror.py) applies a run of its queued writes
+-- mirror_apply: a mirrored owner (registry/mirror/) applies a run of its queued writes
 -- in one call, in order, with exactly the effects the same writes have when sent one by
 -- one through register_kv, evict_kv, register_mamba, evict_mamba, clear_kv, clear_mamba
 -- and reset: the same entries, the same notices (numbered, streamed and published one
 -- by one, in the same order). What differs is bookkeeping: the whole run is fenced once
 -- (its epoch checked once: nothing can change it inside one script) and has one request
 -- id, so a re-sent copy of the run returns the first copy's reply and applies nothing.
--- The caller bounds a run (registry/mirror.py CALL_WRITES, CALL_VALUES), so one call
+-- The caller bounds a run (registry/mirror/writes.py CALL_WRITES, CALL_VALUES), so one call
 -- holds the server under a millisecond (0.2 ms for 100 single-block registrations).
 --
 -- KEYS[1]  pcr:{node-0}:reply:5f1c2a9b03e1-7   this run's reply record
@@ -18,7 +18,8 @@
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
 -- ARGV[4]  pcr:{node-0}:mamba-evicted           channel for notices
 -- ARGV[5]  "1000"                               approximate stream cap (MAXLEN ~)
--- ARGV[6..] the writes, each as an operation code, a count n, then its values:
+-- ARGV[6..] the writes, each as an operation code (named in Python by
+--          registry/mirror/writes.py Op, which must match these), a count n, then its values:
 --          "k" n hash1 id1 .. hash_n id_n   register_kv (distinct hashes)
 --          "e" n hash1 .. hash_n            evict_kv (distinct hashes)
 --          "m" n hash1 id1 .. hash_n id_n   register_mamba (distinct hashes > 0)

@@ -258,6 +258,17 @@ class ScriptRunner:
             [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls],
         )
 
+    def reloading(self, send: Callable[[], list[Any]]) -> list[Any]:
+        """The replies of ``send()``, a batch of EVALSHA commands its caller built and
+        sends its own way (the mirror's flusher); when one is NOSCRIPT, every script is
+        loaded and the whole batch sent once more, so each command must tolerate a
+        re-sent copy (a write's request id makes it a no-op). Redis faults propagate."""
+        replies = send()
+        if any(isinstance(reply, NoScriptError) for reply in replies):
+            self.load()
+            replies = send()
+        return replies
+
     @staticmethod
     def _error(
         exc: BaseException,

@@ -67,7 +67,7 @@ def mirrors() -> Iterator[list[MirroredRegistry]]:
     for mirror in made:
         mirror.close()
     for mirror in made:
-        assert mirror._thread is None or not mirror._thread.is_alive()
+        assert mirror._flusher.thread is None or not mirror._flusher.thread.is_alive()
 
 
 def machine_for(backend: Backend, *, held: bool = False) -> type[RuleBasedStateMachine]:
@@ -339,17 +339,18 @@ def test_a_batch_whose_reply_was_lost_is_sent_again_and_applies_once(
     mirror.register_mamba([6], [11])  # another: applied twice, both would repeat
     mirror.evict_kv([12])  # a cascade notice
     mirror.register_kv([3], [13])
-    sent = mirror._batched
+    wire = mirror._behind.wire
+    sent = wire.send
     lost: list[bool] = []
 
-    def reply_lost(chunks: Any) -> list[Any]:
-        replies = sent(chunks)  # applied by Redis ...
+    def reply_lost(commands: Any) -> list[Any]:
+        replies = sent(commands)  # applied by Redis ...
         if not lost:
             lost.append(True)
             raise redis.ConnectionError("connection reset")  # ... but the reply never came
         return replies
 
-    monkeypatch.setattr(mirror, "_batched", reply_lost)
+    monkeypatch.setattr(wire, "send", reply_lost)
     mirror.flush()
     counts = mirror.counts()
     assert lost == [True]
@@ -469,7 +470,7 @@ def test_the_flusher_finds_the_fencing_by_itself(
     PrefixCacheRegistry(redis_backend.client(), ns).claim()
     mirror.register_kv([3], [33])
     wait_until(lambda: mirror.lost, what="the flusher marks the fenced mirror lost")
-    thread = mirror._thread
+    thread = mirror._flusher.thread
     assert thread is not None
     wait_until(lambda: not thread.is_alive(), what="the flusher of a lost mirror ends")
     with pytest.raises(StaleEpochError):
@@ -571,14 +572,14 @@ def test_close_flushes_and_stops_and_a_dropped_mirror_stops_its_flusher(
     mirror.register_kv([1], [11])
     mirror.close()
     assert registry_state(inner)[0] == {11: 1}
-    assert mirror._thread is not None
-    assert not mirror._thread.is_alive()
+    assert mirror._flusher.thread is not None
+    assert not mirror._flusher.thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         mirror.register_kv([2], [22])
     assert mirror.match_kv_prefix([11]) == ([1], 11)  # reads still answer
 
     dropped = mirrored(redis_backend)
-    thread = dropped._thread
+    thread = dropped._flusher.thread
     assert thread is not None
     assert thread.is_alive()
     del dropped
