@@ -23,6 +23,7 @@ from registry.transport.scripts import (
     packed_commands,
     read_replies,
     run_batched,
+    script_error,
 )
 
 
@@ -70,7 +71,7 @@ class MirrorWire:
     def refusal(self, reply: Exception, operation: str, epoch: int | None) -> RegistryError:
         """The registry error an error reply of ``operation`` means (``StaleEpochError``
         when this owner was fenced)."""
-        return self.runner._error(reply, operation, "", True, self.namespace, epoch)
+        return script_error(reply, operation, "", True, self.namespace, epoch)
 
 
 def plain_connection_pool(client: Any) -> Any:

@@ -123,6 +123,6 @@ class BatchEncoder:
 
     def _command(self, operation: str, values: Any) -> Routed:
         inner = self.inner
-        all_keys, args = inner._write_args(operation, inner._all_keys, True, values)
+        all_keys, args = inner.write_args(operation, inner.all_write_keys, True, values)
         command = ("EVALSHA", script_sha(operation), len(all_keys), *all_keys, *args)
         return all_keys[0], command

@@ -120,7 +120,6 @@ class Ownership:
         announce_lease(self._runner, self.keys.key_prefix, self.keys.namespace, lease_until_ms)
 
 
-
 def announce_lease(
     runner: ScriptRunner, key_prefix: str, namespace: str, lease_until_ms: int
 ) -> None:

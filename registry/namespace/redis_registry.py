@@ -97,7 +97,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self.epoch = epoch
         self._fence = "" if epoch is None else str(epoch)
 
-
     @property
     def all_write_keys(self) -> tuple[str, ...]:
         """The KEYS, after its reply key, of a write over both maps and the notice
@@ -123,7 +122,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             operation, all_keys, args, namespace=self.keys.namespace, epoch=self.epoch
         )
 
-
     def write_args(
         self,
         operation: str,
@@ -146,8 +144,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             head += [self.keys.mamba_evicted_channel, self.notice_stream_maxlen]
         head.extend(data)
         return (self._reply_prefix + number, *keys), head
-
-    _write_args = write_args  # reached by registry.mirror until it calls write_args
 
     @classmethod
     def from_url(

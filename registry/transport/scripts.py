@@ -187,7 +187,7 @@ class ScriptRunner:
         except REDIS_ERRORS as exc:
             if namespace is not None:
                 context = f"namespace {namespace!r}"
-            raise self._error(exc, operation, context, write, namespace, epoch) from exc
+            raise script_error(exc, operation, context, write, namespace, epoch) from exc
 
     def _send(self, operation: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """One EVALSHA of ``operation``: its reply, an error reply as its exception
@@ -243,10 +243,10 @@ class ScriptRunner:
                 lambda: self.client.script_load(script_source(operation)),
             )
         except REDIS_ERRORS as exc:
-            raise self._error(exc, operation, context, write, None, None) from exc
+            raise script_error(exc, operation, context, write, None, None) from exc
         for reply in replies:
             if isinstance(reply, Exception):
-                raise self._error(reply, operation, context, write, None, None) from reply
+                raise script_error(reply, operation, context, write, None, None) from reply
         return replies
 
     def _pipeline(
@@ -263,27 +263,27 @@ class ScriptRunner:
         sends its own way (the mirror's flusher); when one is NOSCRIPT, every script is
         loaded and the whole batch sent once more, so each command must tolerate a
         re-sent copy (a write's request id makes it a no-op). Redis faults propagate."""
-        replies = send()
-        if any(isinstance(reply, NoScriptError) for reply in replies):
-            self.load()
-            replies = send()
-        return replies
+        return with_reload(send, self.load)
 
-    @staticmethod
-    def _error(
-        exc: BaseException,
-        operation: str,
-        context: str,
-        write: bool,
-        namespace: str | None,
-        epoch: int | None,
-    ) -> RegistryError:
-        what = f"{context}: {operation}" if context else operation
-        if isinstance(exc, ResponseError) and str(exc).startswith(STALE_EPOCH):
-            return StaleEpochError(namespace or context, epoch, str(exc))
-        if isinstance(exc, ResponseError) and str(exc).startswith(NAMESPACE_MIRRORED):
-            return NamespaceMirrored(namespace or context, str(exc))
-        return _translated(exc, what, write=write)
+
+def script_error(
+    exc: BaseException,
+    operation: str,
+    context: str,
+    write: bool,
+    namespace: str | None,
+    epoch: int | None,
+) -> RegistryError:
+    """The registry error for a script call's failure (a reply or a raised fault):
+    a fenced owner's ``StaleEpochError``, a mirrored namespace's ``NamespaceMirrored``,
+    else ``errors.translate``'s vocabulary; what every runner and a batch sent its own
+    way (the mirror's) raise."""
+    what = f"{context}: {operation}" if context else operation
+    if isinstance(exc, ResponseError) and str(exc).startswith(STALE_EPOCH):
+        return StaleEpochError(namespace or context, epoch, str(exc))
+    if isinstance(exc, ResponseError) and str(exc).startswith(NAMESPACE_MIRRORED):
+        return NamespaceMirrored(namespace or context, str(exc))
+    return _translated(exc, what, write=write)
 
 
 def needs_reload(replies: Sequence[Any]) -> bool:
@@ -512,7 +512,7 @@ class AsyncScriptRunner:
                 raise reply
             return reply
         except REDIS_ERRORS as exc:
-            raise ScriptRunner._error(exc, operation, context, write, None, None) from exc
+            raise script_error(exc, operation, context, write, None, None) from exc
 
     async def run_many(
         self,
@@ -543,10 +543,10 @@ class AsyncScriptRunner:
                 lambda: run_batched_async(self.client, routed), lambda: self._load_one(operation)
             )
         except REDIS_ERRORS as exc:
-            raise ScriptRunner._error(exc, operation, context, write, None, None) from exc
+            raise script_error(exc, operation, context, write, None, None) from exc
         for reply in replies:
             if isinstance(reply, Exception):
-                raise ScriptRunner._error(reply, operation, context, write, None, None) from reply
+                raise script_error(reply, operation, context, write, None, None) from reply
         return replies
 
     async def _load_one(self, operation: str) -> None:

@@ -378,7 +378,7 @@ def test_a_malformed_run_changes_nothing(
         ["k", 1, 13, 3, "e", -1],  # a bad count
         ["K", 1, 13],  # a clear carries no values
     ):
-        keys, args = inner._write_args("mirror_apply", inner._all_keys, True, run)
+        keys, args = inner.write_args("mirror_apply", inner.all_write_keys, True, run)
         with pytest.raises(redis.ResponseError, match="BAD_WRITE"):
             inner.client.evalsha(script_sha("mirror_apply"), len(keys), *keys, *args)
     assert redis_view(mirror) == mirror.entries() == ({11: 1, 12: 2}, {})
