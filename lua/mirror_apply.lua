@@ -6,7 +6,7 @@
 -- (its epoch checked once: nothing can change it inside one script) and has one request
 -- id, so a re-sent copy of the run returns the first copy's reply and applies nothing.
 -- The caller bounds a run (registry/mirror/writes.py CALL_WRITES, CALL_VALUES), so one call
--- holds the server under a millisecond (0.2 ms for 100 single-block registrations).
+-- holds the server for well under a millisecond (BENCHMARKS.md, the owner's mirror).
 --
 -- KEYS[1]  pcr:{node-0}:reply:5f1c2a9b03e1-7   this run's reply record
 -- KEYS[2]  pcr:{node-0}:kv                      HASH hash -> KV block id
