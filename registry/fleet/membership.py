@@ -22,6 +22,7 @@ from registry.core.keys import (
     node_index_key,
     validate_namespace,
 )
+from registry.core.validation import text
 from registry.namespace.ownership import announce_lease
 from registry.transport.scripts import ScriptRunner
 
@@ -94,7 +95,7 @@ class NodeIndex:
         """Members of the index that are not valid namespaces (bytes that are not
         printable text shown as ``\\xNN``)."""
         shown, _count = self._run("live_nodes", (self.key,), ("invalid",))
-        return [_text(n) for n in shown] + self._breaking_the_rules()
+        return [text(n) for n in shown] + self._breaking_the_rules()
 
     def remove_invalid(self) -> list[str]:
         """Remove every invalid member from the index; return them as ``invalid()``."""
@@ -105,14 +106,14 @@ class NodeIndex:
                 self.client.zrem(self.key, *rest)
             except REDIS_ERRORS as exc:
                 raise (translate(exc, f"node index {self.key!r}: remove") or exc) from exc
-        return [_text(n) for n in shown] + rest
+        return [text(n) for n in shown] + rest
 
     def _breaking_the_rules(self) -> list[str]:
         """Well-formed text members that the Lua check lets through but the namespace
         rules refuse (Unicode spaces, controls, over 200 characters)."""
         members = [*self._run("live_nodes", (self.key,), ("live",))[0]]
         members += self._run("live_nodes", (self.key,), ("dead",))[0]
-        return [name for name in map(_text, members) if not _is_namespace(name)]
+        return [name for name in map(text, members) if not _is_namespace(name)]
 
     def _members(self, mode: str) -> list[str]:
         names, skipped = self._run("live_nodes", (self.key,), (mode,))
@@ -173,7 +174,7 @@ def engine_table(table: dict[Any, Any]) -> dict[str, str]:
     namespace or URL rules."""
     engines = {}
     for raw_name, raw_url in table.items():
-        name, url = _text(raw_name), _text(raw_url)
+        name, url = text(raw_name), text(raw_url)
         try:
             validate_namespace(name)
             validate_engine_url(url)
@@ -189,7 +190,7 @@ def split_members(names: list[Any], skipped: int) -> tuple[list[str], list[str]]
     callers. Shared by ``NodeIndex`` and the asyncio router."""
     valid: list[str] = []
     refused: list[str] = []
-    for name in map(_text, names):
+    for name in map(text, names):
         (valid if _is_namespace(name) else refused).append(name)
     return valid, refused
 
@@ -221,9 +222,3 @@ def live_nodes(client: Any, key_prefix: str = DEFAULT_KEY_PREFIX) -> list[str]:
 def collect_dead(client: Any, key_prefix: str = DEFAULT_KEY_PREFIX) -> list[str]:
     """Remove every namespace whose lease has expired; return the namespaces removed."""
     return NodeIndex(client, key_prefix).collect_dead()
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "backslashreplace")
-    return str(value)

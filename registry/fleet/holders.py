@@ -1,0 +1,525 @@
+"""The fleet view's table without I/O: block hash -> the namespaces holding it, changed
+by change records and snapshots, walked to match and score a prompt.
+
+A hash maps to an int: bit ``2 * slot`` the KV entry of the namespace in ``slot``, bit
+``2 * slot + 1`` its Mamba entry; a hash one bit alone holds (a conversation's own
+blocks, the most of them) maps to that bit's index inverted (``~index``, negative), so
+it costs a small int whatever the slot, not a bitmap as long as the slot's number.
+
+Scoring is memory work proportional to the prompt's matched part: the prompt's hashes
+are looked up one after another (``dict.get`` in C, runs of equal holders grouped in C)
+until no namespace still holds every block so far (``walk``); the namespaces that match
+are answered, the other live ones (with 0) only when asked for (``everyone=True``).
+
+``HolderTable`` reads nothing and starts nothing: what a record or a snapshot cannot
+settle (a gap, a new incarnation, a namespace not held yet, ``L``) it answers with the
+namespace to load, and its caller (``registry.fleet.follower``) loads it. Scoring may
+run on any thread while one thread changes it (each lookup is one atomic dict
+operation; a decision may see a record half applied, as a router may see the fleet
+between two writes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import groupby, repeat
+from typing import Any
+
+from registry.core.scores import NodeScore, checked_hybrid
+from registry.core.validation import prefix_hashes
+
+log = logging.getLogger(__name__)
+
+MEMO_NAMES = 1 << 18
+"""How many namespaces a table remembers across the holder sets it decoded
+(``HolderTable._named``; a few MB), before it forgets them all and starts again."""
+
+
+class Part:
+    """The operation codes of a change record's parts, as ``lua/_prelude.lua``
+    ``record_changes`` writes them."""
+
+    KV_ADDED = b"k+"
+    KV_REMOVED = b"k-"
+    MAMBA_ADDED = b"m+"
+    MAMBA_REMOVED = b"m-"
+    KV_CLEARED = b"K"
+    MAMBA_CLEARED = b"M"
+    CLAIMED = b"C"  # a new claim: both maps cleared, no Mamba state seen yet
+    COLLECTED = b"G"  # the namespace is gone (``gc``)
+    LOAD = b"L"  # too much changed to say: read the namespace again
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a namespace's change records stand: its incarnation and the number of its
+    last record (``b""`` and 0: the namespace does not exist)."""
+
+    incarnation: bytes
+    seq: int
+
+
+@dataclass
+class ViewCounts:
+    """What a view did since it started."""
+
+    records: int = 0  # records applied
+    loads: int = 0  # namespaces loaded from their maps
+    gaps: int = 0  # records out of order, or of a new incarnation: the namespace loaded
+    reconnects: int = 0  # subscriptions (re)made, each followed by loading everything
+    errors: int = 0  # Redis faults the follower waited out
+    skipped: int = 0  # records that were not records, or named another namespace
+
+
+@dataclass
+class _Source:
+    """One namespace as the table holds it."""
+
+    slot: int
+    incarnation: bytes = b""
+    seq: int = 0
+    hybrid: bool = False  # it held Mamba state since its owner's claim (meta's mamba_seen)
+    kv: set[int] = field(default_factory=set)
+    mamba: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Live:
+    """The live namespaces as the scorer reads them, replaced whole."""
+
+    mask: int  # the KV bit of every live namespace's slot
+    names: tuple[str, ...]
+    slots: dict[str, int]
+
+
+class HolderTable:
+    """Block hash -> holder bits for every namespace held, the live ones among them, and
+    the walk that matches and scores a prompt against them."""
+
+    def __init__(self, counts: ViewCounts) -> None:
+        self.counts = counts
+        self.blocks: dict[int, int] = {}
+        self._sources: dict[str, _Source] = {}
+        self._free: list[int] = []
+        self._next_slot = 0
+        self._live = _Live(0, (), {})
+        self._names: list[str | None] = []  # slot -> namespace
+        self._memo: dict[int, dict[str, None]] = {}  # KV bits -> their namespaces
+        self._memo_names = 0
+        self._hybrid = 0  # the KV bit of every hybrid model's namespace
+
+    # -- what it holds -----------------------------------------------------------------
+
+    def held_names(self) -> list[str]:
+        """Every namespace held (sorted)."""
+        return sorted(self._sources)
+
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is held."""
+        return name in self._sources
+
+    def is_live(self, name: str) -> bool:
+        """Whether ``name`` was among the live namespaces last set."""
+        return name in self._live.slots
+
+    def live_nodes(self) -> list[str]:
+        """The live namespaces as last set (sorted)."""
+        return list(self._live.names)
+
+    def held(self, namespace: str) -> tuple[frozenset[int], frozenset[int]] | None:
+        """(KV hashes, Mamba hashes) held for ``namespace``, or None."""
+        source = self._sources.get(namespace)
+        if source is None:
+            return None
+        return frozenset(source.kv), frozenset(source.mamba)
+
+    def reached(self, name: str, at: Position) -> bool:
+        """Whether what is held of ``name`` includes every record up to ``at``."""
+        source = self._sources.get(name)
+        if not at.incarnation:
+            return source is None
+        return source is not None and source.incarnation == at.incarnation and source.seq >= at.seq
+
+    def memory(self) -> dict[str, int]:
+        """Rough sizes: distinct hashes, (namespace, hash) pairs held."""
+        pairs = sum(len(s.kv) + len(s.mamba) for s in self._sources.values())
+        return {"hashes": len(self.blocks), "pairs": pairs, "namespaces": len(self._sources)}
+
+    # -- scoring -----------------------------------------------------------------------
+
+    def match(
+        self,
+        hashes: Sequence[int],
+        namespaces: Iterable[str] | None = None,
+        *,
+        hybrid: bool | None = None,
+    ) -> dict[str, int]:
+        """The live namespaces (all, or those given) holding a prefix of ``hashes``,
+        each with its usable prefix in blocks (``FleetView.match``)."""
+        hybrid = checked_hybrid(hybrid)
+        ends, checkpoints = self._walk(hashes, namespaces, hybrid is not False)
+        named = self._named
+        usable: dict[str, int] = {}
+        if hybrid is False:
+            for position, bits in ends:
+                usable.update(dict.fromkeys(named(bits), position))
+            return usable
+        reuses_mamba = self._hybrid if hybrid is None else -1
+        if not reuses_mamba:  # no hybrid model's node: the KV prefixes
+            for position, bits in ends:
+                usable.update(dict.fromkeys(named(bits), position))
+            return usable
+        for position, bits in ends:
+            plain = bits & ~reuses_mamba
+            if plain:
+                usable.update(dict.fromkeys(named(plain), position))
+            if bits != plain:  # hybrid nodes: 0 unless a checkpoint is found below
+                usable.update(dict.fromkeys(named(bits & reuses_mamba), 0))
+        for position, bits in checkpoints:
+            mamba = bits & reuses_mamba
+            if mamba:
+                usable.update(dict.fromkeys(named(mamba), position))
+        return usable
+
+    def score(
+        self,
+        hashes: Sequence[int],
+        namespaces: Iterable[str] | None = None,
+        *,
+        hybrid: bool | None = None,
+        everyone: bool = False,
+    ) -> dict[str, NodeScore]:
+        """The live namespaces (all, or those given) holding a prefix of ``hashes``,
+        scored as ``PrefixRouter`` scores them (``FleetView.score``)."""
+        hybrid = checked_hybrid(hybrid)
+        ends, checkpoints = self._walk(hashes, namespaces, hybrid is not False)
+        named = self._named
+        kv: dict[str, int] = {}
+        for position, bits in ends:
+            kv.update(dict.fromkeys(named(bits), position))
+        mamba: dict[str, int] = {}
+        for position, bits in checkpoints:
+            mamba.update(dict.fromkeys(named(bits), position))
+        sources = self._sources
+        scores: dict[str, NodeScore] = {}
+        for name, end in kv.items():
+            farthest = mamba.get(name, 0)
+            if hybrid is None:
+                source = sources.get(name)
+                usable = farthest if source is not None and source.hybrid else end
+            else:
+                usable = farthest if hybrid else end
+            scores[name] = NodeScore.of(name, end, farthest, usable)
+        if everyone:
+            live = self._live
+            wanted: Iterable[str] = (
+                live.names
+                if namespaces is None
+                else (n for n in set(namespaces) if n in live.slots)
+            )
+            for name in wanted:
+                if name not in scores:
+                    scores[name] = NodeScore.of(name, 0, 0, 0)
+        return scores
+
+    def _walk(
+        self, hashes: Sequence[int], namespaces: Iterable[str] | None, hybrid: bool
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """``walk`` over the prompt, whose hashes are checked as far as it read them
+        (the rest can change no answer: no prefix runs past a block no one holds), or
+        all of them where it read none."""
+        items = hashes if type(hashes) is list else list(_iterable(hashes))
+        try:
+            ends, checkpoints, read = walk(self.blocks, items, self._mask(namespaces), hybrid)
+        except TypeError:  # an unhashable "hash": the clear error
+            prefix_hashes(items)
+            raise
+        prefix_hashes(items[:read] if read else items)  # raises on a bad hash
+        return ends, checkpoints
+
+    def _mask(self, namespaces: Iterable[str] | None) -> int:
+        """The KV bits of the live namespaces (all, or those of ``namespaces``)."""
+        live = self._live
+        if namespaces is None:
+            return live.mask
+        chosen = 0
+        for name in namespaces:
+            slot = live.slots.get(name)
+            if slot is not None:
+                chosen |= 1 << (2 * slot)
+        return live.mask & chosen
+
+    def _named(self, bits: int) -> dict[str, None]:
+        """The namespaces whose KV bit is set in ``bits``, as dict keys (remembered: the
+        same sets come back decision after decision while the fleet holds still; a
+        dict, because ``dict.fromkeys`` of a dict is the quickest way to an answer)."""
+        names = self._memo.get(bits)
+        if names is None:
+            slots = self._names
+            found = []
+            members = bits
+            while members:
+                lowest = members & -members
+                name = slots[(lowest.bit_length() - 1) >> 1]
+                if name is not None:  # dropped since the live namespaces were read
+                    found.append(name)
+                members ^= lowest
+            names = dict.fromkeys(found)
+            self._memo_names += len(found) + 1
+            if self._memo_names > MEMO_NAMES:
+                self._memo = {}
+                self._memo_names = len(found) + 1
+            self._memo[bits] = names
+        return names
+
+    # -- changing it -------------------------------------------------------------------
+
+    def add_empty(self, name: str) -> None:
+        """Hold ``name`` empty, at incarnation ``0`` and no record yet (a detached view's
+        namespaces)."""
+        self._source(name).incarnation = b"0"
+
+    def set_live(self, names: Iterable[str]) -> None:
+        """The live namespaces (those of ``names`` that are held)."""
+        slots = {n: self._sources[n].slot for n in names if n in self._sources}
+        mask = 0
+        for slot in slots.values():
+            mask |= 1 << (2 * slot)
+        self._live = _Live(mask, tuple(sorted(slots)), slots)
+
+    def hold(self, name: str, reply: Sequence[Any]) -> None:
+        """Hold exactly what ``lua/fleet_snapshot.lua`` read of ``name``: (incarnation,
+        last record number, Mamba state seen, KV hashes, Mamba hashes)."""
+        incarnation = as_bytes(reply[0])
+        self.counts.loads += 1
+        if not incarnation:
+            self._drop(name)
+            return
+        source = self._source(name)
+        kv = set(map(int, as_bytes(reply[3]).split()))
+        mamba = set(map(int, as_bytes(reply[4]).split()))
+        self._set(source, kv, mamba)
+        source.incarnation = incarnation
+        source.seq = int(reply[1])
+        self._set_hybrid(source, bool(reply[2]))
+
+    def apply(self, data: Any) -> str | None:
+        """Apply one change record; the namespace to load again where the record cannot
+        be applied (a gap, a new incarnation, a namespace not held, ``L``), else None."""
+        tokens = as_bytes(data).split()
+        if len(tokens) < 4:
+            log.warning("fleet view: a change record without parts, skipped")
+            self.counts.skipped += 1
+            return None
+        name = tokens[0].decode("utf-8", "replace")
+        incarnation = tokens[1]
+        try:
+            seq = int(tokens[2])
+        except ValueError:
+            log.warning("fleet view: a change record with a bad number, skipped")
+            self.counts.skipped += 1
+            return None
+        source = self._sources.get(name)
+        if source is None:
+            return None if tokens[3] == Part.COLLECTED else name
+        if source.incarnation == incarnation and seq <= source.seq:
+            return None  # included in what was loaded
+        if source.incarnation != incarnation or seq != source.seq + 1:
+            self.counts.gaps += 1
+            return name
+        source.seq = seq
+        self.counts.records += 1
+        for op, hashes in _parts(tokens[3:]):
+            if op == Part.COLLECTED:
+                self._drop(name)
+                return None
+            if not self._part(source, op, hashes):
+                return name
+        return None
+
+    def _part(self, source: _Source, op: bytes, hashes: list[int]) -> bool:
+        """Apply one part but ``G``; False for a part that asks for a load (``L``, or
+        one this table does not know)."""
+        if op == Part.KV_ADDED:
+            fresh = set(hashes) - source.kv
+            self._change(source, fresh, (), 0)
+            source.kv |= fresh
+        elif op == Part.KV_REMOVED:
+            gone = source.kv.intersection(hashes)
+            self._change(source, (), gone, 0)
+            source.kv -= gone
+        elif op == Part.MAMBA_ADDED:
+            fresh = set(hashes) - source.mamba
+            self._change(source, fresh, (), 1)
+            source.mamba |= fresh
+            self._set_hybrid(source, True)
+        elif op == Part.MAMBA_REMOVED:
+            gone = source.mamba.intersection(hashes)
+            self._change(source, (), gone, 1)
+            source.mamba -= gone
+        elif op == Part.KV_CLEARED:
+            self._set(source, set(), source.mamba)
+        elif op == Part.MAMBA_CLEARED:
+            self._set(source, source.kv, set())
+        elif op == Part.CLAIMED:
+            self._set(source, set(), set())
+            self._set_hybrid(source, False)
+        else:
+            return False
+        return True
+
+    def _source(self, name: str) -> _Source:
+        source = self._sources.get(name)
+        if source is None:
+            if self._free:
+                slot = self._free.pop()
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+                self._names.append(None)
+            source = _Source(slot)
+            self._names[slot] = name
+            self._sources[name] = source
+        return source
+
+    def _set_hybrid(self, source: _Source, hybrid: bool) -> None:
+        source.hybrid = hybrid
+        bit = 1 << (2 * source.slot)
+        self._hybrid = self._hybrid | bit if hybrid else self._hybrid & ~bit
+
+    def _drop(self, name: str) -> None:
+        source = self._sources.pop(name, None)
+        if source is None:
+            return
+        self._set(source, set(), set())
+        self._names[source.slot] = None
+        self._memo = {}
+        self._memo_names = 0
+        self._set_hybrid(source, False)
+        self._free.append(source.slot)
+        live = self._live
+        if name in live.slots:
+            slots = {n: s for n, s in live.slots.items() if n != name}
+            self._live = _Live(live.mask & ~(1 << (2 * source.slot)), tuple(sorted(slots)), slots)
+
+    def _set(self, source: _Source, kv: set[int], mamba: set[int]) -> None:
+        """Hold exactly ``kv`` and ``mamba`` for ``source``."""
+        self._change(source, kv - source.kv, source.kv - kv, 0)
+        self._change(source, mamba - source.mamba, source.mamba - mamba, 1)
+        source.kv = kv
+        source.mamba = mamba
+
+    def _change(
+        self, source: _Source, added: Iterable[int], removed: Iterable[int], kind: int
+    ) -> None:
+        """Set ``source``'s bit of ``kind`` (0 KV, 1 Mamba) for ``added``, clear it for
+        ``removed`` (the source's own sets are the caller's)."""
+        index = 2 * source.slot + kind
+        bit = 1 << index
+        only = ~index  # the value of a hash this bit alone holds
+        blocks = self.blocks
+        get = blocks.get
+        for h in added:
+            value = get(h)
+            if value is None:
+                blocks[h] = only
+                continue
+            if value < 0:
+                value = 1 << ~value
+            value |= bit
+            blocks[h] = only if value == bit else value
+        for h in removed:
+            value = get(h)
+            if value is None:
+                continue
+            if value < 0:
+                value = 1 << ~value
+            value &= ~bit
+            if not value:
+                del blocks[h]
+            elif value & (value - 1):
+                blocks[h] = value
+            else:  # one holder left
+                blocks[h] = ~(value.bit_length() - 1)
+
+
+def walk(
+    blocks: dict[int, int], hashes: Sequence[int], mask: int, hybrid: bool
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+    """For the slots whose KV bit is in ``mask`` and that hold the prompt's first block:
+    ([(where their KV prefix ends, their KV bits)], [(one past their farthest Mamba
+    entry inside that prefix, their KV bits)], how many hashes were read), a slot in at
+    most one entry of each. Stops at the first position no slot of the mask still holds
+    every block to."""
+    ends: list[tuple[int, int]] = []
+    if not mask or not hashes:
+        return ends, [], 0
+    runs = groupby(map(blocks.get, hashes, repeat(0)))
+    alive = mask
+    position = 0
+    checkpoints: list[tuple[int, int]] = []
+    first = True
+    read = len(hashes)
+    for value, run in runs:
+        if value < 0:  # one holder: its bit's index, inverted
+            value = 1 << ~value
+        if first:
+            alive &= value
+            first = False
+            if not alive:
+                return ends, [], 1
+        else:
+            still = alive & value
+            if still != alive:
+                ends.append((position, alive ^ still))
+                alive = still
+                if not alive:
+                    read = position + 1
+                    break
+        position += len(list(run))
+        if hybrid:
+            held = (value >> 1) & alive
+            if held:
+                checkpoints.append((position, held))
+    if alive:
+        ends.append((position, alive))
+    farthest: list[tuple[int, int]] = []
+    found = 0
+    for at, held in reversed(checkpoints):
+        fresh = held & ~found
+        if fresh:
+            found |= fresh
+            farthest.append((at, fresh))
+    return ends, farthest, read
+
+
+def as_bytes(value: Any) -> bytes:
+    """A Redis reply value (or a pubsub message's field) as bytes; None as ``b""``."""
+    if value is None:
+        return b""
+    if isinstance(value, bytes):
+        return value
+    return str(value).encode()
+
+
+def _parts(tokens: Sequence[bytes]) -> Iterator[tuple[bytes, list[int]]]:
+    """A record's parts: (operation, its hashes)."""
+    op: bytes | None = None
+    hashes: list[int] = []
+    for token in tokens:
+        if token[:1].isdigit():
+            hashes.append(int(token))
+            continue
+        if op is not None:
+            yield op, hashes
+        op, hashes = token, []
+    if op is not None:
+        yield op, hashes
+
+
+def _iterable(hashes: object) -> Iterable[Any]:
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Iterable):
+        raise TypeError(f"hashes must be a sequence of ints, not {type(hashes).__name__}")
+    return hashes
