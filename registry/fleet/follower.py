@@ -35,7 +35,7 @@ LOAD_BATCH = 64
 """Namespaces loaded per round trip (``fleet_snapshot``), at a cold start or a resync."""
 
 
-class Follower:
+class RecordFollower:
     """Follows the change records of every namespace into ``table`` in a daemon thread
     (``start``), loading namespaces where records do not suffice; says how far it got
     (``ready``, ``live_read_at``, ``changed``) for the view's ``fresh`` and ``sync``."""

@@ -107,6 +107,7 @@ class HolderTable:
         self._live = _Live(0, (), {})
         self._names: list[str | None] = []  # slot -> namespace
         self._memo: dict[int, dict[str, None]] = {}  # KV bits -> their namespaces
+        self._memo_at: dict[tuple[int, int], dict[str, int]] = {}  # (bits, prefix) -> answer
         self._memo_names = 0
         self._hybrid = 0  # the KV bit of every hybrid model's namespace
 
@@ -159,18 +160,17 @@ class HolderTable:
         """The live namespaces (all, or those given) holding a prefix of ``hashes``,
         each with its usable prefix in blocks (``FleetView.match``)."""
         hybrid = checked_hybrid(hybrid)
-        ends, checkpoints = self._walk(hashes, namespaces, hybrid is not False)
-        named = self._named
+        # The hybrid nodes' bits (-1: every node, for hybrid=True); with none, the walk
+        # leaves the Mamba checkpoints out: no answer would read them.
+        reuses_mamba = 0 if hybrid is False else self._hybrid if hybrid is None else -1
+        ends, checkpoints = self._walk(hashes, namespaces, bool(reuses_mamba))
         usable: dict[str, int] = {}
-        if hybrid is False:
+        if not reuses_mamba:  # the KV prefixes
+            at = self._named_at
             for position, bits in ends:
-                usable.update(dict.fromkeys(named(bits), position))
+                usable.update(at(bits, position))
             return usable
-        reuses_mamba = self._hybrid if hybrid is None else -1
-        if not reuses_mamba:  # no hybrid model's node: the KV prefixes
-            for position, bits in ends:
-                usable.update(dict.fromkeys(named(bits), position))
-            return usable
+        named = self._named
         for position, bits in ends:
             plain = bits & ~reuses_mamba
             if plain:
@@ -251,6 +251,27 @@ class HolderTable:
                 chosen |= 1 << (2 * slot)
         return live.mask & chosen
 
+    def _named_at(self, bits: int, position: int) -> dict[str, int]:
+        """``dict.fromkeys(self._named(bits), position)``, remembered like ``_named``: a
+        decision's answer is a few of these merged, the same ones decision after
+        decision while the fleet holds still."""
+        key = (bits, position)
+        answer = self._memo_at.get(key)
+        if answer is None:
+            answer = dict.fromkeys(self._named(bits), position)
+            self._memo_names += len(answer) + 1
+            if self._memo_names > MEMO_NAMES:
+                self._forget_names()
+                self._memo_names = len(answer) + 1
+            self._memo_at[key] = answer
+        return answer
+
+    def _forget_names(self) -> None:
+        """Drop both memos (a namespace was dropped, or they grew past ``MEMO_NAMES``)."""
+        self._memo = {}
+        self._memo_at = {}
+        self._memo_names = 0
+
     def _named(self, bits: int) -> dict[str, None]:
         """The namespaces whose KV bit is set in ``bits``, as dict keys (remembered: the
         same sets come back decision after decision while the fleet holds still; a
@@ -269,7 +290,7 @@ class HolderTable:
             names = dict.fromkeys(found)
             self._memo_names += len(found) + 1
             if self._memo_names > MEMO_NAMES:
-                self._memo = {}
+                self._forget_names()
                 self._memo_names = len(found) + 1
             self._memo[bits] = names
         return names
@@ -395,8 +416,7 @@ class HolderTable:
             return
         self._set(source, set(), set())
         self._names[source.slot] = None
-        self._memo = {}
-        self._memo_names = 0
+        self._forget_names()
         self._set_hybrid(source, False)
         self._free.append(source.slot)
         live = self._live

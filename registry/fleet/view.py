@@ -30,7 +30,7 @@ from registry.core.errors import RegistryUnavailable
 from registry.core.keys import DEFAULT_KEY_PREFIX
 from registry.core.scores import NodeScore
 from registry.core.validation import is_number
-from registry.fleet.follower import Follower
+from registry.fleet.follower import RecordFollower
 from registry.fleet.holders import HolderTable, ViewCounts
 
 STALE_S = 3.0
@@ -63,7 +63,7 @@ class FleetView:
         self.resync_interval = float(resync_interval)
         self.counts = ViewCounts()
         self._table = HolderTable(self.counts)
-        self._follower = Follower(
+        self._follower = RecordFollower(
             client,
             key_prefix,
             self._table,

@@ -29,7 +29,7 @@ from registry import (
     collect_dead,
 )
 from registry.core.keys import NamespaceKeys
-from registry.fleet.follower import Follower
+from registry.fleet.follower import RecordFollower
 from registry.fleet.view import FleetView
 from tests.support.backends import Backend, expire_lease
 from tests.support.scoring import chain_shaped, direct
@@ -268,16 +268,16 @@ def test_an_unexpected_fault_while_following_is_survived(
     name = f"u-{uuid.uuid4().hex[:6]}"
     reg = owner(redis_backend, name, prefix)
     view = view_of()
-    apply = Follower.apply
+    apply = RecordFollower.apply
     calls = []
 
-    def broken(self: Follower, data: Any) -> None:
+    def broken(self: RecordFollower, data: Any) -> None:
         calls.append(data)
         if len(calls) == 1:
             raise KeyError("a bug")
         apply(self, data)
 
-    monkeypatch.setattr(Follower, "apply", broken)
+    monkeypatch.setattr(RecordFollower, "apply", broken)
     chain = list(range(5000, 5008))
     reg.register_kv(range(8), chain)
     wait_until(lambda: view.counts.errors >= 1, what="the fault")
