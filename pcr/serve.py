@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import math
 import signal
 import socket
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from pcr.common import (
     _int_in,
     _port,
     _scheme,
+    _seconds_in,
     _where,
 )
 from registry.transport.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
@@ -57,17 +57,8 @@ _connections = _int_in(1, MAX_CONNECTIONS, "connection count")
 _keep_alive = _int_in(1, int(MAX_TIMEOUT), "keep-alive timeout")
 
 
-def _timeout(text: str) -> float:
-    """An argparse type: a finite number of seconds in (0, MAX_TIMEOUT]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r:.60}") from None
-    if not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT:
-        raise argparse.ArgumentTypeError(
-            f"seconds must be a finite number in (0, {MAX_TIMEOUT:.0f}], not {text!r:.60}"
-        )
-    return value
+_timeout = _seconds_in(0, MAX_TIMEOUT, above=True)
+"""An argparse type: a finite number of seconds in (0, MAX_TIMEOUT]."""
 
 
 def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
@@ -89,13 +80,13 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         "arrive, and asks Redis while it does not follow it); --no-view asks Redis "
         "(exactly, per namespace) on every request",
     )
-    _limit_options(serve)
+    limit_options(serve)
     serve.set_defaults(handler=command_serve, command_parser=serve)
 
 
 def listen_options(parser: argparse.ArgumentParser, port: int) -> None:
     """What ``pcr serve`` and ``pcr gateway`` share first: where to listen and how to
-    rank (their limits, ``_limit_options``, come last)."""
+    rank (their limits, ``limit_options``, come last)."""
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
     )
@@ -110,7 +101,7 @@ def listen_options(parser: argparse.ArgumentParser, port: int) -> None:
     )
 
 
-def _limit_options(serve: argparse.ArgumentParser) -> None:
+def limit_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--max-connections",
         type=_connections,
@@ -147,7 +138,7 @@ def _limit_options(serve: argparse.ArgumentParser) -> None:
     )
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError) as exc:
@@ -163,7 +154,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server_class() -> Any:
+def server_class() -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -444,7 +435,7 @@ def uvicorn_config(
     )
 
 
-def _enable_metrics() -> None:
+def enable_metrics() -> None:
     """The registry's Prometheus metrics on ``/metrics`` (routing decisions, score
     times), when prometheus-client is installed."""
     from registry import metrics
@@ -453,26 +444,56 @@ def _enable_metrics() -> None:
         metrics.enable_metrics()
 
 
-def command_serve(args: argparse.Namespace) -> int:
-    if _scheme(args.redis_url) not in SERVE_SCHEMES:
+def check_url(command: str, url: str) -> None:
+    """Refuse (usage error) a ``--redis-url`` that ``pcr serve`` and ``pcr gateway``
+    cannot use: Sentinel's, or another scheme."""
+    if _scheme(url) not in SERVE_SCHEMES:
         raise UsageError(
-            "argument --redis-url: pcr serve takes redis://, rediss://, unix://, "
+            f"argument --redis-url: pcr {command} takes redis://, rediss://, unix://, "
             "redis+cluster:// or rediss+cluster:// URLs"
         )
+
+
+def require(command: str, needed: dict[str, str], extra: str) -> None:
+    """Fail in one line unless every module of ``needed`` (module: package) imports."""
     missing = []
-    for module, package in NEEDED.items():
+    for module, package in needed.items():
         try:
             importlib.import_module(module)
         except ImportError:
             missing.append(package)
     if missing:
         raise CommandError(
-            f"pcr serve needs {' and '.join(missing)}: pip install 'prefix-cache-registry[serve]'"
+            f"pcr {command} needs {' and '.join(missing)}: "
+            f"pip install 'prefix-cache-registry[{extra}]'"
         )
+
+
+def run_app(app: Any, sock: socket.socket, args: argparse.Namespace, **options: Any) -> int:
+    """Run ``app`` on the bound ``sock`` with the deadlines of ``args`` (``limit_options``)
+    until a signal ends it; ``options`` go to ``uvicorn_config``."""
+    config = uvicorn_config(
+        app,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        **options,
+    )
+    server = server_class()(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
+
+
+def command_serve(args: argparse.Namespace) -> int:
+    """``pcr serve``: check, build the app, bind, then serve until a signal."""
+    check_url("serve", args.redis_url)
+    require("serve", NEEDED, "serve")
     from pcr.serve_app import create_app
 
-    server_class = _server_class()
-    _enable_metrics()
+    enable_metrics()
     app = create_app(
         args.redis_url,
         key_prefix=args.key_prefix,
@@ -481,22 +502,11 @@ def command_serve(args: argparse.Namespace) -> int:
         pool_timeout=args.pool_timeout,
         view=args.view,
     )
-    sock = _bind(args.host, args.port)
+    sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(
         f"pcr serve: scoring on http://{host}:{port} (docs at /docs) for Redis at "
         f"{_where(args.redis_url)}",
         flush=True,
     )
-    config = uvicorn_config(
-        app,
-        header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout,
-        keep_alive_timeout=args.keep_alive_timeout,
-    )
-    server = server_class(config)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0
+    return run_app(app, sock, args)
