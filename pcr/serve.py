@@ -22,7 +22,7 @@ import signal
 import socket
 from collections.abc import Iterator
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcr.common import (
     DEFAULT_MAX_CONNECTIONS,
@@ -176,6 +176,11 @@ def server_class() -> Any:
     return Server
 
 
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HttpToolsProtocol
+else:
+    _HttpToolsProtocol = object  # the base _protocol_class gives once uvicorn is imported
+
 HEAD_LIMIT = 16 << 10
 """Bytes a request's line and headers may take (h11's limit, nginx's default buffers):
 past it, 431."""
@@ -188,133 +193,143 @@ class _HeadTooLarge(Exception):
 def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = False) -> type[Any]:
     """uvicorn's httptools protocol (llhttp, a C parser: about half the CPU of h11's per
     request) with the request deadlines, a limit on the head, and JSON for what uvicorn
-    answers itself (malformed HTTP: 400, a head over ``HEAD_LIMIT``: 431)."""
+    answers itself (malformed HTTP: 400, a head over ``HEAD_LIMIT``: 431): ``_Deadlines``
+    on uvicorn's class, imported only now."""
     import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class Protocol(HttpToolsProtocol):
-        """A connection whose client must send each request's headers within
-        ``header_timeout`` seconds (of the connection opening, or of the request's first
-        byte on a kept-alive connection) and its body within ``body_timeout`` seconds of
-        its headers. Past a deadline the client gets 408 JSON (a new connection that sent
-        nothing is only closed, as an idle keep-alive one is) and the connection closes.
-
-        ``phase`` is what the client owes, from the parser's callbacks: ``new`` (a
-        connection that sent nothing yet), ``headers`` (a request begun), ``body`` (its
-        headers in, its body not), None (the request is in: nothing is owed)."""
-
-        _deadline: asyncio.TimerHandle | None = None
-        _waiting_for: str | None = None
-        openai_errors = openai
-        phase: str | None = "new"
-        _head = 0  # bytes of the current request's head seen by the callbacks
-        _unfinished = 0  # bytes received while a head stayed incomplete
-        _too_large = False
-        _lingering = False
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(Coalescing(transport))  # type: ignore[arg-type]
-            self._watch()
-
-        def data_received(self, data: bytes) -> None:
-            if self._lingering:
-                return  # after the last answer: read and drop until the client closes
-            super().data_received(data)
-            if self.transport.is_closing():
-                return
-            if self.phase in ("new", "headers"):  # a head that never ends (one long line)
-                self._unfinished += len(data)
-                if self._unfinished > HEAD_LIMIT:
-                    self._refuse_head()
-                    return
-            else:
-                self._unfinished = 0
-            self._watch()
-
-        # the parser's callbacks (uvicorn's, plus what the client owes and the head's size)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self.phase = "headers"
-            self._head = 0
-
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self.phase = "body"
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            self.phase = None
-            super().on_message_complete()
-
-        def _count(self, size: int) -> None:
-            self._head += size
-            if self._head > HEAD_LIMIT:
-                self._too_large = True
-                raise _HeadTooLarge  # feed_data raises the parser's error: send_400_response
-
-        def send_400_response(self, msg: str) -> None:
-            if self._too_large:
-                self._refuse_head()
-            else:
-                _answer(self, 400, "the request is not valid HTTP/1.1")
-
-        def _refuse_head(self) -> None:
-            _answer(self, 431, f"request headers are limited to {HEAD_LIMIT:,} bytes")
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._watch()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._stop()
-            super().connection_lost(exc)
-
-        # the deadlines
-
-        def _watch(self) -> None:
-            """Arm the deadline of what the connection now waits for from the client."""
-            waiting = None if self.transport.is_closing() else self.phase
-            if waiting == self._waiting_for:
-                return  # the same wait goes on: its deadline stands
-            self._stop()
-            self._waiting_for = waiting
-            if waiting is not None:
-                if waiting != "new":
-                    self._unset_keepalive_if_required()  # a request has begun: not idle
-                seconds = body_timeout if waiting == "body" else header_timeout
-                self._deadline = self.loop.call_later(seconds, self._expired, seconds)
-
-        def _stop(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _expired(self, seconds: float) -> None:
-            self._deadline = None
-            if self.transport.is_closing():
-                return
-            if self.phase == "new":  # nothing sent: closed, as an idle connection is
-                self.transport.close()
-                return
-            what = "body" if self.phase == "body" else "headers"
-            _answer(self, 408, f"the request's {what} did not arrive within {seconds:g} s")
-
-        def linger(self) -> None:
-            """Half-close after a last answer (``_linger``)."""
-            self._stop()
-            self._unset_keepalive_if_required()
-            self._lingering = _linger(self.transport)
-
     assert httptools  # imported first: a missing httptools fails here, not per connection
-    return Protocol
+    attributes = {
+        "header_timeout": header_timeout,
+        "body_timeout": body_timeout,
+        "openai_errors": openai,
+    }
+    return type("Protocol", (_Deadlines, HttpToolsProtocol), attributes)
+
+
+class _Deadlines(_HttpToolsProtocol):
+    """What ``_protocol_class`` adds to uvicorn's httptools protocol (its base once
+    uvicorn is imported): a connection whose client must send each request's headers within
+    ``header_timeout`` seconds (of the connection opening, or of the request's first
+    byte on a kept-alive connection) and its body within ``body_timeout`` seconds of
+    its headers. Past a deadline the client gets 408 JSON (a new connection that sent
+    nothing is only closed, as an idle keep-alive one is) and the connection closes.
+
+    ``phase`` is what the client owes, from the parser's callbacks: ``new`` (a
+    connection that sent nothing yet), ``headers`` (a request begun), ``body`` (its
+    headers in, its body not), None (the request is in: nothing is owed)."""
+
+    header_timeout = HEADER_TIMEOUT
+    body_timeout = BODY_TIMEOUT
+    openai_errors = False
+    _deadline: asyncio.TimerHandle | None = None
+    _waiting_for: str | None = None
+    phase: str | None = "new"
+    _head = 0  # bytes of the current request's head seen by the callbacks
+    _unfinished = 0  # bytes received while a head stayed incomplete
+    _too_large = False
+    _lingering = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(Coalescing(transport))  # type: ignore[arg-type]
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # after the last answer: read and drop until the client closes
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self.phase in ("new", "headers"):  # a head that never ends (one long line)
+            self._unfinished += len(data)
+            if self._unfinished > HEAD_LIMIT:
+                self._refuse_head()
+                return
+        else:
+            self._unfinished = 0
+        self._watch()
+
+    # the parser's callbacks (uvicorn's, plus what the client owes and the head's size)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.phase = "headers"
+        self._head = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self.phase = "body"
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self.phase = None
+        super().on_message_complete()
+
+    def _count(self, size: int) -> None:
+        self._head += size
+        if self._head > HEAD_LIMIT:
+            self._too_large = True
+            raise _HeadTooLarge  # feed_data raises the parser's error: send_400_response
+
+    def send_400_response(self, msg: str) -> None:
+        if self._too_large:
+            self._refuse_head()
+        else:
+            _answer(self, 400, "the request is not valid HTTP/1.1")
+
+    def _refuse_head(self) -> None:
+        _answer(self, 431, f"request headers are limited to {HEAD_LIMIT:,} bytes")
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop()
+        super().connection_lost(exc)
+
+    # the deadlines
+
+    def _watch(self) -> None:
+        """Arm the deadline of what the connection now waits for from the client."""
+        waiting = None if self.transport.is_closing() else self.phase
+        if waiting == self._waiting_for:
+            return  # the same wait goes on: its deadline stands
+        self._stop()
+        self._waiting_for = waiting
+        if waiting is not None:
+            if waiting != "new":
+                self._unset_keepalive_if_required()  # a request has begun: not idle
+            seconds = self.body_timeout if waiting == "body" else self.header_timeout
+            self._deadline = self.loop.call_later(seconds, self._expired, seconds)
+
+    def _stop(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self, seconds: float) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.phase == "new":  # nothing sent: closed, as an idle connection is
+            self.transport.close()
+            return
+        what = "body" if self.phase == "body" else "headers"
+        _answer(self, 408, f"the request's {what} did not arrive within {seconds:g} s")
+
+    def linger(self) -> None:
+        """Half-close after a last answer (``_linger``)."""
+        self._stop()
+        self._unset_keepalive_if_required()
+        self._lingering = _linger(self.transport)
 
 
 class Coalescing:
