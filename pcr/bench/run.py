@@ -609,40 +609,43 @@ def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+OPERATION_HEADERS = [
+    "operation",
+    "n",
+    "p50 ms",
+    "p99 ms",
+    "server µs",
+    "baseline",
+    "base p50",
+    "base µs",
+    "client x",
+    "server x",
+    "local x",
+]
+"""The columns of the operations' table."""
+
+
+def _operation_row(r: dict[str, Any]) -> list[Any]:
+    """One row of the operations' table."""
+    return [
+        r["operation"],
+        r["n"],
+        f"{r['p50_ms']:.3f}",
+        f"{r['p99_ms']:.3f}",
+        r["server_us"],
+        r["baseline"],
+        f"{r['baseline_p50_ms']:.3f}",
+        r["baseline_server_us"],
+        f"{r['client_ratio']:.2f}",
+        "-" if r["server_ratio"] is None else f"{r['server_ratio']:.2f}",
+        "-" if r["local_ratio"] is None else f"{r['local_ratio']:.0f}",
+    ]
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as text tables."""
 
-    lines = []
-    headers = [
-        "operation",
-        "n",
-        "p50 ms",
-        "p99 ms",
-        "server µs",
-        "baseline",
-        "base p50",
-        "base µs",
-        "client x",
-        "server x",
-        "local x",
-    ]
-    body = [
-        [
-            r["operation"],
-            r["n"],
-            f"{r['p50_ms']:.3f}",
-            f"{r['p99_ms']:.3f}",
-            r["server_us"],
-            r["baseline"],
-            f"{r['baseline_p50_ms']:.3f}",
-            r["baseline_server_us"],
-            f"{r['client_ratio']:.2f}",
-            "-" if r["server_ratio"] is None else f"{r['server_ratio']:.2f}",
-            "-" if r["local_ratio"] is None else f"{r['local_ratio']:.0f}",
-        ]
-        for r in report["rows"]
-    ]
-    lines.append(format_table(headers, body))
+    lines = [format_table(OPERATION_HEADERS, [_operation_row(r) for r in report["rows"]])]
     throughput = report["throughput_4_processes_n64"]
     lines.append("")
     lines.append(
