@@ -385,13 +385,7 @@ def simulate_bridged(
         **figures(router, config, totals, assigned, route_fallbacks, timings),
         "consistency": consistency,
         "mamba": {key: sum(c[key] for c in mamba_counts) for key in mamba_counts[0]},
-        "bridge": {
-            "batches_published": sum(n.published for n in nodes),
-            "batches_dropped": sum(n.dropped for n in nodes),
-            "copies_stored": sum(n.copied for n in nodes),
-            "catch_up_seconds": round(catch_up, 3),
-            **bridge_counts,
-        },
+        "bridge": _bridge_figures(nodes, catch_up, bridge_counts),
         "namespaces": {
             r.namespace: {"kv_entries": info.kv_entries, "mamba_entries": info.mamba_entries}
             for r in registries
@@ -429,6 +423,19 @@ def _start_bridge(
     stack.callback(bridge.stop)
     _wait_started(bridge, publishers)
     return publishers, bridge
+
+
+def _bridge_figures(
+    nodes: list[EngineNode], catch_up: float, bridge_counts: dict[str, int]
+) -> dict[str, Any]:
+    """The engines' batches and copies, the final catch-up and the bridge's counts."""
+    return {
+        "batches_published": sum(n.published for n in nodes),
+        "batches_dropped": sum(n.dropped for n in nodes),
+        "copies_stored": sum(n.copied for n in nodes),
+        "catch_up_seconds": round(catch_up, 3),
+        **bridge_counts,
+    }
 
 
 def _audit(nodes: list[EngineNode], registries: list[PrefixCacheRegistry]) -> dict[str, int]:
