@@ -125,17 +125,44 @@ _block_size = _int_in(1, MAX_BLOCK_SIZE, "block size")
 _notices = _int_in(1, MAX_NOTICES, "notice count")
 
 
-def _seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds in [0, MAX_WATCH_SECONDS]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r:.60}") from None
-    if not math.isfinite(value) or not 0 <= value <= MAX_WATCH_SECONDS:
-        raise argparse.ArgumentTypeError(
-            f"seconds must be a finite number in [0, {MAX_WATCH_SECONDS:.0f}], not {text!r:.60}"
-        )
-    return value
+def _number_in(
+    low: float,
+    high: float,
+    *,
+    above: bool = False,
+    invalid: Callable[[str], str],
+    out_of_range: Callable[[str], str],
+) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (in (low, high] with ``above``);
+    ``invalid`` and ``out_of_range`` word the error for the text given."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(invalid(text)) from None
+        if not math.isfinite(value) or not low <= value <= high or (above and value == low):
+            raise argparse.ArgumentTypeError(out_of_range(text))
+        return value
+
+    return parse
+
+
+def _seconds_in(low: float, high: float, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds in [low, high] ((low, high] with
+    ``above``)."""
+    bounds = f"{'(' if above else '['}{low:g}, {high:.0f}]"
+    return _number_in(
+        low,
+        high,
+        above=above,
+        invalid=lambda text: f"invalid number of seconds: {text!r:.60}",
+        out_of_range=lambda text: f"seconds must be a finite number in {bounds}, not {text!r:.60}",
+    )
+
+
+_seconds = _seconds_in(0, MAX_WATCH_SECONDS)
+"""An argparse type: a finite number of seconds in [0, MAX_WATCH_SECONDS]."""
 
 
 def _namespace(text: str) -> str:
@@ -300,10 +327,6 @@ def _not_redis(where: str, exc: BaseException) -> CommandError:
         f"Redis at {where} gave an answer that is not the Redis protocol "
         f"({type(exc).__name__}: {str(exc).strip()[:200]}); is it a Redis server?"
     )
-
-
-def _text(value: Any) -> str:
-    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -10,21 +10,21 @@ the engine table in Redis (``pcr bridge --engine-url``).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pcr.common import CommandError, UsageError, _block_size, _scheme, _where
+from pcr.common import UsageError, _block_size, _number_in, _where
 from pcr.gateway_balance import POLICIES, REPLICA_ID
 from pcr.serve import (
-    SERVE_SCHEMES,
-    _bind,
-    _limit_options,
-    _server_class,
+    bind,
+    check_url,
+    enable_metrics,
+    limit_options,
     listen_options,
-    uvicorn_config,
+    require,
+    run_app,
 )
 from registry.core.keys import validate_namespace
 from registry.fleet.membership import validate_engine_url
@@ -61,20 +61,21 @@ def _replica_id(text: str) -> str:
     return text
 
 
-def _number(low: float, what: str, *, zero: bool = False) -> Any:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{what} must be a number, not {text[:40]!r}"
-            ) from None
-        if not math.isfinite(value) or value < low or (value == low and not zero) or value > 1e6:
-            bound = f"at least {low:g}" if zero else f"above {low:g}"
-            raise argparse.ArgumentTypeError(f"{what} must be a finite number {bound}")
-        return value
+MAX_NUMBER = 1e6
+"""The largest value of the balance rule's numbers and the gateway's seconds."""
 
-    return parse
+
+def _number(low: float, what: str, *, zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number above ``low`` (at least ``low`` with ``zero``),
+    of at most ``MAX_NUMBER``."""
+    bound = f"at least {low:g}" if zero else f"above {low:g}"
+    return _number_in(
+        low,
+        MAX_NUMBER,
+        above=not zero,
+        invalid=lambda text: f"{what} must be a number, not {text[:40]!r}",
+        out_of_range=lambda text: f"{what} must be a finite number {bound}",
+    )
 
 
 def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
@@ -89,6 +90,15 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     )
     redis_options(gateway, url_default)
     listen_options(gateway, 8080)
+    _backend_options(gateway)
+    _balance_options(gateway)
+    _wait_options(gateway)
+    limit_options(gateway)
+    gateway.set_defaults(handler=command_gateway, command_parser=gateway)
+
+
+def _backend_options(gateway: argparse.ArgumentParser) -> None:
+    """Where the engines are, and how to read their prompts."""
     gateway.add_argument(
         "--backend",
         type=_backend,
@@ -122,6 +132,10 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         default=16,
         help="tokens per block, as the engines and the bridge use (default 16)",
     )
+
+
+def _balance_options(gateway: argparse.ArgumentParser) -> None:
+    """The balance rule: the policy, its weights, and the load shared among replicas."""
     gateway.add_argument(
         "--policy", choices=POLICIES, default="prefix", help="default: prefix (against load)"
     )
@@ -163,6 +177,10 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         default=1.0,
         help="seconds between reads of each engine's /metrics (queue, KV usage; 0: never)",
     )
+
+
+def _wait_options(gateway: argparse.ArgumentParser) -> None:
+    """How a routing decision asks Redis, and how long a backend may take."""
     gateway.add_argument(
         "--registry-timeout",
         type=_number(0, "--registry-timeout"),
@@ -182,8 +200,6 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         default=600.0,
         help="seconds a backend may take to answer (default 600)",
     )
-    _limit_options(gateway)
-    gateway.set_defaults(handler=command_gateway, command_parser=gateway)
 
 
 def backends_file(path: Path) -> dict[str, str]:
@@ -215,12 +231,8 @@ def backends_file(path: Path) -> dict[str, str]:
     return out
 
 
-def command_gateway(args: argparse.Namespace) -> int:
-    if _scheme(args.redis_url) not in SERVE_SCHEMES:
-        raise UsageError(
-            "argument --redis-url: pcr gateway takes redis://, rediss://, unix://, "
-            "redis+cluster:// or rediss+cluster:// URLs"
-        )
+def _backends(args: argparse.Namespace) -> dict[str, str]:
+    """The backends of ``--backend`` and ``--backends`` (the former first)."""
     backends = dict(args.backend)
     if len(backends) != len(args.backend):
         raise UsageError("argument --backend: each namespace may be given once")
@@ -229,22 +241,13 @@ def command_gateway(args: argparse.Namespace) -> int:
             backends.setdefault(namespace, url)
     if len(backends) > MAX_BACKENDS:
         raise UsageError(f"at most {MAX_BACKENDS} backends")
-    missing = []
-    for module, package in NEEDED.items():
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            missing.append(package)
-    if missing:
-        raise CommandError(
-            f"pcr gateway needs {' and '.join(missing)}: "
-            "pip install 'prefix-cache-registry[gateway]'"
-        )
+    return backends
+
+
+def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
+    """The ``pcr.gateway_app.GatewayConfig`` of the command line."""
     from pcr.gateway_app import GatewayConfig
     from pcr.gateway_balance import BalanceRule
-    from pcr.gateway_tokens import TokenizerError
-    from pcr.serve import _enable_metrics
-    from pcr.serve_app import create_app
 
     rule = BalanceRule(
         queue_weight=args.queue_weight,
@@ -252,7 +255,7 @@ def command_gateway(args: argparse.Namespace) -> int:
         affinity_weight=args.affinity_weight,
         half_life=args.half_life,
     )
-    config = GatewayConfig(
+    return GatewayConfig(
         backends=backends,
         tokenizer=args.tokenizer,
         block_size=args.block_size,
@@ -265,8 +268,18 @@ def command_gateway(args: argparse.Namespace) -> int:
         view=not args.no_view,
         announced=not args.no_announced,
     )
-    server_class = _server_class()
-    _enable_metrics()
+
+
+def command_gateway(args: argparse.Namespace) -> int:
+    """``pcr gateway``: check, build the app, bind, then route until a signal."""
+    check_url("gateway", args.redis_url)
+    backends = _backends(args)
+    require("gateway", NEEDED, "gateway")
+    from pcr.gateway_tokens import TokenizerError
+    from pcr.serve_app import create_app
+
+    config = _gateway_config(args, backends)
+    enable_metrics()
     try:
         app = create_app(
             args.redis_url,
@@ -278,7 +291,7 @@ def command_gateway(args: argparse.Namespace) -> int:
         )
     except TokenizerError as exc:
         raise UsageError(f"argument --tokenizer: {exc}") from None
-    sock = _bind(args.host, args.port)
+    sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     known = ", ".join(f"{n}={u}" for n, u in sorted(backends.items())) or "none configured"
     where = "registry in" if args.no_announced else "and engines announced in"
@@ -287,16 +300,4 @@ def command_gateway(args: argparse.Namespace) -> int:
         f"{_where(args.redis_url)}), policy {args.policy}",
         flush=True,
     )
-    config_uvicorn = uvicorn_config(
-        app,
-        header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout,
-        keep_alive_timeout=args.keep_alive_timeout,
-        openai_errors=True,
-    )
-    server = server_class(config_uvicorn)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0
+    return run_app(app, sock, args, openai_errors=True)

@@ -20,7 +20,6 @@ from pcr.common import (
     UsageError,
     _one_line,
     _talking,
-    _text,
     _warn,
     _where,
 )
@@ -28,6 +27,7 @@ from pcr.tables import format_table
 from registry.core.hashing import block_hashes
 from registry.core.keys import NamespaceKeys
 from registry.core.notices import parse_notice
+from registry.core.validation import text
 from registry.fleet.membership import NodeIndex
 from registry.namespace.admin import NamespaceInfo, namespace_infos
 from registry.namespace.redis_registry import PrefixCacheRegistry
@@ -49,11 +49,9 @@ def _eviction_warning(client: Any) -> str | None:
     if isinstance(reply, dict):
         for key, value in reply.items():
             if isinstance(value, dict):  # a cluster client: one reply per node
-                policies.update(
-                    _text(v) for k, v in value.items() if _text(k) == "maxmemory-policy"
-                )
-            elif _text(key) == "maxmemory-policy":
-                policies.add(_text(value))
+                policies.update(text(v) for k, v in value.items() if text(k) == "maxmemory-policy")
+            elif text(key) == "maxmemory-policy":
+                policies.add(text(value))
     evicting = sorted(policies & set(EVICTING_POLICIES))
     if not evicting:
         return None
@@ -252,7 +250,7 @@ def _confirmed(pubsub: Any, channel: str, where: str) -> None:
         message = pubsub.get_message(timeout=min(left, 1.0))
         if message is None:
             continue
-        if _text(message.get("type")) == "subscribe":
+        if text(message.get("type")) == "subscribe":
             return
         raise CommandError(f"Redis at {where} answered SUBSCRIBE with {message!r:.100}")
     raise CommandError(

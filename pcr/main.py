@@ -106,26 +106,42 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pcr", description="Redis-backed prefix-cache registry: simulate, inspect, repair."
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    def redis_options(command: argparse.ArgumentParser, url_default: str | None) -> None:
-        command.add_argument(
-            "--redis-url",
-            type=_url,
-            default=url_default,
-            help="redis://, rediss://, unix://, redis+cluster:// URL (default: $REDIS_URL"
-            + (f", else {DEFAULT_URL})" if url_default else "; without it: an embedded fakeredis)"),
-        )
-        command.add_argument(
-            "--key-prefix",
-            type=_key_prefix,
-            default=DEFAULT_KEY_PREFIX,
-            help="key prefix (default: pcr)",
-        )
-
     env_url = os.environ.get("REDIS_URL") or None  # set but empty: as if unset
+    url = env_url or DEFAULT_URL
+    _add_simulate(commands, env_url)
+    _add_bench(commands)
+    _add_stats(commands, url)
+    _add_inspect(commands, url)
+    _add_match(commands, url)
+    _add_watch(commands, url)
+    _add_gc(commands, url)
+    add_bridge_parser(commands, _redis_options, url)
+    add_serve_parser(commands, _redis_options, url)
+    add_gateway_parser(commands, _redis_options, url)
+    return parser
 
+
+def _redis_options(command: argparse.ArgumentParser, url_default: str | None) -> None:
+    """``--redis-url`` (``url_default``: None for an embedded fakeredis) and ``--key-prefix``."""
+    command.add_argument(
+        "--redis-url",
+        type=_url,
+        default=url_default,
+        help="redis://, rediss://, unix://, redis+cluster:// URL (default: $REDIS_URL"
+        + (f", else {DEFAULT_URL})" if url_default else "; without it: an embedded fakeredis)"),
+    )
+    command.add_argument(
+        "--key-prefix",
+        type=_key_prefix,
+        default=DEFAULT_KEY_PREFIX,
+        help="key prefix (default: pcr)",
+    )
+
+
+def _add_simulate(commands: Any, url_default: str | None) -> None:
+    """``pcr simulate``: the fleet and its workload; then how it is fed (``_simulate_modes``)."""
     sim = commands.add_parser("simulate", help="the serving-fleet simulation (the main job)")
-    redis_options(sim, env_url)
+    _redis_options(sim, url_default)
     sim.add_argument(
         "--serve-port", type=_port, help="also serve the embedded Redis on this TCP port"
     )
@@ -150,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--no-progress", action="store_true", help="no progress bar (shown only on a terminal)"
     )
+    _simulate_modes(sim)
+    sim.set_defaults(handler=_command_simulate, command_parser=sim)
+
+
+def _simulate_modes(sim: argparse.ArgumentParser) -> None:
+    """``pcr simulate``'s other ways to run: through the bridge, with mirrored owners,
+    with metrics served."""
     sim.add_argument(
         "--bridge",
         action="store_true",
@@ -184,8 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics on this TCP port (all interfaces) while it runs "
         "(needs the metrics extra)",
     )
-    sim.set_defaults(handler=_command_simulate, command_parser=sim)
 
+
+def _add_bench(commands: Any) -> None:
+    """The ``pcr bench`` subcommand and its options."""
     bench = commands.add_parser("bench", help="measure every operation against raw Redis commands")
     bench.add_argument(
         "--redis-url",
@@ -224,10 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(handler=_command_bench, command_parser=bench)
 
+
+def _add_stats(commands: Any, url_default: str | None) -> None:
+    """The ``pcr stats`` subcommand and its options."""
     stats = commands.add_parser(
         "stats", help="per namespace: entries, memory, lease, epoch, notices"
     )
-    redis_options(stats, env_url or DEFAULT_URL)
+    _redis_options(stats, url_default)
     stats.add_argument(
         "--namespace",
         type=_namespace,
@@ -237,8 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="JSON output")
     stats.set_defaults(handler=_command_stats, command_parser=stats)
 
+
+def _add_inspect(commands: Any, url_default: str | None) -> None:
+    """The ``pcr inspect`` subcommand and its options."""
     inspect = commands.add_parser("inspect", help="a namespace's mappings, one page at a time")
-    redis_options(inspect, env_url or DEFAULT_URL)
+    _redis_options(inspect, url_default)
     inspect.add_argument("namespace_name", metavar="NAMESPACE", type=_namespace)
     inspect.add_argument("--kind", choices=["kv", "mamba"], default="kv")
     inspect.add_argument(
@@ -250,10 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="JSON output")
     inspect.set_defaults(handler=_command_inspect, command_parser=inspect)
 
+
+def _add_match(commands: Any, url_default: str | None) -> None:
+    """The ``pcr match`` subcommand and its options."""
     match = commands.add_parser(
         "match", help="cached prefix of hashes or tokens (one node, or all)"
     )
-    redis_options(match, env_url or DEFAULT_URL)
+    _redis_options(match, url_default)
     match.add_argument(
         "hashes", metavar="HASH", nargs="*", type=_hash, help="block hashes (1 to 2^63-1)"
     )
@@ -273,8 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     match.add_argument("--json", action="store_true", help="JSON output")
     match.set_defaults(handler=_command_match, command_parser=match)
 
+
+def _add_watch(commands: Any, url_default: str | None) -> None:
+    """The ``pcr watch`` subcommand and its options."""
     watch = commands.add_parser("watch", help="follow a namespace's eviction notices")
-    redis_options(watch, env_url or DEFAULT_URL)
+    _redis_options(watch, url_default)
     watch.add_argument("namespace_name", metavar="NAMESPACE", type=_namespace)
     watch.add_argument(
         "--count", type=_notices, help=f"stop after this many notices (1 to {MAX_NOTICES:,})"
@@ -287,18 +324,16 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--json", action="store_true", help="one JSON object per notice")
     watch.set_defaults(handler=_command_watch, command_parser=watch)
 
+
+def _add_gc(commands: Any, url_default: str | None) -> None:
+    """The ``pcr gc`` subcommand and its options."""
     gc = commands.add_parser(
         "gc", help="remove namespaces whose lease has expired, and invalid node-index members"
     )
-    redis_options(gc, env_url or DEFAULT_URL)
+    _redis_options(gc, url_default)
     gc.add_argument("--dry-run", action="store_true", help="only list them")
     gc.add_argument("--json", action="store_true", help="JSON output")
     gc.set_defaults(handler=_command_gc, command_parser=gc)
-
-    add_bridge_parser(commands, redis_options, env_url or DEFAULT_URL)
-    add_serve_parser(commands, redis_options, env_url or DEFAULT_URL)
-    add_gateway_parser(commands, redis_options, env_url or DEFAULT_URL)
-    return parser
 
 
 # -- the entry point ------------------------------------------------------------------

@@ -18,12 +18,11 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import math
 import signal
 import socket
 from collections.abc import Iterator
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcr.common import (
     DEFAULT_MAX_CONNECTIONS,
@@ -33,6 +32,7 @@ from pcr.common import (
     _int_in,
     _port,
     _scheme,
+    _seconds_in,
     _where,
 )
 from registry.transport.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
@@ -57,17 +57,8 @@ _connections = _int_in(1, MAX_CONNECTIONS, "connection count")
 _keep_alive = _int_in(1, int(MAX_TIMEOUT), "keep-alive timeout")
 
 
-def _timeout(text: str) -> float:
-    """An argparse type: a finite number of seconds in (0, MAX_TIMEOUT]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r:.60}") from None
-    if not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT:
-        raise argparse.ArgumentTypeError(
-            f"seconds must be a finite number in (0, {MAX_TIMEOUT:.0f}], not {text!r:.60}"
-        )
-    return value
+_timeout = _seconds_in(0, MAX_TIMEOUT, above=True)
+"""An argparse type: a finite number of seconds in (0, MAX_TIMEOUT]."""
 
 
 def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
@@ -89,13 +80,13 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         "arrive, and asks Redis while it does not follow it); --no-view asks Redis "
         "(exactly, per namespace) on every request",
     )
-    _limit_options(serve)
+    limit_options(serve)
     serve.set_defaults(handler=command_serve, command_parser=serve)
 
 
 def listen_options(parser: argparse.ArgumentParser, port: int) -> None:
     """What ``pcr serve`` and ``pcr gateway`` share first: where to listen and how to
-    rank (their limits, ``_limit_options``, come last)."""
+    rank (their limits, ``limit_options``, come last)."""
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
     )
@@ -110,7 +101,7 @@ def listen_options(parser: argparse.ArgumentParser, port: int) -> None:
     )
 
 
-def _limit_options(serve: argparse.ArgumentParser) -> None:
+def limit_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--max-connections",
         type=_connections,
@@ -147,7 +138,7 @@ def _limit_options(serve: argparse.ArgumentParser) -> None:
     )
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError) as exc:
@@ -163,7 +154,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server_class() -> Any:
+def server_class() -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -185,6 +176,11 @@ def _server_class() -> Any:
     return Server
 
 
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HttpToolsProtocol
+else:
+    _HttpToolsProtocol = object  # the base _protocol_class gives once uvicorn is imported
+
 HEAD_LIMIT = 16 << 10
 """Bytes a request's line and headers may take (h11's limit, nginx's default buffers):
 past it, 431."""
@@ -197,133 +193,143 @@ class _HeadTooLarge(Exception):
 def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = False) -> type[Any]:
     """uvicorn's httptools protocol (llhttp, a C parser: about half the CPU of h11's per
     request) with the request deadlines, a limit on the head, and JSON for what uvicorn
-    answers itself (malformed HTTP: 400, a head over ``HEAD_LIMIT``: 431)."""
+    answers itself (malformed HTTP: 400, a head over ``HEAD_LIMIT``: 431): ``_Deadlines``
+    on uvicorn's class, imported only now."""
     import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class Protocol(HttpToolsProtocol):
-        """A connection whose client must send each request's headers within
-        ``header_timeout`` seconds (of the connection opening, or of the request's first
-        byte on a kept-alive connection) and its body within ``body_timeout`` seconds of
-        its headers. Past a deadline the client gets 408 JSON (a new connection that sent
-        nothing is only closed, as an idle keep-alive one is) and the connection closes.
-
-        ``phase`` is what the client owes, from the parser's callbacks: ``new`` (a
-        connection that sent nothing yet), ``headers`` (a request begun), ``body`` (its
-        headers in, its body not), None (the request is in: nothing is owed)."""
-
-        _deadline: asyncio.TimerHandle | None = None
-        _waiting_for: str | None = None
-        openai_errors = openai
-        phase: str | None = "new"
-        _head = 0  # bytes of the current request's head seen by the callbacks
-        _unfinished = 0  # bytes received while a head stayed incomplete
-        _too_large = False
-        _lingering = False
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(Coalescing(transport))  # type: ignore[arg-type]
-            self._watch()
-
-        def data_received(self, data: bytes) -> None:
-            if self._lingering:
-                return  # after the last answer: read and drop until the client closes
-            super().data_received(data)
-            if self.transport.is_closing():
-                return
-            if self.phase in ("new", "headers"):  # a head that never ends (one long line)
-                self._unfinished += len(data)
-                if self._unfinished > HEAD_LIMIT:
-                    self._refuse_head()
-                    return
-            else:
-                self._unfinished = 0
-            self._watch()
-
-        # the parser's callbacks (uvicorn's, plus what the client owes and the head's size)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self.phase = "headers"
-            self._head = 0
-
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self.phase = "body"
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            self.phase = None
-            super().on_message_complete()
-
-        def _count(self, size: int) -> None:
-            self._head += size
-            if self._head > HEAD_LIMIT:
-                self._too_large = True
-                raise _HeadTooLarge  # feed_data raises the parser's error: send_400_response
-
-        def send_400_response(self, msg: str) -> None:
-            if self._too_large:
-                self._refuse_head()
-            else:
-                _answer(self, 400, "the request is not valid HTTP/1.1")
-
-        def _refuse_head(self) -> None:
-            _answer(self, 431, f"request headers are limited to {HEAD_LIMIT:,} bytes")
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._watch()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._stop()
-            super().connection_lost(exc)
-
-        # the deadlines
-
-        def _watch(self) -> None:
-            """Arm the deadline of what the connection now waits for from the client."""
-            waiting = None if self.transport.is_closing() else self.phase
-            if waiting == self._waiting_for:
-                return  # the same wait goes on: its deadline stands
-            self._stop()
-            self._waiting_for = waiting
-            if waiting is not None:
-                if waiting != "new":
-                    self._unset_keepalive_if_required()  # a request has begun: not idle
-                seconds = body_timeout if waiting == "body" else header_timeout
-                self._deadline = self.loop.call_later(seconds, self._expired, seconds)
-
-        def _stop(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _expired(self, seconds: float) -> None:
-            self._deadline = None
-            if self.transport.is_closing():
-                return
-            if self.phase == "new":  # nothing sent: closed, as an idle connection is
-                self.transport.close()
-                return
-            what = "body" if self.phase == "body" else "headers"
-            _answer(self, 408, f"the request's {what} did not arrive within {seconds:g} s")
-
-        def linger(self) -> None:
-            """Half-close after a last answer (``_linger``)."""
-            self._stop()
-            self._unset_keepalive_if_required()
-            self._lingering = _linger(self.transport)
-
     assert httptools  # imported first: a missing httptools fails here, not per connection
-    return Protocol
+    attributes = {
+        "header_timeout": header_timeout,
+        "body_timeout": body_timeout,
+        "openai_errors": openai,
+    }
+    return type("Protocol", (_Deadlines, HttpToolsProtocol), attributes)
+
+
+class _Deadlines(_HttpToolsProtocol):
+    """What ``_protocol_class`` adds to uvicorn's httptools protocol (its base once
+    uvicorn is imported): a connection whose client must send each request's headers within
+    ``header_timeout`` seconds (of the connection opening, or of the request's first
+    byte on a kept-alive connection) and its body within ``body_timeout`` seconds of
+    its headers. Past a deadline the client gets 408 JSON (a new connection that sent
+    nothing is only closed, as an idle keep-alive one is) and the connection closes.
+
+    ``phase`` is what the client owes, from the parser's callbacks: ``new`` (a
+    connection that sent nothing yet), ``headers`` (a request begun), ``body`` (its
+    headers in, its body not), None (the request is in: nothing is owed)."""
+
+    header_timeout = HEADER_TIMEOUT
+    body_timeout = BODY_TIMEOUT
+    openai_errors = False
+    _deadline: asyncio.TimerHandle | None = None
+    _waiting_for: str | None = None
+    phase: str | None = "new"
+    _head = 0  # bytes of the current request's head seen by the callbacks
+    _unfinished = 0  # bytes received while a head stayed incomplete
+    _too_large = False
+    _lingering = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(Coalescing(transport))  # type: ignore[arg-type]
+        self._watch()
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # after the last answer: read and drop until the client closes
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self.phase in ("new", "headers"):  # a head that never ends (one long line)
+            self._unfinished += len(data)
+            if self._unfinished > HEAD_LIMIT:
+                self._refuse_head()
+                return
+        else:
+            self._unfinished = 0
+        self._watch()
+
+    # the parser's callbacks (uvicorn's, plus what the client owes and the head's size)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.phase = "headers"
+        self._head = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self.phase = "body"
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self.phase = None
+        super().on_message_complete()
+
+    def _count(self, size: int) -> None:
+        self._head += size
+        if self._head > HEAD_LIMIT:
+            self._too_large = True
+            raise _HeadTooLarge  # feed_data raises the parser's error: send_400_response
+
+    def send_400_response(self, msg: str) -> None:
+        if self._too_large:
+            self._refuse_head()
+        else:
+            _answer(self, 400, "the request is not valid HTTP/1.1")
+
+    def _refuse_head(self) -> None:
+        _answer(self, 431, f"request headers are limited to {HEAD_LIMIT:,} bytes")
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop()
+        super().connection_lost(exc)
+
+    # the deadlines
+
+    def _watch(self) -> None:
+        """Arm the deadline of what the connection now waits for from the client."""
+        waiting = None if self.transport.is_closing() else self.phase
+        if waiting == self._waiting_for:
+            return  # the same wait goes on: its deadline stands
+        self._stop()
+        self._waiting_for = waiting
+        if waiting is not None:
+            if waiting != "new":
+                self._unset_keepalive_if_required()  # a request has begun: not idle
+            seconds = self.body_timeout if waiting == "body" else self.header_timeout
+            self._deadline = self.loop.call_later(seconds, self._expired, seconds)
+
+    def _stop(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self, seconds: float) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.phase == "new":  # nothing sent: closed, as an idle connection is
+            self.transport.close()
+            return
+        what = "body" if self.phase == "body" else "headers"
+        _answer(self, 408, f"the request's {what} did not arrive within {seconds:g} s")
+
+    def linger(self) -> None:
+        """Half-close after a last answer (``_linger``)."""
+        self._stop()
+        self._unset_keepalive_if_required()
+        self._lingering = _linger(self.transport)
 
 
 class Coalescing:
@@ -444,7 +450,7 @@ def uvicorn_config(
     )
 
 
-def _enable_metrics() -> None:
+def enable_metrics() -> None:
     """The registry's Prometheus metrics on ``/metrics`` (routing decisions, score
     times), when prometheus-client is installed."""
     from registry import metrics
@@ -453,26 +459,56 @@ def _enable_metrics() -> None:
         metrics.enable_metrics()
 
 
-def command_serve(args: argparse.Namespace) -> int:
-    if _scheme(args.redis_url) not in SERVE_SCHEMES:
+def check_url(command: str, url: str) -> None:
+    """Refuse (usage error) a ``--redis-url`` that ``pcr serve`` and ``pcr gateway``
+    cannot use: Sentinel's, or another scheme."""
+    if _scheme(url) not in SERVE_SCHEMES:
         raise UsageError(
-            "argument --redis-url: pcr serve takes redis://, rediss://, unix://, "
+            f"argument --redis-url: pcr {command} takes redis://, rediss://, unix://, "
             "redis+cluster:// or rediss+cluster:// URLs"
         )
+
+
+def require(command: str, needed: dict[str, str], extra: str) -> None:
+    """Fail in one line unless every module of ``needed`` (module: package) imports."""
     missing = []
-    for module, package in NEEDED.items():
+    for module, package in needed.items():
         try:
             importlib.import_module(module)
         except ImportError:
             missing.append(package)
     if missing:
         raise CommandError(
-            f"pcr serve needs {' and '.join(missing)}: pip install 'prefix-cache-registry[serve]'"
+            f"pcr {command} needs {' and '.join(missing)}: "
+            f"pip install 'prefix-cache-registry[{extra}]'"
         )
+
+
+def run_app(app: Any, sock: socket.socket, args: argparse.Namespace, **options: Any) -> int:
+    """Run ``app`` on the bound ``sock`` with the deadlines of ``args`` (``limit_options``)
+    until a signal ends it; ``options`` go to ``uvicorn_config``."""
+    config = uvicorn_config(
+        app,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        **options,
+    )
+    server = server_class()(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
+
+
+def command_serve(args: argparse.Namespace) -> int:
+    """``pcr serve``: check, build the app, bind, then serve until a signal."""
+    check_url("serve", args.redis_url)
+    require("serve", NEEDED, "serve")
     from pcr.serve_app import create_app
 
-    server_class = _server_class()
-    _enable_metrics()
+    enable_metrics()
     app = create_app(
         args.redis_url,
         key_prefix=args.key_prefix,
@@ -481,22 +517,11 @@ def command_serve(args: argparse.Namespace) -> int:
         pool_timeout=args.pool_timeout,
         view=args.view,
     )
-    sock = _bind(args.host, args.port)
+    sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(
         f"pcr serve: scoring on http://{host}:{port} (docs at /docs) for Redis at "
         f"{_where(args.redis_url)}",
         flush=True,
     )
-    config = uvicorn_config(
-        app,
-        header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout,
-        keep_alive_timeout=args.keep_alive_timeout,
-    )
-    server = server_class(config)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0
+    return run_app(app, sock, args)

@@ -46,7 +46,7 @@ from registry.core.errors import REDIS_ERRORS, RegistryError, RegistryUnavailabl
 from registry.core.hashing import block_hashes
 from registry.core.keys import DEFAULT_KEY_PREFIX, MAX_NAME_LENGTH, validate_namespace
 from registry.core.types import MAX_HASH, NO_HASH
-from registry.core.validation import prefix_hashes
+from registry.core.validation import is_number, prefix_hashes
 from registry.fleet.membership import NodeIndex
 from registry.fleet.view import FleetView
 from registry.namespace.admin import namespace_infos
@@ -829,11 +829,11 @@ def create_app(
     follows while it follows Redis, and exactly from Redis otherwise."""
     if not isinstance(view, bool):
         raise TypeError("view must be True or False")
-    if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+    if not is_number(max_connections, integer=True):
         raise TypeError("max_connections must be an int")
     if max_connections < 1:
         raise ValueError("max_connections must be at least 1")
-    if not isinstance(pool_timeout, (int, float)) or not 0 < pool_timeout < math.inf:
+    if not is_number(pool_timeout) or not 0 < pool_timeout < math.inf:
         raise ValueError("pool_timeout must be a positive finite number of seconds")
     state = State(url, key_prefix, hybrid, max_connections, float(pool_timeout), view)
     lifespan = state.lifespan

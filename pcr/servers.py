@@ -32,6 +32,8 @@ from types import TracebackType
 import redis
 import redis.cluster
 
+from registry.core.validation import text
+
 HOST = "127.0.0.1"
 CLUSTER_SLOTS = 16384
 _CLUSTER_BUS_OFFSET = 10000
@@ -551,17 +553,12 @@ class RedisClusterServers:
         return None
 
 
-def _text(value: object) -> str:
-    """``value`` as text (redis-py may hand back bytes)."""
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _cluster_info(raw: object) -> dict[str, str]:
     """``CLUSTER INFO`` as a dict, whether redis-py parsed it already or returned text."""
     if isinstance(raw, dict):
-        return {_text(k): _text(v) for k, v in raw.items()}
+        return {text(k): text(v) for k, v in raw.items()}
     info: dict[str, str] = {}
-    for line in _text(raw).splitlines():
+    for line in text(raw).splitlines():
         key, sep, value = line.strip().partition(":")
         if sep:
             info[key] = value
@@ -578,14 +575,14 @@ def _cluster_nodes(raw: object) -> list[tuple[str, set[str], str, bool]]:
         for entry in raw.values():
             rows.append(
                 (
-                    _text(entry["node_id"]),
-                    set(_text(entry["flags"]).split(",")),
-                    _text(entry["master_id"]),
+                    text(entry["node_id"]),
+                    set(text(entry["flags"]).split(",")),
+                    text(entry["master_id"]),
                     bool(entry["connected"]),
                 )
             )
         return rows
-    for line in _text(raw).splitlines():
+    for line in text(raw).splitlines():
         fields = line.split()
         if len(fields) >= 8:
             rows.append((fields[0], set(fields[2].split(",")), fields[3], fields[7] == "connected"))

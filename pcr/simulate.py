@@ -126,6 +126,7 @@ def _check_simulate_sizes(config: Any) -> None:
 
 
 def _command_simulate(args: argparse.Namespace) -> int:
+    """``pcr simulate``: checks first, then each router's run on one Redis, the table last."""
     _check_writable(args.json)
     try:
         from sim import FleetConfig, WorkloadConfig, simulate
@@ -145,7 +146,6 @@ def _command_simulate(args: argparse.Namespace) -> int:
     bridge = _bridge_config(args)
     if args.mirror and bridge is not None:
         raise UsageError("argument --mirror: not with --bridge (a bridged node writes no Redis)")
-    routers = ["round-robin", "prefix"] if args.router == "both" else [args.router]
     with contextlib.ExitStack() as stack:
         if args.redis_url:
             # Every node's listener holds a pub/sub connection: room for all of them.
@@ -156,36 +156,15 @@ def _command_simulate(args: argparse.Namespace) -> int:
             client, where = _embedded_redis(args.serve_port, stack)
         if args.metrics_port is not None:
             _serve_metrics(args.metrics_port, stack)
-        fed = ""
         if bridge is not None:
-            fed = (
-                ", fed through pcr bridge (each node publishes vLLM KV events over ZeroMQ"
-                + (
-                    f", every {bridge.drop_every}th batch lost on the way"
-                    if bridge.drop_every
-                    else ""
-                )
-                + (", routing in lockstep with the bridge" if bridge.lockstep else "")
-                + ")"
-            )
             stack.enter_context(_expected_gaps(bridge.drop_every > 0))
         print(
             f"pcr simulate: {config.nodes} nodes x {config.kv_blocks} KV blocks, "
             f"{config.mamba_slots} Mamba slots, {args.requests} requests, seed {args.seed}, "
-            f"on {where}{fed}",
+            f"on {where}{_fed(bridge)}",
             flush=True,
         )
-        results = []
-        for router in routers:
-            show = not args.no_progress and sys.stderr.isatty()
-            progress = _progress_bar(router) if show else None
-            with _talking(where), _bridge_trouble():
-                results.append(simulate(client, config, router, progress=progress, bridge=bridge))
-            if args.mirror:
-                mirrored = dataclasses.replace(config, mirror=True)
-                progress = _progress_bar(f"{router} mirrored") if show else None
-                with _talking(where):
-                    results.append(simulate(client, mirrored, router, progress=progress))
+        results = _runs(args, client, config, bridge, where, simulate)
     print(_simulate_table(results))
     if args.json:
         document: dict[str, Any] = {"config": _config_dict(config), "runs": results}
@@ -196,6 +175,42 @@ def _command_simulate(args: argparse.Namespace) -> int:
     if bad:  # after the figures and the file: they show what went wrong
         raise CommandError(f"consistency check FAILED: {bad}")
     return 0
+
+
+def _fed(bridge: Any) -> str:
+    """How the fleet is fed, for the opening line: nothing said for the direct mode."""
+    if bridge is None:
+        return ""
+    return (
+        ", fed through pcr bridge (each node publishes vLLM KV events over ZeroMQ"
+        + (f", every {bridge.drop_every}th batch lost on the way" if bridge.drop_every else "")
+        + (", routing in lockstep with the bridge" if bridge.lockstep else "")
+        + ")"
+    )
+
+
+def _runs(
+    args: argparse.Namespace,
+    client: Any,
+    config: Any,
+    bridge: Any,
+    where: str,
+    simulate: Callable[..., dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Every router's run (and its mirrored one with ``--mirror``), in order."""
+    routers = ["round-robin", "prefix"] if args.router == "both" else [args.router]
+    show = not args.no_progress and sys.stderr.isatty()
+    results = []
+    for router in routers:
+        progress = _progress_bar(router) if show else None
+        with _talking(where), _bridge_trouble():
+            results.append(simulate(client, config, router, progress=progress, bridge=bridge))
+        if args.mirror:
+            mirrored = dataclasses.replace(config, mirror=True)
+            progress = _progress_bar(f"{router} mirrored") if show else None
+            with _talking(where):
+                results.append(simulate(client, mirrored, router, progress=progress))
+    return results
 
 
 def _bridge_config(args: argparse.Namespace) -> Any:

@@ -80,10 +80,28 @@ class Metrics:
     ``registry.core.observe.Observer`` that counts what the components publish."""
 
     def __init__(self, registry: Any, namespace_labels: bool) -> None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Histogram
 
         self.registry = registry
         self.namespace_labels = namespace_labels
+        self._operation_metrics(registry)
+        self._router_metrics(registry)
+        self.listener_lag_seconds = Histogram(
+            "pcr_listener_lag_seconds",
+            "Eviction notices: from publish (server clock) to the slot freed by a listener "
+            "(its host's clock: their skew is included)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._decided = {o: self.decisions.labels(o) for o in ("hit", "fallback", "none")}
+        self.objects = ObjectCollector(namespace_labels)
+        registry.register(self.objects)
+        self._children: dict[tuple[str, str, bool], tuple[Any, Any]] = {}
+
+    def _operation_metrics(self, registry: Any) -> None:
+        """Operations by outcome and their times; the prefix lookups' blocks and hits."""
+        from prometheus_client import Counter, Histogram
+
         self.operations = Counter(
             "pcr_operations",
             "Registry operations (scripts, reads, rejected arguments) by outcome",
@@ -107,6 +125,11 @@ class Metrics:
             "Blocks of the cached prefix match_kv_prefix returned",
             registry=registry,
         )
+
+    def _router_metrics(self, registry: Any) -> None:
+        """The routers' score times, decisions and the chosen node's predicted prefix."""
+        from prometheus_client import Counter, Histogram
+
         self.score_duration = Histogram(
             "pcr_router_score_duration_seconds",
             "Time of one PrefixRouter.score (live nodes and every node's score)",
@@ -132,17 +155,6 @@ class Metrics:
             buckets=RATIO_BUCKETS,
             registry=registry,
         )
-        self.listener_lag_seconds = Histogram(
-            "pcr_listener_lag_seconds",
-            "Eviction notices: from publish (server clock) to the slot freed by a listener "
-            "(its host's clock: their skew is included)",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self._decided = {o: self.decisions.labels(o) for o in ("hit", "fallback", "none")}
-        self.objects = ObjectCollector(namespace_labels)
-        registry.register(self.objects)
-        self._children: dict[tuple[str, str, bool], tuple[Any, Any]] = {}
 
     # -- the events (registry.core.observe.Observer) ------------------------------------
 

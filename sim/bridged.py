@@ -32,7 +32,7 @@ import contextlib
 import os
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from registry import PrefixCacheRegistry, block_hashes, metrics
@@ -151,6 +151,8 @@ class EngineNode:
                 self._publish(events)
 
     def _serve(self, request: Request, totals: Totals, events: list[Any]) -> None:
+        """Match the prompt against the engine's blocks, allocate the rest, restore the
+        farthest Mamba checkpoint, checkpoint the last block (``events``: what changed)."""
         size = self.config.block_size
         tokens = list(request.tokens)
         hashes = engine_chain(tokens, size, self.seed)
@@ -167,6 +169,32 @@ class EngineNode:
             recomputed = 1
         hits = matched - recomputed
         usable = next((i + 1 for i in range(hits - 1, -1, -1) if self.mamba.holds(cached[i])), 0)
+        allocated = self._allocate(hashes, tokens, cached, totals, events)
+        if allocated is None:
+            totals.deferred_requests += 1
+            return
+        if usable:
+            self.mamba.restore(cached[usable - 1])
+            totals.mamba_restores += 1
+        totals.prompt_blocks += n
+        totals.kv_hit_blocks += hits
+        totals.usable_hit_blocks += usable
+        totals.prefill_tokens_saved += usable * size
+        # Checkpoint the Mamba state at the prompt's last block (a later turn restores it).
+        self._checkpoint(hashes, tokens, (cached + allocated)[-1], events)
+
+    def _allocate(
+        self,
+        hashes: list[int],
+        tokens: list[int],
+        cached: list[int],
+        totals: Totals,
+        events: list[Any],
+    ) -> list[int] | None:
+        """The blocks of the prompt past its ``cached`` ones, allocated (evicting what it
+        takes) and announced in one stored event; None where even eviction leaves too few
+        free blocks (the request is deferred)."""
+        size, n, matched = self.config.block_size, len(hashes), len(cached)
         allocated: list[int] = []
         for block in cached:
             self.kv.acquire(block)
@@ -174,8 +202,7 @@ class EngineNode:
             missing = n - matched
             free = len(self.kv.free)
             if missing > free and not self._evict(missing - free, totals, events):
-                totals.deferred_requests += 1
-                return
+                return None
             parent = cached[-1] if cached else None
             for i in range(matched, n):
                 parent = self.kv.allocate(hashes[i], parent)
@@ -196,29 +223,29 @@ class EngineNode:
         finally:
             for block in cached + allocated:
                 self.kv.release(block)
-        if usable:
-            self.mamba.restore(cached[usable - 1])
-            totals.mamba_restores += 1
-        totals.prompt_blocks += n
-        totals.kv_hit_blocks += hits
-        totals.usable_hit_blocks += usable
-        totals.prefill_tokens_saved += usable * size
-        # Checkpoint the Mamba state at the prompt's last block (a later turn restores it).
-        last = (cached + allocated)[-1]
-        if not self.mamba.holds(last):
-            victim = self.mamba.store(last)
-            if victim is not None:
-                events.append(removed([self.kv.hash_of[victim]], group_idx=MAMBA))
-            events.append(
-                stored(
-                    [hashes[-1]],
-                    hashes[-2] if n > 1 else None,
-                    tokens[(n - 1) * size : n * size],
-                    size,
-                    group_idx=MAMBA,
-                    kind="mamba",
-                )
+        return allocated
+
+    def _checkpoint(
+        self, hashes: list[int], tokens: list[int], last: int, events: list[Any]
+    ) -> None:
+        """The Mamba state at the prompt's ``last`` block, stored unless held (a victim's
+        removal announced first)."""
+        if self.mamba.holds(last):
+            return
+        size, n = self.config.block_size, len(hashes)
+        victim = self.mamba.store(last)
+        if victim is not None:
+            events.append(removed([self.kv.hash_of[victim]], group_idx=MAMBA))
+        events.append(
+            stored(
+                [hashes[-1]],
+                hashes[-2] if n > 1 else None,
+                tokens[(n - 1) * size : n * size],
+                size,
+                group_idx=MAMBA,
+                kind="mamba",
             )
+        )
 
     def _copy_last(
         self, hashes: list[int], tokens: list[int], cached: list[int], events: list[Any]
@@ -323,23 +350,7 @@ def simulate_bridged(
     context = shared_context()  # one for all the engines' sockets
     with contextlib.ExitStack() as stack:
         stack.callback(context.term)  # last: after every socket closed
-        publishers = [
-            stack.enter_context(
-                EnginePublisher(context=context, replay_frames=bridge_config.replay_frames)
-            )
-            for _ in names
-        ]
-        sources = [
-            EngineSource(name, p.endpoint, p.replay_endpoint, block_size=config.block_size)
-            for name, p in zip(names, publishers, strict=True)
-        ]
-        bridge = Bridge(
-            client, sources, key_prefix=config.key_prefix, lease_ttl=bridge_config.lease_ttl
-        )
-        bridge.start()
-        metrics.register_bridge(bridge)  # a no-op unless metrics are on
-        stack.callback(bridge.stop)
-        _wait_started(bridge, publishers)
+        publishers, bridge = _start_bridge(stack, context, client, config, bridge_config, names)
         nodes = [
             EngineNode(
                 name,
@@ -366,28 +377,15 @@ def simulate_bridged(
             bridge_config.catch_up_timeout,
         )
         catch_up = time.perf_counter() - started
-        consistency: dict[str, int] = defaultdict(int)
-        for node, registry in zip(nodes, registries, strict=True):
-            kv, mamba = node.cached()
-            for key, value in audit_bridged(registry, kv, mamba).items():
-                consistency[key] += value
+        consistency = _audit(nodes, registries)
         bridge.stop()  # its counts are final from here on
-        bridge_counts: dict[str, int] = defaultdict(int)
-        for counts in bridge.counts().values():
-            for key, value in counts.items():
-                bridge_counts[key] += value
+        bridge_counts = _summed(bridge.counts().values())
     mamba_counts = [n.mamba.counts() for n in nodes]
     return {
         **figures(router, config, totals, assigned, route_fallbacks, timings),
-        "consistency": dict(consistency),
+        "consistency": consistency,
         "mamba": {key: sum(c[key] for c in mamba_counts) for key in mamba_counts[0]},
-        "bridge": {
-            "batches_published": sum(n.published for n in nodes),
-            "batches_dropped": sum(n.dropped for n in nodes),
-            "copies_stored": sum(n.copied for n in nodes),
-            "catch_up_seconds": round(catch_up, 3),
-            **bridge_counts,
-        },
+        "bridge": _bridge_figures(nodes, catch_up, bridge_counts),
         "namespaces": {
             r.namespace: {"kv_entries": info.kv_entries, "mamba_entries": info.mamba_entries}
             for r in registries
@@ -395,6 +393,66 @@ def simulate_bridged(
         },
         "seconds": round(elapsed, 3),
     }
+
+
+def _start_bridge(
+    stack: contextlib.ExitStack,
+    context: Any,
+    client: Any,
+    config: FleetConfig,
+    bridge_config: BridgeConfig,
+    names: list[str],
+) -> tuple[list[EnginePublisher], Bridge]:
+    """One engine publisher per name and one bridge following them all, started, owning
+    its namespaces and subscribed to every engine; all closed when ``stack`` is."""
+    publishers = [
+        stack.enter_context(
+            EnginePublisher(context=context, replay_frames=bridge_config.replay_frames)
+        )
+        for _ in names
+    ]
+    sources = [
+        EngineSource(name, p.endpoint, p.replay_endpoint, block_size=config.block_size)
+        for name, p in zip(names, publishers, strict=True)
+    ]
+    bridge = Bridge(
+        client, sources, key_prefix=config.key_prefix, lease_ttl=bridge_config.lease_ttl
+    )
+    bridge.start()
+    metrics.register_bridge(bridge)  # a no-op unless metrics are on
+    stack.callback(bridge.stop)
+    _wait_started(bridge, publishers)
+    return publishers, bridge
+
+
+def _bridge_figures(
+    nodes: list[EngineNode], catch_up: float, bridge_counts: dict[str, int]
+) -> dict[str, Any]:
+    """The engines' batches and copies, the final catch-up and the bridge's counts."""
+    return {
+        "batches_published": sum(n.published for n in nodes),
+        "batches_dropped": sum(n.dropped for n in nodes),
+        "copies_stored": sum(n.copied for n in nodes),
+        "catch_up_seconds": round(catch_up, 3),
+        **bridge_counts,
+    }
+
+
+def _audit(nodes: list[EngineNode], registries: list[PrefixCacheRegistry]) -> dict[str, int]:
+    """The consistency audit of every node's cache against its namespace, summed."""
+    return _summed(
+        audit_bridged(registry, *node.cached())
+        for node, registry in zip(nodes, registries, strict=True)
+    )
+
+
+def _summed(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Counts of several parts added up, key by key."""
+    total: dict[str, int] = defaultdict(int)
+    for part in counts:
+        for key, value in part.items():
+            total[key] += value
+    return dict(total)
 
 
 def _wait_started(bridge: Bridge, publishers: list[EnginePublisher]) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from registry.core.keys import validate_key_prefix
+from registry.core.validation import is_number
 from registry.namespace.ownership import DEFAULT_LEASE_TTL, lease_seconds
 from sim.workload import WorkloadConfig
 
@@ -125,7 +127,7 @@ def check_bridge_config(bridge: BridgeConfig) -> None:
     if not isinstance(bridge.lockstep, bool):
         raise TypeError(f"lockstep must be a bool, not {type(bridge.lockstep).__name__}")
     drop = bridge.drop_every
-    if isinstance(drop, bool) or not isinstance(drop, int):
+    if not is_number(drop, integer=True):
         raise TypeError(f"drop_every must be an int, not {type(drop).__name__}")
     if drop < 0 or drop == 1:
         raise FleetConfigError(
@@ -140,13 +142,14 @@ def check_bridge_config(bridge: BridgeConfig) -> None:
 
 def _size(value: object, name: str, high: int | None = None) -> int:
     """A positive int (not a bool) of at most ``high``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_number(value, integer=True):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if value < 1:
-        raise FleetConfigError(name, f"{name} = {value} must be at least 1")
-    if high is not None and value > high:
-        raise FleetConfigError(name, f"{name} = {value} is too large: at most {high}")
-    return value
+    size = cast(int, value)
+    if size < 1:
+        raise FleetConfigError(name, f"{name} = {size} must be at least 1")
+    if high is not None and size > high:
+        raise FleetConfigError(name, f"{name} = {size} is too large: at most {high}")
+    return size
 
 
 def _values(shape: object, name: str) -> int:

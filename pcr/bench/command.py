@@ -67,56 +67,15 @@ def _command_bench_fleet(args: argparse.Namespace) -> int:
     from pcr.bench import fleet, view
 
     started = time.perf_counter()
-    deployment = "standalone"
-    if args.redis_url:
-        scheme = _scheme(args.redis_url)
-        if scheme not in (*BENCH_SCHEMES, *CLUSTER_SCHEMES):
-            raise UsageError(
-                "argument --redis-url: pcr bench --fleet measures a standalone server or a "
-                "cluster: give a redis://, rediss://, unix://, redis+cluster:// or "
-                "rediss+cluster:// URL"
-            )
-        if scheme in CLUSTER_SCHEMES:
-            deployment = "cluster"
-        with common.connect(args):
-            pass
+    deployment = _fleet_deployment(args)
     nodes = (16, 256) if args.quick else (16, 64, 256, 1024)
     in_process = view.run(nodes, rounds=2 if args.quick else 10, best=args.best_case)
     print("\n".join(view.format_report(in_process)), flush=True)
-    rows: list[dict[str, Any]] = []
     try:
         if args.redis_url:
-            client = client_from_url(args.redis_url)
-            try:
-                with _talking(f"Redis at {_where(args.redis_url)}"):
-                    rows += fleet.measure(client, deployment, quick=args.quick, best=args.best_case)
-                    redis = view.measure_redis(args.redis_url, quick=args.quick)
-            finally:
-                client.close()
+            rows, redis = _fleet_on_url(args, deployment)
         else:
-            with RedisServer() as server:
-                print(
-                    f"pcr bench --fleet: a redis-server of its own on 127.0.0.1:{server.port}",
-                    flush=True,
-                )
-                with server.client() as client, _talking(f"Redis at 127.0.0.1:{server.port}"):
-                    rows += fleet.measure(
-                        client, "standalone", quick=args.quick, best=args.best_case
-                    )
-                    redis = view.measure_redis(server.url, quick=args.quick)
-            with RedisClusterServers(masters=3) as cluster:
-                ports = ", ".join(str(node.port) for node in cluster.nodes)
-                print(
-                    f"pcr bench --fleet: a 3-master Redis Cluster of its own on ports {ports}",
-                    flush=True,
-                )
-                with (
-                    cluster.client() as cluster_client,
-                    _talking(f"Redis Cluster at {cluster.url}"),
-                ):
-                    rows += fleet.measure(
-                        cluster_client, "cluster", quick=args.quick, best=args.best_case
-                    )
+            rows, redis = _fleet_on_own_servers(args)
     except RuntimeError as exc:  # a server that did not start, a fleet not as filled
         raise CommandError(str(exc)) from None
     report = {
@@ -132,3 +91,58 @@ def _command_bench_fleet(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, report)
     return 0
+
+
+def _fleet_deployment(args: argparse.Namespace) -> str:
+    """What ``--redis-url`` names (``standalone`` or ``cluster``; ``standalone`` without
+    it), checked and reached before anything is measured."""
+    if not args.redis_url:
+        return "standalone"
+    scheme = _scheme(args.redis_url)
+    if scheme not in (*BENCH_SCHEMES, *CLUSTER_SCHEMES):
+        raise UsageError(
+            "argument --redis-url: pcr bench --fleet measures a standalone server or a "
+            "cluster: give a redis://, rediss://, unix://, redis+cluster:// or "
+            "rediss+cluster:// URL"
+        )
+    with common.connect(args):
+        pass
+    return "cluster" if scheme in CLUSTER_SCHEMES else "standalone"
+
+
+def _fleet_on_url(args: argparse.Namespace, deployment: str) -> tuple[list[dict[str, Any]], Any]:
+    """The through-Redis rows and a write's way to a view, on ``--redis-url`` only."""
+    from pcr.bench import fleet, view
+
+    client = client_from_url(args.redis_url)
+    try:
+        with _talking(f"Redis at {_where(args.redis_url)}"):
+            rows = fleet.measure(client, deployment, quick=args.quick, best=args.best_case)
+            redis = view.measure_redis(args.redis_url, quick=args.quick)
+    finally:
+        client.close()
+    return rows, redis
+
+
+def _fleet_on_own_servers(args: argparse.Namespace) -> tuple[list[dict[str, Any]], Any]:
+    """The through-Redis rows on a redis-server and a 3-master cluster of its own, and a
+    write's way to a view on the former."""
+    from pcr.bench import fleet, view
+
+    with RedisServer() as server:
+        print(
+            f"pcr bench --fleet: a redis-server of its own on 127.0.0.1:{server.port}",
+            flush=True,
+        )
+        with server.client() as client, _talking(f"Redis at 127.0.0.1:{server.port}"):
+            rows = fleet.measure(client, "standalone", quick=args.quick, best=args.best_case)
+            redis = view.measure_redis(server.url, quick=args.quick)
+    with RedisClusterServers(masters=3) as cluster:
+        ports = ", ".join(str(node.port) for node in cluster.nodes)
+        print(
+            f"pcr bench --fleet: a 3-master Redis Cluster of its own on ports {ports}",
+            flush=True,
+        )
+        with cluster.client() as cluster_client, _talking(f"Redis Cluster at {cluster.url}"):
+            rows += fleet.measure(cluster_client, "cluster", quick=args.quick, best=args.best_case)
+    return rows, redis

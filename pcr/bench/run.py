@@ -103,12 +103,54 @@ class Operation:
         return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
-def _operations(
-    client: Any, n: int, local_too: bool = True
-) -> list[tuple[str, Operation, Operation, Operation | None]]:
-    """(label, registry op, raw baseline, local op) for size ``n``."""
+Row = tuple[str, Operation, Operation, "Operation | None"]
+"""One table row: its label, the registry's operation, the raw baseline, the local one."""
+
+
+@dataclass
+class _Fixture:
+    """The namespaces, keys and hashes the rows of size ``n`` measure on, filled."""
+
+    client: Any
+    n: int
+    chain: list[int]
+    missing: list[int]
+    ids: list[int]
+    full: PrefixCacheRegistry
+    half: PrefixCacheRegistry
+    write: PrefixCacheRegistry
+    local: LocalPrefixCacheRegistry
+    local_half: LocalPrefixCacheRegistry
+    raw_key: str
+    floor_key: str
+    flat: list[Any]
+
+    @property
+    def mamba_ids(self) -> list[int]:
+        return self.ids[::8]
+
+    @property
+    def mamba_hashes(self) -> list[int]:
+        return self.chain[::8]
+
+    def refill(self) -> None:
+        self.write.register_kv(self.ids, self.chain)
+        self.write.register_mamba(self.mamba_ids, self.mamba_hashes)
+
+    def refill_local(self) -> None:
+        self.local.register_kv(self.ids, self.chain)
+        self.local.register_mamba(self.mamba_ids, self.mamba_hashes)
+
+    def refill_raw(self) -> None:
+        self.client.hset(self.raw_key, items=self.flat)
+
+    def refill_floor(self) -> None:
+        self.client.hset(self.floor_key, items=self.flat)
+
+
+def _fixture(client: Any, n: int) -> _Fixture:
+    """Fresh namespaces for size ``n``, each beside filler entries (a realistic hash)."""
     chain = [2**62 + n * 100_000 + i for i in range(n)]
-    missing = [2**61 + n * 100_000 + i for i in range(n)]
     ids = list(range(n))
     mamba_ids, mamba_hashes = ids[::8], chain[::8]
     full = PrefixCacheRegistry(client, f"bench-full-{n}")
@@ -129,55 +171,69 @@ def _operations(
     local.register_mamba(mamba_ids, mamba_hashes)
     local_half = LocalPrefixCacheRegistry()
     local_half.register_kv(ids[: n // 2], chain[: n // 2])
-    flat = flatten(dict(zip(chain, ids, strict=True)))
-    kv, mamba = full.keys.kv, full.keys.mamba
+    return _Fixture(
+        client=client,
+        n=n,
+        chain=chain,
+        missing=[2**61 + n * 100_000 + i for i in range(n)],
+        ids=ids,
+        full=full,
+        half=half,
+        write=write,
+        local=local,
+        local_half=local_half,
+        raw_key=raw_key,
+        floor_key=f"bench-floor-{n}",
+        flat=flatten(dict(zip(chain, ids, strict=True))),
+    )
 
-    def refill() -> None:
-        write.register_kv(ids, chain)
-        write.register_mamba(mamba_ids, mamba_hashes)
 
-    def refill_local() -> None:
-        local.register_kv(ids, chain)
-        local.register_mamba(mamba_ids, mamba_hashes)
+def _operations(client: Any, n: int, local_too: bool = True) -> list[Row]:
+    """(label, registry op, raw baseline, local op) for size ``n``."""
+    f = _fixture(client, n)
+    rows = [*_kv_match_rows(f), *_write_rows(f), *_mamba_rows(f)]
+    return [(label, ours, raw, lo if local_too else None) for label, ours, raw, lo in rows]
 
-    def refill_raw() -> None:
-        client.hset(raw_key, items=flat)
 
-    # The floor of any script: the same HSET / HDEL inside a minimal (chunked) script.
-    hset_floor = client.register_script(FLOOR_SCRIPT.format(command="HSET"))
-    hdel_floor = client.register_script(FLOOR_SCRIPT.format(command="HDEL"))
-    unrecorded = client.register_script(UNRECORDED_REGISTER)
-    floor_key = f"bench-floor-{n}"
-    client.hset(floor_key, items=_filler(n * 10 + 8))
-
-    def refill_floor() -> None:
-        client.hset(floor_key, items=flat)
-
-    backoff = max(1, n // 2)
-    rows = [
+def _kv_match_rows(f: _Fixture) -> list[Row]:
+    """``match_kv_prefix`` on a full hit, a half hit and a miss, against HMGET."""
+    client, n, chain, kv = f.client, f.n, f.chain, f.full.keys.kv
+    return [
         (
             "match_kv_prefix, full hit",
-            Operation("match full", n, lambda: full.match_kv_prefix(chain), "hmget"),
+            Operation("match full", n, lambda: f.full.match_kv_prefix(chain), "hmget"),
             Operation("HMGET", n, lambda: client.hmget(kv, chain), "hmget"),
-            Operation("local", n, lambda: local.match_kv_prefix(chain), ""),
+            Operation("local", n, lambda: f.local.match_kv_prefix(chain), ""),
         ),
         (
             "match_kv_prefix, half hit",
-            Operation("match half", n, lambda: half.match_kv_prefix(chain), "hmget"),
-            Operation("HMGET", n, lambda: client.hmget(half.keys.kv, chain), "hmget"),
-            Operation("local", n, lambda: local_half.match_kv_prefix(chain), ""),
+            Operation("match half", n, lambda: f.half.match_kv_prefix(chain), "hmget"),
+            Operation("HMGET", n, lambda: client.hmget(f.half.keys.kv, chain), "hmget"),
+            Operation("local", n, lambda: f.local_half.match_kv_prefix(chain), ""),
         ),
         (
             "match_kv_prefix, miss",
-            Operation("match miss", n, lambda: full.match_kv_prefix(missing), "hmget"),
-            Operation("HMGET", n, lambda: client.hmget(kv, missing), "hmget"),
-            Operation("local", n, lambda: local.match_kv_prefix(missing), ""),
+            Operation("match miss", n, lambda: f.full.match_kv_prefix(f.missing), "hmget"),
+            Operation("HMGET", n, lambda: client.hmget(kv, f.missing), "hmget"),
+            Operation("local", n, lambda: f.local.match_kv_prefix(f.missing), ""),
         ),
+    ]
+
+
+def _write_rows(f: _Fixture) -> list[Row]:
+    """Registering and evicting against HSET / HDEL, and the floors of any script: the
+    same HSET / HDEL inside a minimal (chunked) script, a register without reply record."""
+    client, n, ids, chain, flat, write = f.client, f.n, f.ids, f.chain, f.flat, f.write
+    hset_floor = client.register_script(FLOOR_SCRIPT.format(command="HSET"))
+    hdel_floor = client.register_script(FLOOR_SCRIPT.format(command="HDEL"))
+    unrecorded = client.register_script(UNRECORDED_REGISTER)
+    client.hset(f.floor_key, items=_filler(n * 10 + 8))
+    return [
         (
             "register_kv",
             Operation("register", n, lambda: write.register_kv(ids, chain), "evalsha"),
-            Operation("HSET", n, lambda: client.hset(raw_key, items=flat), "hset"),
-            Operation("local", n, lambda: local.register_kv(ids, chain), ""),
+            Operation("HSET", n, lambda: client.hset(f.raw_key, items=flat), "hset"),
+            Operation("local", n, lambda: f.local.register_kv(ids, chain), ""),
         ),
         (
             "request ids: register_kv / same without reply record",
@@ -192,8 +248,10 @@ def _operations(
         ),
         (
             "floor: HSET in a minimal script",
-            Operation("script HSET", n, lambda: hset_floor(keys=[floor_key], args=flat), "evalsha"),
-            Operation("HSET", n, lambda: client.hset(raw_key, items=flat), "hset"),
+            Operation(
+                "script HSET", n, lambda: hset_floor(keys=[f.floor_key], args=flat), "evalsha"
+            ),
+            Operation("HSET", n, lambda: client.hset(f.raw_key, items=flat), "hset"),
             None,
         ),
         (
@@ -201,19 +259,27 @@ def _operations(
             Operation(
                 "script HDEL",
                 n,
-                lambda: hdel_floor(keys=[floor_key], args=chain),
+                lambda: hdel_floor(keys=[f.floor_key], args=chain),
                 "evalsha",
-                refill_floor,
+                f.refill_floor,
             ),
-            Operation("HDEL", n, lambda: client.hdel(raw_key, *chain), "hdel", refill_raw),
+            Operation("HDEL", n, lambda: client.hdel(f.raw_key, *chain), "hdel", f.refill_raw),
             None,
         ),
         (
             "evict_kv with Mamba cascade (1 in 8)",
-            Operation("evict", n, lambda: write.evict_kv(chain), "evalsha", refill),
-            Operation("HDEL", n, lambda: client.hdel(raw_key, *chain), "hdel", refill_raw),
-            Operation("local", n, lambda: local.evict_kv(chain), "", refill_local),
+            Operation("evict", n, lambda: write.evict_kv(chain), "evalsha", f.refill),
+            Operation("HDEL", n, lambda: client.hdel(f.raw_key, *chain), "hdel", f.refill_raw),
+            Operation("local", n, lambda: f.local.evict_kv(chain), "", f.refill_local),
         ),
+    ]
+
+
+def _mamba_rows(f: _Fixture) -> list[Row]:
+    """The Mamba reads (farthest match, backoff to half) against HMGET."""
+    client, n, chain, full, local = f.client, f.n, f.chain, f.full, f.local
+    mamba, backoff = full.keys.mamba, max(1, n // 2)
+    return [
         (
             "match_mamba_farthest",
             Operation("mamba match", n, lambda: full.match_mamba_farthest(chain), "hmget"),
@@ -227,7 +293,6 @@ def _operations(
             Operation("local", n, lambda: local.find_mamba_backoff(chain, backoff), ""),
         ),
     ]
-    return [(label, ours, raw, lo if local_too else None) for label, ours, raw, lo in rows]
 
 
 def _score_rows(client: Any, n: int) -> tuple[Operation, Operation, Operation]:
@@ -544,40 +609,43 @@ def _targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+OPERATION_HEADERS = [
+    "operation",
+    "n",
+    "p50 ms",
+    "p99 ms",
+    "server µs",
+    "baseline",
+    "base p50",
+    "base µs",
+    "client x",
+    "server x",
+    "local x",
+]
+"""The columns of the operations' table."""
+
+
+def _operation_row(r: dict[str, Any]) -> list[Any]:
+    """One row of the operations' table."""
+    return [
+        r["operation"],
+        r["n"],
+        f"{r['p50_ms']:.3f}",
+        f"{r['p99_ms']:.3f}",
+        r["server_us"],
+        r["baseline"],
+        f"{r['baseline_p50_ms']:.3f}",
+        r["baseline_server_us"],
+        f"{r['client_ratio']:.2f}",
+        "-" if r["server_ratio"] is None else f"{r['server_ratio']:.2f}",
+        "-" if r["local_ratio"] is None else f"{r['local_ratio']:.0f}",
+    ]
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as text tables."""
 
-    lines = []
-    headers = [
-        "operation",
-        "n",
-        "p50 ms",
-        "p99 ms",
-        "server µs",
-        "baseline",
-        "base p50",
-        "base µs",
-        "client x",
-        "server x",
-        "local x",
-    ]
-    body = [
-        [
-            r["operation"],
-            r["n"],
-            f"{r['p50_ms']:.3f}",
-            f"{r['p99_ms']:.3f}",
-            r["server_us"],
-            r["baseline"],
-            f"{r['baseline_p50_ms']:.3f}",
-            r["baseline_server_us"],
-            f"{r['client_ratio']:.2f}",
-            "-" if r["server_ratio"] is None else f"{r['server_ratio']:.2f}",
-            "-" if r["local_ratio"] is None else f"{r['local_ratio']:.0f}",
-        ]
-        for r in report["rows"]
-    ]
-    lines.append(format_table(headers, body))
+    lines = [format_table(OPERATION_HEADERS, [_operation_row(r) for r in report["rows"]])]
     throughput = report["throughput_4_processes_n64"]
     lines.append("")
     lines.append(

@@ -255,13 +255,23 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
     process, the view's own thread); a view's cold start over 256 namespaces x 4,096
     blocks (64 x 1,024 with ``quick``); and what an owner's ``register_kv`` /
     ``evict_kv`` of 32 blocks costs (its change record included)."""
-    from registry import PrefixCacheRegistry
     from registry.transport.client import client_from_url
 
     client = client_from_url(url)
     client.flushall()
-    out: dict[str, Any] = {}
-    rng = random.Random(3)
+    rng = random.Random(3)  # one sequence through the three, in this order
+    out = _write_to_view(client, url, rng, quick)
+    out.update(_cold_start(client, url, rng, quick))
+    out.update(_owner_write_cost(client, rng, quick))
+    client.close()
+    return out
+
+
+def _write_to_view(client: Any, url: str, rng: random.Random, quick: bool) -> dict[str, Any]:
+    """From an owner's ``register_kv`` call to a view following it holding the block."""
+    from registry import PrefixCacheRegistry
+    from registry.transport.client import client_from_url
+
     owner = PrefixCacheRegistry(client, "writer")
     owner.claim(lease_ttl=600)
     view = FleetView(client_from_url(url)).start()
@@ -274,10 +284,19 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
             while h not in view.blocks:
                 time.sleep(0)
             seen.append(time.perf_counter() - t0)
-        out["write_to_view_p50_ms"] = round(statistics.median(seen) * 1000, 3)
-        out["write_to_view_p99_ms"] = round(_p99(seen) * 1000, 3)
     finally:
         view.close()
+    return {
+        "write_to_view_p50_ms": round(statistics.median(seen) * 1000, 3),
+        "write_to_view_p99_ms": round(_p99(seen) * 1000, 3),
+    }
+
+
+def _cold_start(client: Any, url: str, rng: random.Random, quick: bool) -> dict[str, Any]:
+    """A view's start over namespaces sharing half their chain or more."""
+    from registry import PrefixCacheRegistry
+    from registry.transport.client import client_from_url
+
     namespaces, blocks = (64, 1024) if quick else (256, 4096)
     chain = [rng.randrange(1, 2**63) for _ in range(blocks)]
     for n in range(namespaces):
@@ -288,9 +307,19 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
         reg.register_kv(range(blocks), chain[:cut] + own)
     t0 = time.perf_counter()
     cold = FleetView(client_from_url(url)).start(timeout=120)
-    out["cold_start_s"] = round(time.perf_counter() - t0, 2)
-    out["cold_start_fleet"] = f"{namespaces} x {blocks}"
+    out = {
+        "cold_start_s": round(time.perf_counter() - t0, 2),
+        "cold_start_fleet": f"{namespaces} x {blocks}",
+    }
     cold.close()
+    return out
+
+
+def _owner_write_cost(client: Any, rng: random.Random, quick: bool) -> dict[str, Any]:
+    """An owner's ``register_kv`` / ``evict_kv`` of 32 blocks, with and without the
+    change record, and their ratios."""
+    from registry import PrefixCacheRegistry
+
     writer = PrefixCacheRegistry(client, "cost")
     writer.claim(lease_ttl=600)
     costs: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
@@ -307,13 +336,13 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
                     t2 = time.perf_counter()
                     registers.append(t1 - t0)
                     evicts.append(t2 - t1)
+    out: dict[str, Any] = {}
     for recorded, tag in ((True, ""), (False, "_unrecorded")):
         registers, evicts = costs[recorded]
         out[f"register_kv{tag}_us"] = round(statistics.median(registers) * 1e6, 1)
         out[f"evict_kv{tag}_us"] = round(statistics.median(evicts) * 1e6, 1)
     for op in ("register_kv", "evict_kv"):
         out[f"{op}_record_ratio"] = round(out[f"{op}_us"] / out[f"{op}_unrecorded_us"], 3)
-    client.close()
     return out
 
 
