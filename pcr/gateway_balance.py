@@ -65,6 +65,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from registry.core.validation import is_number
+
 REPLICA_ID = re.compile(r"[!-~]{1,200}")
 """A gateway replica's id: its field in ``pcr:gateway:load`` and the first word of what
 it publishes on the load channel."""
@@ -92,7 +94,7 @@ class BalanceRule:
     def __post_init__(self) -> None:
         for name in ("queue_weight", "spread_weight", "affinity_weight", "request_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not is_number(value):
                 raise TypeError(f"{name} must be a number")
             if not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0")

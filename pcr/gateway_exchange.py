@@ -24,7 +24,7 @@ from pcr.gateway_backends import Backend
 from pcr.gateway_metrics import GatewayMetrics
 from registry.core.errors import RegistryError
 from registry.core.keys import gateway_load_channel
-from registry.core.validation import text
+from registry.core.validation import is_number, text
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _peer(payload: str, received: float) -> _Peer | None:
         }
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
         return None
-    if isinstance(seq, bool) or not isinstance(seq, int):
+    if not is_number(seq, integer=True):
         return None
     if not all(math.isfinite(v) for values in load.values() for v in values):
         return None
