@@ -47,7 +47,7 @@ MAX_NOTICES = 2**31 - 1
 # pcr.serve_app): shared here so the app needs nothing of the commands.
 DEFAULT_MAX_CONNECTIONS = 64
 """Requests using Redis at once, and connections per Redis node: one event loop's worth
-(each request holds a connection for a round trip of ~0.1 ms; the loop, not Redis, is
+(each request holds a connection for one loopback round trip; the loop, not Redis, is
 what runs out first)."""
 DEFAULT_POOL_TIMEOUT = 5.0
 """Seconds a request waits for its turn before 503: past Redis' own bounds (1 s connect,

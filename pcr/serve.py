@@ -335,9 +335,9 @@ class _Deadlines(_HttpToolsProtocol):
 class Coalescing:
     """A transport whose writes within one turn of the event loop go out as one send:
     uvicorn writes a response's head and its body separately, and on these machines each
-    send to a local peer costs a wake-up of the other core (about 0.3 ms of CPU on the
-    project's 2-core VMs). Streamed chunks that arrive in later turns go out as they come
-    (a turn later at most). Everything else is the transport's own."""
+    send to a local peer costs a wake-up of the other core. Streamed chunks that arrive
+    in later turns go out as they come (a turn later at most). Everything else is the
+    transport's own."""
 
     def __init__(self, transport: Any) -> None:
         self._transport = transport

@@ -869,9 +869,10 @@ def create_app(
 
 def settle_heap() -> None:
     """Everything made while starting (the imports: FastAPI, pydantic, and for the
-    gateway transformers and torch, ~370k objects) moved out of the garbage collector's
-    reach: a full collection over them took ~230 ms, a pause that a request now and then
-    had to wait out. What requests make is still collected."""
+    gateway transformers and torch, hundreds of thousands of objects) moved out of the
+    garbage collector's reach: a full collection over them is a pause of a large part of
+    a second, which a request now and then had to wait out. What requests make is still
+    collected."""
     gc.collect()
     gc.freeze()
 

@@ -61,7 +61,7 @@ LATENCY_BUCKETS = (
     5.0,
     10.0,
 )
-"""Seconds: one Redis round trip (~50 µs on loopback) up to a call's bound (10.25 s)."""
+"""Seconds: one Redis round trip on loopback up to a call's bound (``CALL_BOUND``)."""
 
 BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

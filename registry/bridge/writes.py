@@ -11,8 +11,8 @@ from registry.bridge.source import EngineSource
 from registry.namespace.redis_registry import PrefixCacheRegistry
 
 MAX_BLOCKS_PER_WRITE = 1024
-"""A write carries whole batches; a new write starts once this many blocks wait (about
-4 ms of script time: routers' calls wait behind it)."""
+"""A write carries whole batches; a new write starts once this many blocks wait (a few
+milliseconds of script time, which routers' calls wait behind)."""
 
 
 class PendingWrite:
