@@ -1,15 +1,16 @@
 """The fleet view's table without I/O: block hash -> the namespaces holding it, changed
 by change records and snapshots, walked to match and score a prompt.
 
-A hash maps to an int: bit ``2 * slot`` the KV entry of the namespace in ``slot``, bit
-``2 * slot + 1`` its Mamba entry; a hash one bit alone holds (a conversation's own
-blocks, the most of them) maps to that bit's index inverted (``~index``, negative), so
-it costs a small int whatever the slot, not a bitmap as long as the slot's number.
+Two maps, KV and Mamba, each hash -> an int whose bit ``slot`` is set where the
+namespace in ``slot`` holds the entry. A hash one namespace alone holds (a
+conversation's own blocks, the most of them) points at that slot's one shared int
+(``1 << slot``), so it costs the map's entry and nothing more, whatever the slot.
 
-Scoring is memory work proportional to the prompt's matched part: the prompt's hashes
-are looked up one after another (``dict.get`` in C, runs of equal holders grouped in C)
-until no namespace still holds every block so far (``walk``); the namespaces that match
-are answered, the other live ones (with 0) only when asked for (``everyone=True``).
+Scoring is memory work proportional to the prompt's matched part
+(``registry.fleet.matches``): the prompt's hashes are looked up and their holder sets
+ANDed, in C, until no namespace still holds every block so far; the answer is that
+running list, read as names on demand. The namespaces that match are answered, the
+other live ones (with 0) only when asked for (``everyone=True``).
 
 ``HolderTable`` reads nothing and starts nothing: what a record or a snapshot cannot
 settle (a gap, a new incarnation, a namespace not held yet, ``L``) it answers with the
@@ -24,17 +25,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby, repeat
 from typing import Any
 
 from registry.core.scores import NodeScore, checked_hybrid
 from registry.core.validation import prefix_hashes
+from registry.fleet.matches import Matches, Naming, ends, farthest, walk
 
 log = logging.getLogger(__name__)
-
-MEMO_NAMES = 1 << 18
-"""How many namespaces a table remembers across the holder sets it decoded
-(``HolderTable._named``; a few MB), before it forgets them all and starts again."""
 
 
 class Part:
@@ -89,7 +86,7 @@ class _Source:
 class _Live:
     """The live namespaces as the scorer reads them, replaced whole."""
 
-    mask: int  # the KV bit of every live namespace's slot
+    mask: int  # the bit of every live namespace's slot
     names: tuple[str, ...]
     slots: dict[str, int]
 
@@ -100,16 +97,14 @@ class HolderTable:
 
     def __init__(self, counts: ViewCounts) -> None:
         self.counts = counts
-        self.blocks: dict[int, int] = {}
+        self.kv: dict[int, int] = {}
+        self.mamba: dict[int, int] = {}
         self._sources: dict[str, _Source] = {}
         self._free: list[int] = []
-        self._next_slot = 0
+        self._bits: list[int] = []  # slot -> 1 << slot, the one int its lone blocks share
         self._live = _Live(0, (), {})
-        self._names: list[str | None] = []  # slot -> namespace
-        self._memo: dict[int, dict[str, None]] = {}  # KV bits -> their namespaces
-        self._memo_at: dict[tuple[int, int], dict[str, int]] = {}  # (bits, prefix) -> answer
-        self._memo_names = 0
-        self._hybrid = 0  # the KV bit of every hybrid model's namespace
+        self._naming = Naming(())
+        self._hybrid = 0  # the bit of every hybrid model's namespace
 
     # -- what it holds -----------------------------------------------------------------
 
@@ -146,7 +141,14 @@ class HolderTable:
     def memory(self) -> dict[str, int]:
         """Rough sizes: distinct hashes, (namespace, hash) pairs held."""
         pairs = sum(len(s.kv) + len(s.mamba) for s in self._sources.values())
-        return {"hashes": len(self.blocks), "pairs": pairs, "namespaces": len(self._sources)}
+        kv = self.kv
+        hashes = len(kv) + sum(1 for h in self.mamba if h not in kv)
+        return {"hashes": hashes, "pairs": pairs, "namespaces": len(self._sources)}
+
+    def slot_bit(self, name: str) -> int | None:
+        """The int ``name``'s lone blocks point at (its bit), or None when not held."""
+        source = self._sources.get(name)
+        return None if source is None else self._bits[source.slot]
 
     # -- scoring -----------------------------------------------------------------------
 
@@ -156,32 +158,16 @@ class HolderTable:
         namespaces: Iterable[str] | None = None,
         *,
         hybrid: bool | None = None,
-    ) -> dict[str, int]:
+    ) -> Matches:
         """The live namespaces (all, or those given) holding a prefix of ``hashes``,
         each with its usable prefix in blocks (``FleetView.match``)."""
         hybrid = checked_hybrid(hybrid)
-        # The hybrid nodes' bits (-1: every node, for hybrid=True); with none, the walk
-        # leaves the Mamba checkpoints out: no answer would read them.
-        reuses_mamba = 0 if hybrid is False else self._hybrid if hybrid is None else -1
-        ends, checkpoints = self._walk(hashes, namespaces, bool(reuses_mamba))
-        usable: dict[str, int] = {}
-        if not reuses_mamba:  # the KV prefixes
-            at = self._named_at
-            for position, bits in ends:
-                usable.update(at(bits, position))
-            return usable
-        named = self._named
-        for position, bits in ends:
-            plain = bits & ~reuses_mamba
-            if plain:
-                usable.update(dict.fromkeys(named(plain), position))
-            if bits != plain:  # hybrid nodes: 0 unless a checkpoint is found below
-                usable.update(dict.fromkeys(named(bits & reuses_mamba), 0))
-        for position, bits in checkpoints:
-            mamba = bits & reuses_mamba
-            if mamba:
-                usable.update(dict.fromkeys(named(mamba), position))
-        return usable
+        # The bits of the nodes ranked by their Mamba checkpoints (-1: every node, for
+        # hybrid=True); with none, the walk leaves the checkpoints out.
+        reuses = 0 if hybrid is False else self._hybrid if hybrid is None else -1
+        naming = self._naming
+        running, marks = self._walk(hashes, namespaces, bool(reuses))
+        return Matches(running, marks, reuses, naming)
 
     def score(
         self,
@@ -194,24 +180,24 @@ class HolderTable:
         """The live namespaces (all, or those given) holding a prefix of ``hashes``,
         scored as ``PrefixRouter`` scores them (``FleetView.score``)."""
         hybrid = checked_hybrid(hybrid)
-        ends, checkpoints = self._walk(hashes, namespaces, hybrid is not False)
-        named = self._named
+        naming = self._naming
+        running, marks = self._walk(hashes, namespaces, hybrid is not False)
         kv: dict[str, int] = {}
-        for position, bits in ends:
-            kv.update(dict.fromkeys(named(bits), position))
+        for position, bits in ends(running):
+            kv.update(naming.named_at(bits, position))
         mamba: dict[str, int] = {}
-        for position, bits in checkpoints:
-            mamba.update(dict.fromkeys(named(bits), position))
+        for position, bits in farthest(marks, -1):
+            mamba.update(dict.fromkeys(naming.named(bits), position))
         sources = self._sources
         scores: dict[str, NodeScore] = {}
         for name, end in kv.items():
-            farthest = mamba.get(name, 0)
+            found = mamba.get(name, 0)
             if hybrid is None:
                 source = sources.get(name)
-                usable = farthest if source is not None and source.hybrid else end
+                usable = found if source is not None and source.hybrid else end
             else:
-                usable = farthest if hybrid else end
-            scores[name] = NodeScore.of(name, end, farthest, usable)
+                usable = found if hybrid else end
+            scores[name] = NodeScore.of(name, end, found, usable)
         if everyone:
             live = self._live
             wanted: Iterable[str] = (
@@ -225,22 +211,24 @@ class HolderTable:
         return scores
 
     def _walk(
-        self, hashes: Sequence[int], namespaces: Iterable[str] | None, hybrid: bool
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        self, hashes: Sequence[int], namespaces: Iterable[str] | None, checkpoints: bool
+    ) -> tuple[list[int], list[int]]:
         """``walk`` over the prompt, whose hashes are checked as far as it read them
         (the rest can change no answer: no prefix runs past a block no one holds), or
         all of them where it read none."""
         items = hashes if type(hashes) is list else list(_iterable(hashes))
         try:
-            ends, checkpoints, read = walk(self.blocks, items, self._mask(namespaces), hybrid)
+            running, marks, read = walk(
+                self.kv, self.mamba, items, self._mask(namespaces), checkpoints
+            )
         except TypeError:  # an unhashable "hash": the clear error
             prefix_hashes(items)
             raise
         prefix_hashes(items[:read] if read else items)  # raises on a bad hash
-        return ends, checkpoints
+        return running, marks
 
     def _mask(self, namespaces: Iterable[str] | None) -> int:
-        """The KV bits of the live namespaces (all, or those of ``namespaces``)."""
+        """The bits of the live namespaces (all, or those of ``namespaces``)."""
         live = self._live
         if namespaces is None:
             return live.mask
@@ -248,52 +236,8 @@ class HolderTable:
         for name in namespaces:
             slot = live.slots.get(name)
             if slot is not None:
-                chosen |= 1 << (2 * slot)
+                chosen |= 1 << slot
         return live.mask & chosen
-
-    def _named_at(self, bits: int, position: int) -> dict[str, int]:
-        """``dict.fromkeys(self._named(bits), position)``, remembered like ``_named``: a
-        decision's answer is a few of these merged, the same ones decision after
-        decision while the fleet holds still."""
-        key = (bits, position)
-        answer = self._memo_at.get(key)
-        if answer is None:
-            answer = dict.fromkeys(self._named(bits), position)
-            self._memo_names += len(answer) + 1
-            if self._memo_names > MEMO_NAMES:
-                self._forget_names()
-                self._memo_names = len(answer) + 1
-            self._memo_at[key] = answer
-        return answer
-
-    def _forget_names(self) -> None:
-        """Drop both memos (a namespace was dropped, or they grew past ``MEMO_NAMES``)."""
-        self._memo = {}
-        self._memo_at = {}
-        self._memo_names = 0
-
-    def _named(self, bits: int) -> dict[str, None]:
-        """The namespaces whose KV bit is set in ``bits``, as dict keys (remembered: the
-        same sets come back decision after decision while the fleet holds still; a
-        dict, because ``dict.fromkeys`` of a dict is the quickest way to an answer)."""
-        names = self._memo.get(bits)
-        if names is None:
-            slots = self._names
-            found = []
-            members = bits
-            while members:
-                lowest = members & -members
-                name = slots[(lowest.bit_length() - 1) >> 1]
-                if name is not None:  # dropped since the live namespaces were read
-                    found.append(name)
-                members ^= lowest
-            names = dict.fromkeys(found)
-            self._memo_names += len(found) + 1
-            if self._memo_names > MEMO_NAMES:
-                self._forget_names()
-                self._memo_names = len(found) + 1
-            self._memo[bits] = names
-        return names
 
     # -- changing it -------------------------------------------------------------------
 
@@ -307,7 +251,7 @@ class HolderTable:
         slots = {n: self._sources[n].slot for n in names if n in self._sources}
         mask = 0
         for slot in slots.values():
-            mask |= 1 << (2 * slot)
+            mask |= 1 << slot
         self._live = _Live(mask, tuple(sorted(slots)), slots)
 
     def hold(self, name: str, reply: Sequence[Any]) -> None:
@@ -365,20 +309,20 @@ class HolderTable:
         one this table does not know)."""
         if op == Part.KV_ADDED:
             fresh = set(hashes) - source.kv
-            self._change(source, fresh, (), 0)
+            self._change(source, fresh, (), self.kv)
             source.kv |= fresh
         elif op == Part.KV_REMOVED:
             gone = source.kv.intersection(hashes)
-            self._change(source, (), gone, 0)
+            self._change(source, (), gone, self.kv)
             source.kv -= gone
         elif op == Part.MAMBA_ADDED:
             fresh = set(hashes) - source.mamba
-            self._change(source, fresh, (), 1)
+            self._change(source, fresh, (), self.mamba)
             source.mamba |= fresh
             self._set_hybrid(source, True)
         elif op == Part.MAMBA_REMOVED:
             gone = source.mamba.intersection(hashes)
-            self._change(source, (), gone, 1)
+            self._change(source, (), gone, self.mamba)
             source.mamba -= gone
         elif op == Part.KV_CLEARED:
             self._set(source, set(), source.mamba)
@@ -394,20 +338,24 @@ class HolderTable:
     def _source(self, name: str) -> _Source:
         source = self._sources.get(name)
         if source is None:
+            names = list(self._naming.names)
             if self._free:
                 slot = self._free.pop()
+                carried = None  # a slot changes hands: names decoded before are stale
             else:
-                slot = self._next_slot
-                self._next_slot += 1
-                self._names.append(None)
+                slot = len(self._bits)
+                self._bits.append(1 << slot)
+                names.append(None)
+                carried = self._naming
+            names[slot] = name
             source = _Source(slot)
-            self._names[slot] = name
             self._sources[name] = source
+            self._naming = Naming(tuple(names), carried)
         return source
 
     def _set_hybrid(self, source: _Source, hybrid: bool) -> None:
         source.hybrid = hybrid
-        bit = 1 << (2 * source.slot)
+        bit = self._bits[source.slot]
         self._hybrid = self._hybrid | bit if hybrid else self._hybrid & ~bit
 
     def _drop(self, name: str) -> None:
@@ -415,104 +363,49 @@ class HolderTable:
         if source is None:
             return
         self._set(source, set(), set())
-        self._names[source.slot] = None
-        self._forget_names()
+        names = list(self._naming.names)
+        names[source.slot] = None
+        self._naming = Naming(tuple(names))
         self._set_hybrid(source, False)
         self._free.append(source.slot)
         live = self._live
         if name in live.slots:
             slots = {n: s for n, s in live.slots.items() if n != name}
-            self._live = _Live(live.mask & ~(1 << (2 * source.slot)), tuple(sorted(slots)), slots)
+            self._live = _Live(live.mask & ~(1 << source.slot), tuple(sorted(slots)), slots)
 
     def _set(self, source: _Source, kv: set[int], mamba: set[int]) -> None:
         """Hold exactly ``kv`` and ``mamba`` for ``source``."""
-        self._change(source, kv - source.kv, source.kv - kv, 0)
-        self._change(source, mamba - source.mamba, source.mamba - mamba, 1)
+        self._change(source, kv - source.kv, source.kv - kv, self.kv)
+        self._change(source, mamba - source.mamba, source.mamba - mamba, self.mamba)
         source.kv = kv
         source.mamba = mamba
 
     def _change(
-        self, source: _Source, added: Iterable[int], removed: Iterable[int], kind: int
+        self,
+        source: _Source,
+        added: Iterable[int],
+        removed: Iterable[int],
+        blocks: dict[int, int],
     ) -> None:
-        """Set ``source``'s bit of ``kind`` (0 KV, 1 Mamba) for ``added``, clear it for
-        ``removed`` (the source's own sets are the caller's)."""
-        index = 2 * source.slot + kind
-        bit = 1 << index
-        only = ~index  # the value of a hash this bit alone holds
-        blocks = self.blocks
+        """Set ``source``'s bit in ``blocks`` (the KV or the Mamba map) for ``added``,
+        clear it for ``removed`` (the source's own sets are the caller's)."""
+        shared = self._bits
+        bit = shared[source.slot]
         get = blocks.get
         for h in added:
             value = get(h)
-            if value is None:
-                blocks[h] = only
-                continue
-            if value < 0:
-                value = 1 << ~value
-            value |= bit
-            blocks[h] = only if value == bit else value
+            blocks[h] = bit if value is None else value | bit
         for h in removed:
             value = get(h)
             if value is None:
                 continue
-            if value < 0:
-                value = 1 << ~value
             value &= ~bit
             if not value:
                 del blocks[h]
             elif value & (value - 1):
                 blocks[h] = value
-            else:  # one holder left
-                blocks[h] = ~(value.bit_length() - 1)
-
-
-def walk(
-    blocks: dict[int, int], hashes: Sequence[int], mask: int, hybrid: bool
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
-    """For the slots whose KV bit is in ``mask`` and that hold the prompt's first block:
-    ([(where their KV prefix ends, their KV bits)], [(one past their farthest Mamba
-    entry inside that prefix, their KV bits)], how many hashes were read), a slot in at
-    most one entry of each. Stops at the first position no slot of the mask still holds
-    every block to."""
-    ends: list[tuple[int, int]] = []
-    if not mask or not hashes:
-        return ends, [], 0
-    runs = groupby(map(blocks.get, hashes, repeat(0)))
-    alive = mask
-    position = 0
-    checkpoints: list[tuple[int, int]] = []
-    first = True
-    read = len(hashes)
-    for value, run in runs:
-        if value < 0:  # one holder: its bit's index, inverted
-            value = 1 << ~value
-        if first:
-            alive &= value
-            first = False
-            if not alive:
-                return ends, [], 1
-        else:
-            still = alive & value
-            if still != alive:
-                ends.append((position, alive ^ still))
-                alive = still
-                if not alive:
-                    read = position + 1
-                    break
-        position += len(list(run))
-        if hybrid:
-            held = (value >> 1) & alive
-            if held:
-                checkpoints.append((position, held))
-    if alive:
-        ends.append((position, alive))
-    farthest: list[tuple[int, int]] = []
-    found = 0
-    for at, held in reversed(checkpoints):
-        fresh = held & ~found
-        if fresh:
-            found |= fresh
-            farthest.append((at, fresh))
-    return ends, farthest, read
+            else:  # one holder left: its shared int
+                blocks[h] = shared[value.bit_length() - 1]
 
 
 def as_bytes(value: Any) -> bytes:

@@ -32,6 +32,7 @@ from registry.core.scores import NodeScore
 from registry.core.validation import is_number
 from registry.fleet.follower import RecordFollower
 from registry.fleet.holders import HolderTable, ViewCounts
+from registry.fleet.matches import Matches
 
 STALE_S = 3.0
 """Seconds without a successful read of the live namespaces after which a view is not
@@ -73,7 +74,8 @@ class FleetView:
         )
         self.pattern = self._follower.pattern
         self.ready = self._follower.ready  # set once subscribed and loaded
-        self.blocks = self._table.blocks  # block hash -> holder bits (never replaced)
+        self.blocks = self._table.kv  # block hash -> KV holder bits (never replaced)
+        self.mamba_blocks = self._table.mamba  # block hash -> Mamba holder bits
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -121,10 +123,12 @@ class FleetView:
         namespaces: Iterable[str] | None = None,
         *,
         hybrid: bool | None = None,
-    ) -> dict[str, int]:
+    ) -> Matches:
         """The live namespaces (all, or those given) holding a prefix of ``hashes``,
         each with its usable prefix in blocks (what routing ranks by, ``hybrid`` as in
-        ``PrefixRouter``): the cheap form of ``score``, one decision's answer."""
+        ``PrefixRouter``): the cheap form of ``score``, one decision's answer. A
+        read-only mapping, resolved to names when first read as one; ``top()`` gives the
+        longest usable prefix and its holders without resolving the rest."""
         return self._table.match(hashes, namespaces, hybrid=hybrid)
 
     def score(

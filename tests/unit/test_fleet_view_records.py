@@ -93,15 +93,51 @@ def test_random_records_score_as_the_model() -> None:
                 assert got == want, step
                 assert view.match(prompt) == {n: s[2] for n, s in want.items()}
                 assert view.match(prompt, hybrid=False) == {n: s[0] for n, s in want.items()}
+                assert view.match(prompt, hybrid=True) == {n: s[1] for n, s in want.items()}
+                for hybrid, at in ((None, 2), (False, 0), (True, 1)):
+                    found = view.match(prompt, hybrid=hybrid)
+                    top, tied = found.top()
+                    best = max((s[at] for s in want.values()), default=0)
+                    assert top == best, (step, hybrid)
+                    assert sorted(tied) == sorted(
+                        n for n, s in want.items() if best and s[at] == best
+                    )
+                    assert bool(found) == bool(want)
+                some = names[::7]
+                assert view.match(prompt, some) == {n: s[2] for n, s in want.items() if n in some}
                 every = view.score(prompt, everyone=True)
                 assert set(every) == set(names)
-    # Every hash held by no one is gone from the view; a hash one namespace holds is
-    # a small value (its bit's index, inverted), whatever the namespace's slot.
-    held = set().union(*model.kv.values(), *model.mamba.values())
-    assert set(view.blocks) == held
-    for h, value in view.blocks.items():
-        holders = sum(h in model.kv[n] for n in names) + sum(h in model.mamba[n] for n in names)
-        assert (value < 0) == (holders == 1), h
+    # Every hash held by no one is gone from the view; each value has the bits of
+    # exactly its holders.
+    table = view._table
+    for blocks, held_by in ((view.blocks, model.kv), (view.mamba_blocks, model.mamba)):
+        assert set(blocks) == set().union(*held_by.values())
+        for h, value in blocks.items():
+            bits = 0
+            for n in names:
+                if h in held_by[n]:
+                    bits |= table.slot_bit(n) or 0
+            assert value == bits, h
+
+
+def test_a_hash_one_namespace_holds_points_at_its_shared_bit() -> None:
+    names = [f"ns-{i:03d}" for i in range(300)]  # slots past 64 bits
+    view = FleetView.detached(names)
+    big = view._table.slot_bit("ns-299")
+    assert big is not None
+    assert big == 1 << 299
+    view.apply(b"ns-299 0 1 k+ 1 2 3")
+    view.apply(b"ns-007 0 1 k+ 1")
+    assert view.blocks[2] is big  # one int, not one per block
+    assert view.blocks[3] is big
+    assert view.blocks[1] == big | (1 << 7)
+    view.apply(b"ns-007 0 2 k- 1")
+    assert view.blocks[1] is big  # back to the shared int once one holder is left
+    view.apply(b"ns-299 0 2 m+ 2")
+    assert view.mamba_blocks == {2: big}
+    view.apply(b"ns-299 0 3 K")
+    assert view.blocks == {}
+    assert view.mamba_blocks == {2: big}
 
 
 def test_namespaces_asked_for_and_a_collected_namespace() -> None:
@@ -129,3 +165,30 @@ def test_a_bad_prompt_is_refused_as_the_routers_refuse_it(prompt: object) -> Non
         return
     with pytest.raises((TypeError, ValueError)):
         view.match(prompt)  # type: ignore[arg-type]
+
+
+def test_an_answer_reads_like_a_dict_and_names_the_holders_of_its_moment() -> None:
+    view = FleetView.detached(["a", "b", "c"])
+    view.apply(b"a 0 1 k+ 11 12 13")
+    view.apply(b"b 0 1 k+ 11 12")
+    found = view.match([11, 12, 13, 14])
+    assert found.top() == (3, ["a"])
+    view.apply(b"a 0 2 G")  # collected; its slot goes to the next namespace held
+    view._table.add_empty("d")
+    view.apply(b"d 0 1 k+ 11 12 13 14")
+    assert found == {"a": 3, "b": 2}  # resolved now, named as when it was found
+    assert "a" in found
+    assert "d" not in found
+    assert found["b"] == 2
+    assert found.get("c") is None
+    assert len(found) == 2
+    assert dict(found) == found.usable == {"a": 3, "b": 2}
+    assert sorted(found.items()) == [("a", 3), ("b", 2)]
+    later = view.match([11, 12, 13, 14])
+    assert later == {"b": 2}  # d is not live yet
+    view._table.set_live(["b", "d"])
+    assert view.match([11, 12, 13, 14]) == {"b": 2, "d": 4}
+    nothing = view.match([99])
+    assert not nothing
+    assert nothing.top() == (0, [])
+    assert nothing == {}
