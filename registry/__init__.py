@@ -32,18 +32,24 @@ from registry.core.keys import NamespaceKeys
 from registry.core.local import LocalPrefixCacheRegistry
 from registry.core.notices import EvictionNotice, parse_notice, parse_stream_entry
 from registry.core.scores import NodeScore
+from registry.fleet.matches import Matches
 from registry.fleet.membership import NodeIndex, collect_dead, live_nodes
+from registry.fleet.view import FleetView
 from registry.mirror import MirrorCounts, MirroredRegistry
 from registry.namespace.ownership import Heartbeat
 from registry.namespace.redis_registry import PrefixCacheRegistry
+from registry.routing.aio_routing import AsyncPrefixRouter
 from registry.routing.routing import PrefixRouter
 
 __all__ = [
+    "AsyncPrefixRouter",
     "EvictionHook",
     "EvictionNotice",
+    "FleetView",
     "Heartbeat",
     "LocalPrefixCacheRegistry",
     "MambaEvictCallback",
+    "Matches",
     "MirrorCounts",
     "MirroredRegistry",
     "NamespaceKeys",

@@ -108,6 +108,8 @@ class AsyncPrefixRouter(RouterBase):
     ) -> str | None:
         """The live node with the longest usable prefix; ties go to the lowest ``load``
         (missing = 0), then to the first namespace in sort order. None if none is live."""
+        if self._choosing_from_view():
+            return self._best_viewed(hashes, load, namespaces)
         return (await self.decide(hashes, load, namespaces))[1]
 
     async def decide(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from registry.core import observe
@@ -79,6 +80,33 @@ class RouterBase:
         if view is not None and view.fresh():
             return view.score(hashes, namespaces, hybrid=self.hybrid, everyone=True)
         return None
+
+    def _choosing_from_view(self) -> bool:
+        """Whether ``best`` can choose from the view's longest prefix alone: a fresh
+        view, and no observer asking for every score."""
+        view = self.view
+        return view is not None and observe.current is None and view.fresh()
+
+    def _best_viewed(
+        self,
+        hashes: Sequence[int],
+        load: Mapping[str, float] | None,
+        namespaces: Iterable[str] | None,
+    ) -> str | None:
+        """``best`` from the longest prefix the view finds and the namespaces holding it
+        (no score built, no other match resolved); the live nodes are all looked at
+        only when none matches."""
+        view = self.view
+        assert view is not None
+        chosen = None if namespaces is None else chosen_namespaces(namespaces)
+        top, tied = view.match(hashes, chosen, hybrid=self.hybrid).top()
+        if top > 0:
+            return least_loaded(tied, load)
+        live = view.live_nodes()
+        if chosen is not None:
+            wanted = set(chosen)
+            live = [n for n in live if n in wanted]
+        return least_loaded(live, load)
 
     def _score_round(self, names: Sequence[str], packed: bytes) -> tuple[list[ScoreCall], str]:
         """The ``score`` calls for ``names`` and what they do, for error messages."""
@@ -157,6 +185,16 @@ def scores_from_replies(
             usable = mamba_prefix if hybrid else kv_prefix
         scores[name] = NodeScore(name, kv_prefix, mamba_prefix, usable)
     return scores
+
+
+def least_loaded(names: Iterable[str], load: Mapping[str, float] | None) -> str | None:
+    """The namespace of ``names`` with the lowest ``load`` (missing = 0), ties to the
+    first in sort order; None for no names. (Pairs compared in C: a view's choice may
+    weigh hundreds of namespaces holding the same prefix.)"""
+    if not load:
+        return min(names, default=None)
+    listed = list(names)
+    return min(zip(map(load.get, listed, repeat(0)), listed, strict=True), default=(0, None))[1]
 
 
 def best_of(scores: Mapping[str, NodeScore], load: Mapping[str, float] | None = None) -> str | None:

@@ -83,33 +83,6 @@ class PrefixRouter(RouterBase):
     ) -> str | None:
         """The live node with the longest usable prefix; ties go to the lowest ``load``
         (missing = 0), then to the first namespace in sort order. None if none is live."""
-        view = self.view
-        if view is not None and observe.current is None and view.fresh():
+        if self._choosing_from_view():
             return self._best_viewed(hashes, load, namespaces)
         return self._chosen(self.score(hashes, namespaces), load, hashes)
-
-    def _best_viewed(
-        self,
-        hashes: Sequence[int],
-        load: Mapping[str, float] | None,
-        namespaces: Iterable[str] | None,
-    ) -> str | None:
-        """``best`` from the view's matches only (no score built for the others); the
-        live nodes are all looked at only when none matches."""
-        view = self.view
-        assert view is not None
-        chosen = None if namespaces is None else chosen_namespaces(namespaces)
-        usable = view.match(hashes, chosen, hybrid=self.hybrid)
-        loads = load or {}
-        if usable:
-            top = max(usable.values())
-            if top > 0:
-                tied = [n for n, u in usable.items() if u == top]
-                return min(tied, key=lambda n: (loads.get(n, 0), n))
-        live = view.live_nodes()
-        if chosen is not None:
-            wanted = set(chosen)
-            live = [n for n in live if n in wanted]
-        if not live:
-            return None
-        return min(live, key=lambda n: (loads.get(n, 0), n))
