@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from registry.fleet.view import FleetView
+from registry.routing.plan import least_loaded
+from registry.routing.routing import PrefixRouter
 from registry.transport import scripts
 
 SYSTEM_PROMPTS = 8
@@ -140,8 +142,17 @@ def _radix_tree() -> Any:
     return core.RadixTree()
 
 
+STEPS = ("decision", "answer", "choice")
+"""What the in-process rows time, on both sides, call by call on the same prompts:
+``decision`` the lookup in its native answer (``FleetView.match`` -> ``Matches``,
+``RadixTree.find_matches`` -> ``OverlapScores``, neither naming every worker yet);
+``answer`` that answer as a Python dict worker -> prefix (``.usable``, ``.scores``);
+``choice`` one node chosen: the longest prefix, ties to the lowest load
+(``PrefixRouter(view=...).best(prompt, load)``; the tree's scores, then the same rule)."""
+
+
 def measure(fleet: Fleet, rounds: int) -> dict[str, Any]:
-    """One fleet: build both, check the answers, time the decisions."""
+    """One fleet: build both, check the answers and the choices, time each step."""
     names = list(fleet.held)
     gc.collect()
     tracemalloc.start()
@@ -160,31 +171,65 @@ def measure(fleet: Fleet, rounds: int) -> dict[str, Any]:
         "view_bytes_per_pair": round(view_bytes / pairs, 1),
         "view_records_per_s": round(len(names) * CONVERSATIONS / applied_s),
     }
+    rng = random.Random(len(names))
+    load = {n: rng.random() for n in names}  # distinct: no tie left to the name order
+    ours = _our_steps(view, load)
     tree = _radix_tree()
+    theirs: dict[str, Any] = {}
     if tree is not None:
         for worker, event in dynamo_events(fleet):
             tree.apply_event(worker, event)
-        row["answers_equal"] = _compare(view, tree, fleet, names)
-    ours: list[float] = []
-    theirs: list[float] = []
-    for _ in range(rounds):
-        for prompt in fleet.prompts:
-            t0 = time.perf_counter_ns()
-            view.match(prompt)
-            t1 = time.perf_counter_ns()
-            ours.append(t1 - t0)
-            if tree is not None:
-                t0 = time.perf_counter_ns()
-                tree.find_matches(prompt)
-                t1 = time.perf_counter_ns()
-                theirs.append(t1 - t0)
-    row["view_p50_us"] = round(statistics.median(ours) / 1000, 1)
-    row["view_p99_us"] = round(_p99(ours) / 1000, 1)
-    if theirs:
-        row["radix_p50_us"] = round(statistics.median(theirs) / 1000, 1)
-        row["radix_p99_us"] = round(_p99(theirs) / 1000, 1)
-        row["ratio_p50"] = round(row["view_p50_us"] / row["radix_p50_us"], 2)
+        theirs = _their_steps(tree, names, load)
+        row["answers_equal"] = _compare(view, tree, fleet, names, ours["choice"], theirs["choice"])
+    timed: dict[str, list[float]] = {
+        f"{side}_{step}": [] for side in ("view", "radix") for step in STEPS
+    }
+    for turn in range(rounds + 1):  # the first round warms up, untimed
+        for step in STEPS:  # each step of both in turn, call by call on the same prompts
+            for prompt in fleet.prompts:
+                for side, steps in (("view", ours), ("radix", theirs)):
+                    call = steps.get(step)
+                    if call is not None:
+                        t0 = time.perf_counter_ns()
+                        call(prompt)
+                        if turn:
+                            timed[f"{side}_{step}"].append(time.perf_counter_ns() - t0)
+    for step in STEPS:
+        prefix = "" if step == "decision" else f"{step}_"
+        for side in ("view", "radix"):
+            values = timed[f"{side}_{step}"]
+            if values:
+                row[f"{side}_{prefix}p50_us"] = round(statistics.median(values) / 1000, 1)
+                row[f"{side}_{prefix}p99_us"] = round(_p99(values) / 1000, 1)
+        if f"radix_{prefix}p50_us" in row:
+            row[f"ratio_{prefix}p50"] = round(
+                row[f"view_{prefix}p50_us"] / row[f"radix_{prefix}p50_us"], 2
+            )
     return row
+
+
+def _our_steps(view: FleetView, load: dict[str, float]) -> dict[str, Any]:
+    router = PrefixRouter(None, view=view)
+    return {
+        "decision": view.match,
+        "answer": lambda prompt: view.match(prompt).usable,
+        "choice": lambda prompt: router.best(prompt, load),
+    }
+
+
+def _their_steps(tree: Any, names: list[str], load: dict[str, float]) -> dict[str, Any]:
+    def choice(prompt: list[int]) -> str | None:
+        scores: dict[tuple[int, int], int] = tree.find_matches(prompt).scores
+        best = max(scores.values(), default=0)
+        if not best:
+            return least_loaded(names, load)
+        return least_loaded([names[w] for (w, _rank), n in scores.items() if n == best], load)
+
+    return {
+        "decision": tree.find_matches,
+        "answer": lambda prompt: tree.find_matches(prompt).scores,
+        "choice": choice,
+    }
 
 
 def _p99(values: list[float]) -> float:
@@ -192,15 +237,19 @@ def _p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
-def _compare(view: FleetView, tree: Any, fleet: Fleet, names: list[str]) -> bool:
-    """Whether both answer every prompt with the same workers and prefixes."""
+def _compare(
+    view: FleetView, tree: Any, fleet: Fleet, names: list[str], ours: Any, theirs: Any
+) -> bool:
+    """Whether both answer every prompt with the same workers and prefixes, and choose
+    the same node."""
     for prompt in fleet.prompts:
-        ours = view.match(prompt)
-        if ours != {n: s.kv_prefix for n, s in view.score(prompt).items()}:
+        found = view.match(prompt)
+        if found != {n: s.kv_prefix for n, s in view.score(prompt).items()}:
             return False
-        found = tree.find_matches(prompt).scores
-        theirs = {names[worker]: blocks for (worker, _rank), blocks in found.items() if blocks}
-        if ours != theirs:
+        scores = tree.find_matches(prompt).scores
+        if found.usable != {names[w]: blocks for (w, _rank), blocks in scores.items() if blocks}:
+            return False
+        if ours(prompt) != theirs(prompt):
             return False
     return True
 
@@ -212,37 +261,63 @@ def run(nodes: tuple[int, ...], *, rounds: int, best: bool) -> dict[str, Any]:
         if best:
             rows.append(measure(best_case(n), rounds))
     realistic_rows = [r for r in rows if r["workload"] == "realistic"]
-    growth = None
+    growth: dict[str, float] = {}
     if len(realistic_rows) > 1:
-        growth = round(realistic_rows[-1]["view_p50_us"] / realistic_rows[0]["view_p50_us"], 2)
+        first, last = realistic_rows[0], realistic_rows[-1]
+        for key in GROWTH_KEYS:
+            if key in first and key in last:
+                growth[key] = round(last[key] / first[key], 2)
     return {
         "python": sys.version.split()[0],
         "radix_tree": _radix_tree() is not None,
         "rows": rows,
-        "view_growth_p50": growth,
+        "view_growth_p50": growth.get("view_p50_us"),
+        "growth_p50": growth,
     }
+
+
+GROWTH_KEYS = (
+    "view_p50_us",
+    "radix_p50_us",
+    "view_answer_p50_us",
+    "radix_answer_p50_us",
+    "view_choice_p50_us",
+    "radix_choice_p50_us",
+)
 
 
 def format_report(report: dict[str, Any]) -> list[str]:
     lines = [
-        "one routing decision, in process: FleetView.match against Dynamo's "
-        "RadixTree.find_matches (p50 / p99, µs)",
-        f"{'workload':<34} {'nodes':>6} {'view':>15} {'RadixTree':>15} {'ratio':>6} "
-        f"{'equal':>6} {'B/pair':>7}",
+        "one routing decision, in process, the view beside Dynamo's RadixTree (p50 / p99, µs):",
+        "  decision: FleetView.match / RadixTree.find_matches (each its native answer);",
+        "  answer: that answer as a dict (.usable / .scores); choice: the node chosen",
+        f"{'workload':<34} {'nodes':>6} {'step':>9} {'view':>15} {'RadixTree':>15} {'ratio':>6}",
     ]
     for r in report["rows"]:
-        radix = f"{r['radix_p50_us']} / {r['radix_p99_us']}" if "radix_p50_us" in r else "-"
+        for step in STEPS:
+            key = "" if step == "decision" else f"{step}_"
+            ours = f"{r[f'view_{key}p50_us']} / {r[f'view_{key}p99_us']}"
+            theirs = (
+                f"{r[f'radix_{key}p50_us']} / {r[f'radix_{key}p99_us']}"
+                if f"radix_{key}p50_us" in r
+                else "-"
+            )
+            lines.append(
+                f"{r['workload']:<34} {r['nodes']:>6} {step:>9} {ours:>15} {theirs:>15} "
+                f"{r.get(f'ratio_{key}p50', '-')!s:>6}"
+            )
         lines.append(
-            f"{r['workload']:<34} {r['nodes']:>6} "
-            f"{str(r['view_p50_us']) + ' / ' + str(r['view_p99_us']):>15} {radix:>15} "
-            f"{r.get('ratio_p50', '-')!s:>6} {r.get('answers_equal', '-')!s:>6} "
-            f"{r['view_bytes_per_pair']:>7}"
+            f"{'':<34} {'':>6} answers and choices equal: {r.get('answers_equal', '-')}; "
+            f"view bytes per (node, block): {r['view_bytes_per_pair']}"
         )
     if not report["radix_tree"]:
         lines.append("(Dynamo's RadixTree not installed: pip install ai-dynamo-runtime)")
-    if report["view_growth_p50"] is not None:
-        lines.append(f"view p50 growth from the smallest to the largest fleet: "
-                     f"{report['view_growth_p50']}x")  # fmt: skip
+    growth = report.get("growth_p50") or {}
+    if growth:
+        lines.append(
+            "p50 growth from the smallest to the largest fleet: "
+            + ", ".join(f"{k.removesuffix('_p50_us')} {v}x" for k, v in growth.items())
+        )
     return lines
 
 
