@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pcr import common
-from pcr.common import CommandError, UsageError, _talking, _where
+from pcr.common import CommandError, UsageError, shown_url, talking
 from registry.bridge.source import ENGINES, EngineSource
 
 STATUS_FIELDS = (
@@ -69,7 +69,7 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
 
 def _add_engine_options(bridge: Any) -> None:
     """The options that say which engines are followed, and into which namespaces."""
-    from pcr.common import _block_size
+    from pcr.common import block_size_arg
 
     bridge.add_argument("--engine", choices=ENGINES, default="vllm", help="default: vllm")
     bridge.add_argument(
@@ -88,7 +88,7 @@ def _add_engine_options(bridge: Any) -> None:
     bridge.add_argument(
         "--namespace",
         dest="namespaces",
-        type=common._namespace,
+        type=common.namespace_arg,
         action="append",
         required=True,
         help="the namespace the engine feeds (repeatable, one per --endpoint)",
@@ -102,7 +102,7 @@ def _add_engine_options(bridge: Any) -> None:
     bridge.add_argument("--topic", default="", help="topic to subscribe to (default: all)")
     bridge.add_argument(
         "--block-size",
-        type=_block_size,
+        type=block_size_arg,
         help="tokens per block routers hash with (default: the engine's, from its first event)",
     )
     bridge.add_argument("--medium", type=media, default=("GPU",), help="GPU (default) or GPU,CPU")
@@ -110,26 +110,26 @@ def _add_engine_options(bridge: Any) -> None:
 
 def _add_run_options(bridge: Any) -> None:
     """The options that say how the bridge runs: the lease, silence, counts, duration."""
-    from pcr.common import _seconds
+    from pcr.common import seconds_arg
 
     bridge.add_argument(
-        "--lease-ttl", type=_seconds, default=10.0, help="lease length in seconds (default 10)"
+        "--lease-ttl", type=seconds_arg, default=10.0, help="lease length in seconds (default 10)"
     )
     bridge.add_argument(
         "--silence-timeout",
-        type=_seconds,
+        type=seconds_arg,
         default=30.0,
         help="seconds without a word from an engine before its lease is left to run out "
         "(default 30)",
     )
     bridge.add_argument(
         "--stats-interval",
-        type=_seconds,
+        type=seconds_arg,
         default=30.0,
         help="print each engine's counts this often (seconds; 0: only at the end)",
     )
     bridge.add_argument(
-        "--duration", type=_seconds, help="stop after this many seconds (default: until stopped)"
+        "--duration", type=seconds_arg, help="stop after this many seconds (default: until stopped)"
     )
     bridge.add_argument("--json", action="store_true", help="print counts as JSON lines")
 
@@ -215,7 +215,7 @@ def command_bridge(args: argparse.Namespace) -> int:
             )
         except ImportError as exc:
             raise CommandError(str(exc)) from None
-        where = _where(args.redis_url)
+        where = shown_url(args.redis_url)
         for source in followed:
             replay = f", replay {source.replay_endpoint}" if source.replay_endpoint else ""
             print(
@@ -227,7 +227,7 @@ def command_bridge(args: argparse.Namespace) -> int:
         deadline = None if args.duration is None else time.monotonic() + args.duration
         bridge.start()
         try:
-            with _stopped_by_signals(stop), _talking(f"Redis at {where}"):
+            with _stopped_by_signals(stop), talking(f"Redis at {where}"):
                 next_status = time.monotonic() + (args.stats_interval or float("inf"))
                 while not stop.wait(0.2):
                     now = time.monotonic()

@@ -71,14 +71,12 @@ class UsageError(CommandError):
     """Bad arguments found after parsing (before anything slow ran); exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        self.exit(
-            EXIT_USAGE, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n"
-        )
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """``text`` with every character that could end a line or move the cursor escaped."""
     if text.isprintable():
         return text
@@ -93,7 +91,7 @@ def _one_line(text: str) -> str:
 # -- argument types (each raises ArgumentTypeError: a usage error, exit 2) ------------
 
 
-def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
+def int_in(low: int, high: int, what: str) -> Callable[[str], int]:
     """An argparse type: an integer in [low, high]."""
 
     def parse(text: str) -> int:
@@ -114,18 +112,18 @@ def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
     return parse
 
 
-_positive = _int_in(1, MAX_INT64, "positive integer")
-_port = _int_in(1, 65535, "TCP port")
-_cursor = _int_in(0, MAX_CURSOR, "HSCAN cursor")
-_page = _int_in(1, MAX_PAGE, "page size")
-_seed = _int_in(-(2**63), MAX_INT64, "seed")
-_hash = _int_in(1, MAX_INT64, "block hash")
-_token = _int_in(-(2**63), MAX_INT64, "token id")
-_block_size = _int_in(1, MAX_BLOCK_SIZE, "block size")
-_notices = _int_in(1, MAX_NOTICES, "notice count")
+positive_arg = int_in(1, MAX_INT64, "positive integer")
+port_arg = int_in(1, 65535, "TCP port")
+cursor_arg = int_in(0, MAX_CURSOR, "HSCAN cursor")
+page_arg = int_in(1, MAX_PAGE, "page size")
+seed_arg = int_in(-(2**63), MAX_INT64, "seed")
+hash_arg = int_in(1, MAX_INT64, "block hash")
+token_arg = int_in(-(2**63), MAX_INT64, "token id")
+block_size_arg = int_in(1, MAX_BLOCK_SIZE, "block size")
+notices_arg = int_in(1, MAX_NOTICES, "notice count")
 
 
-def _number_in(
+def number_in(
     low: float,
     high: float,
     *,
@@ -148,11 +146,11 @@ def _number_in(
     return parse
 
 
-def _seconds_in(low: float, high: float, *, above: bool = False) -> Callable[[str], float]:
+def seconds_in(low: float, high: float, *, above: bool = False) -> Callable[[str], float]:
     """An argparse type: a finite number of seconds in [low, high] ((low, high] with
     ``above``)."""
     bounds = f"{'(' if above else '['}{low:g}, {high:.0f}]"
-    return _number_in(
+    return number_in(
         low,
         high,
         above=above,
@@ -161,31 +159,31 @@ def _seconds_in(low: float, high: float, *, above: bool = False) -> Callable[[st
     )
 
 
-_seconds = _seconds_in(0, MAX_WATCH_SECONDS)
+seconds_arg = seconds_in(0, MAX_WATCH_SECONDS)
 """An argparse type: a finite number of seconds in [0, MAX_WATCH_SECONDS]."""
 
 
-def _namespace(text: str) -> str:
+def namespace_arg(text: str) -> str:
     try:
         return validate_namespace(text)
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _key_prefix(text: str) -> str:
+def key_prefix_arg(text: str) -> str:
     try:
         return validate_key_prefix(text)
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _url(text: str) -> str:
+def url_arg(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("the Redis URL must not be empty")
     return text
 
 
-def _check_writable(path: str | None) -> None:
+def check_writable(path: str | None) -> None:
     """Fail now (usage error) if ``--json PATH`` cannot be written, not after a long run.
 
     Opens the file for appending (creating it if needed, never truncating it, never
@@ -205,24 +203,24 @@ def _check_writable(path: str | None) -> None:
             os.remove(path)
 
 
-def _write_json(path: str, document: object) -> None:
+def write_json(path: str, document: object) -> None:
     try:
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(document, handle, indent=2)
     except OSError as exc:
         raise CommandError(f"cannot write {path!r}: {exc.strerror or exc}") from None
-    print(f"figures written to {_one_line(path)}")
+    print(f"figures written to {one_line(path)}")
 
 
-def _warn(command: str, message: str) -> None:
-    sys.stderr.write(f"pcr {command}: WARNING: {_one_line(message)}\n")
+def warn_user(command: str, message: str) -> None:
+    sys.stderr.write(f"pcr {command}: WARNING: {one_line(message)}\n")
     sys.stderr.flush()
 
 
 # -- connecting -----------------------------------------------------------------------
 
 
-def _where(url: str) -> str:
+def shown_url(url: str) -> str:
     """The server a URL names, without user or password (never raises)."""
     try:
         parts = urlsplit(url)
@@ -236,7 +234,7 @@ def _where(url: str) -> str:
         return parts.netloc.rpartition("@")[2] or "localhost"
 
 
-def _scheme(url: str) -> str:
+def url_scheme(url: str) -> str:
     try:
         return urlsplit(url).scheme.lower()
     except ValueError:
@@ -244,7 +242,7 @@ def _scheme(url: str) -> str:
 
 
 @contextlib.contextmanager
-def _talking(what: str) -> Iterator[None]:
+def talking(what: str) -> Iterator[None]:
     """Turn Redis faults inside the block into registry errors naming ``what``."""
     try:
         yield
@@ -263,8 +261,8 @@ def connect(args: argparse.Namespace, *, max_connections: int | None = None) -> 
     ``max_connections`` raises redis-py's cap (100 connections per pool) for commands
     that hold many at once (``pcr simulate``: a pub/sub connection per node)."""
     url: str = args.redis_url
-    where = _where(url)
-    if _scheme(url) == "unix" and not where:
+    where = shown_url(url)
+    if url_scheme(url) == "unix" and not where:
         raise UsageError("argument --redis-url: a unix:// URL names the socket: unix:///PATH")
     options: dict[str, Any] = (
         {} if max_connections is None else {"max_connections": max_connections}
@@ -303,7 +301,7 @@ def _bad_url_or_server(url: str, where: str, exc: Exception) -> CommandError:
 
 def _url_is_well_formed(url: str) -> bool:
     """Whether redis-py can parse ``url`` (Sentinel URLs are parsed before any I/O)."""
-    scheme = _scheme(url)
+    scheme = url_scheme(url)
     if scheme not in (*PLAIN_SCHEMES, *CLUSTER_SCHEMES):
         return False
     try:

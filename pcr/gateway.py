@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pcr.common import UsageError, _block_size, _number_in, _where
+from pcr.common import UsageError, block_size_arg, number_in, shown_url
 from pcr.gateway_balance import POLICIES, REPLICA_ID
 from pcr.serve import (
     bind,
@@ -69,7 +69,7 @@ def _number(low: float, what: str, *, zero: bool = False) -> Callable[[str], flo
     """An argparse type: a finite number above ``low`` (at least ``low`` with ``zero``),
     of at most ``MAX_NUMBER``."""
     bound = f"at least {low:g}" if zero else f"above {low:g}"
-    return _number_in(
+    return number_in(
         low,
         MAX_NUMBER,
         above=not zero,
@@ -128,7 +128,7 @@ def _backend_options(gateway: argparse.ArgumentParser) -> None:
     )
     gateway.add_argument(
         "--block-size",
-        type=_block_size,
+        type=block_size_arg,
         default=16,
         help="tokens per block, as the engines and the bridge use (default 16)",
     )
@@ -297,7 +297,7 @@ def command_gateway(args: argparse.Namespace) -> int:
     where = "registry in" if args.no_announced else "and engines announced in"
     print(
         f"pcr gateway: routing on http://{host}:{port} to {known} ({where} Redis at "
-        f"{_where(args.redis_url)}), policy {args.policy}",
+        f"{shown_url(args.redis_url)}), policy {args.policy}",
         flush=True,
     )
     return run_app(app, sock, args, openai_errors=True)

@@ -18,10 +18,10 @@ from pcr.common import (
     EVICTING_POLICIES,
     CommandError,
     UsageError,
-    _one_line,
-    _talking,
-    _warn,
-    _where,
+    one_line,
+    shown_url,
+    talking,
+    warn_user,
 )
 from pcr.tables import format_table
 from registry.core.hashing import block_hashes
@@ -63,19 +63,19 @@ def _eviction_warning(client: Any) -> str | None:
 
 def _index_members(client: Any, key_prefix: str) -> tuple[list[str], list[str]]:
     """The valid namespaces of the node index (live, then dead) and its invalid members."""
-    with _talking(f"node index {key_prefix}:nodes"):
+    with talking(f"node index {key_prefix}:nodes"):
         index = NodeIndex(client, key_prefix)
         return [*index.live(), *index.dead()], index.invalid()
 
 
-def _command_stats(args: argparse.Namespace) -> int:
-    server = f"Redis at {_where(args.redis_url)}"
+def command_stats(args: argparse.Namespace) -> int:
+    server = f"Redis at {shown_url(args.redis_url)}"
     with common.connect(args) as client:
-        with _talking(server):
+        with talking(server):
             warning = _eviction_warning(client)
         namespaces, invalid = _index_members(client, args.key_prefix)
         names = list(dict.fromkeys([*namespaces, *(args.namespace or [])]))
-        with _talking(server):
+        with talking(server):
             infos = namespace_infos(client, names, key_prefix=args.key_prefix)
         rows = [_stats_row(info, memory) for info, memory in infos]
     rows += [_invalid_row(member, args.json) for member in invalid]
@@ -87,7 +87,7 @@ def _command_stats(args: argparse.Namespace) -> int:
     else:
         print(f"no namespaces under key prefix {args.key_prefix!r}")
     if warning is not None:  # after the figures: a failed run prints its error line only
-        _warn(args.command, warning)
+        warn_user(args.command, warning)
     return 0
 
 
@@ -120,7 +120,7 @@ def _invalid_row(member: str, as_json: bool) -> dict[str, Any]:
     """A stats row for a node-index member that is not a valid namespace (quoted in the
     table, where it may be empty or hold spaces)."""
     return {
-        "namespace": member if as_json else f"'{_one_line(member)}'",
+        "namespace": member if as_json else f"'{one_line(member)}'",
         "kv_entries": None,
         "mamba_entries": None,
         "memory_bytes": None,
@@ -132,10 +132,10 @@ def _invalid_row(member: str, as_json: bool) -> dict[str, Any]:
     }
 
 
-def _command_inspect(args: argparse.Namespace) -> int:
+def command_inspect(args: argparse.Namespace) -> int:
     keys = NamespaceKeys(args.namespace_name, args.key_prefix)
     key = keys.kv if args.kind == "kv" else keys.mamba
-    with common.connect(args) as client, _talking(f"key {key!r}"):
+    with common.connect(args) as client, talking(f"key {key!r}"):
         registry = PrefixCacheRegistry(client, args.namespace_name, key_prefix=args.key_prefix)
         try:
             cursor, entries = registry.scan_entries(args.kind, args.cursor, args.count)
@@ -173,10 +173,10 @@ def _hashes_of(args: argparse.Namespace) -> list[int]:
     return list(args.hashes)
 
 
-def _command_match(args: argparse.Namespace) -> int:
+def command_match(args: argparse.Namespace) -> int:
     hashes = _hashes_of(args)
     namespace: str | None = args.namespace_name
-    with common.connect(args) as client, _talking(f"Redis at {_where(args.redis_url)}"):
+    with common.connect(args) as client, talking(f"Redis at {shown_url(args.redis_url)}"):
         if namespace is None:
             scores = PrefixRouter(client, args.key_prefix).score(hashes)
         else:
@@ -222,13 +222,13 @@ def _print_scores(args: argparse.Namespace, blocks: int, scores: dict[str, Any])
     return 0
 
 
-def _command_watch(args: argparse.Namespace) -> int:
+def command_watch(args: argparse.Namespace) -> int:
     channel = NamespaceKeys(args.namespace_name, args.key_prefix).mamba_evicted_channel
-    with common.connect(args) as client, _talking(f"channel {channel!r}"):
+    with common.connect(args) as client, talking(f"channel {channel!r}"):
         pubsub = client.pubsub()
         try:
             pubsub.subscribe(channel)
-            _confirmed(pubsub, channel, _where(args.redis_url))
+            _confirmed(pubsub, channel, shown_url(args.redis_url))
             if not args.json:
                 print(f"watching {channel} (Ctrl-C to stop)", flush=True)
             _follow(pubsub, args)
@@ -272,7 +272,7 @@ def _follow(pubsub: Any, args: argparse.Namespace) -> None:
         try:
             notice = parse_notice(message["data"])
         except ValueError as exc:
-            print(f"malformed message: {_one_line(str(exc))}", flush=True)
+            print(f"malformed message: {one_line(str(exc))}", flush=True)
             continue
         if args.json:
             print(
@@ -284,8 +284,8 @@ def _follow(pubsub: Any, args: argparse.Namespace) -> None:
             print(f"#{notice.seq} {notice.kind} {pairs}".rstrip(), flush=True)
 
 
-def _command_gc(args: argparse.Namespace) -> int:
-    with common.connect(args) as client, _talking(f"node index {args.key_prefix}:nodes"):
+def command_gc(args: argparse.Namespace) -> int:
+    with common.connect(args) as client, talking(f"node index {args.key_prefix}:nodes"):
         index = NodeIndex(client, args.key_prefix)
         if args.dry_run:
             invalid = index.invalid()
@@ -299,6 +299,6 @@ def _command_gc(args: argparse.Namespace) -> int:
         return 0
     print(f"{verb} {len(names)}: {' '.join(names)}".rstrip())
     if invalid:
-        shown = " ".join(f"'{_one_line(m)}'" for m in invalid)
+        shown = " ".join(f"'{one_line(m)}'" for m in invalid)
         print(f"{verb} {len(invalid)} invalid node-index members: {shown}")
     return 0

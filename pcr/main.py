@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 from redis.exceptions import RedisClusterException, RedisError
 
 # -- the parser -----------------------------------------------------------------------
-from pcr.bench.command import _command_bench
+from pcr.bench.command import command_bench
 from pcr.bridge import add_parser as add_bridge_parser
 from pcr.common import (
     DEFAULT_URL,
@@ -51,34 +51,34 @@ from pcr.common import (
     MAX_PAGE,
     MAX_WATCH_SECONDS,
     CommandError,
+    Parser,
     UsageError,
-    _block_size,
-    _cursor,
-    _hash,
-    _key_prefix,
-    _namespace,
-    _notices,
-    _one_line,
-    _page,
-    _Parser,
-    _port,
-    _positive,
-    _seconds,
-    _seed,
-    _token,
-    _url,
-    _where,
+    block_size_arg,
+    cursor_arg,
+    hash_arg,
+    key_prefix_arg,
+    namespace_arg,
+    notices_arg,
+    one_line,
+    page_arg,
+    port_arg,
+    positive_arg,
+    seconds_arg,
+    seed_arg,
+    shown_url,
+    token_arg,
+    url_arg,
 )
 from pcr.gateway import add_parser as add_gateway_parser
 from pcr.inspection import (
-    _command_gc,
-    _command_inspect,
-    _command_match,
-    _command_stats,
-    _command_watch,
+    command_gc,
+    command_inspect,
+    command_match,
+    command_stats,
+    command_watch,
 )
 from pcr.serve import add_parser as add_serve_parser
-from pcr.simulate import _command_simulate
+from pcr.simulate import command_simulate
 from registry.core.errors import (
     RegistryError,
     translate,
@@ -102,10 +102,10 @@ def _bench_sizes(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pcr`` argument parser (also used by tests to check documented commands)."""
-    parser = _Parser(
+    parser = Parser(
         prog="pcr", description="Redis-backed prefix-cache registry: simulate, inspect, repair."
     )
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     env_url = os.environ.get("REDIS_URL") or None  # set but empty: as if unset
     url = env_url or DEFAULT_URL
     _add_simulate(commands, env_url)
@@ -125,14 +125,14 @@ def _redis_options(command: argparse.ArgumentParser, url_default: str | None) ->
     """``--redis-url`` (``url_default``: None for an embedded fakeredis) and ``--key-prefix``."""
     command.add_argument(
         "--redis-url",
-        type=_url,
+        type=url_arg,
         default=url_default,
         help="redis://, rediss://, unix://, redis+cluster:// URL (default: $REDIS_URL"
         + (f", else {DEFAULT_URL})" if url_default else "; without it: an embedded fakeredis)"),
     )
     command.add_argument(
         "--key-prefix",
-        type=_key_prefix,
+        type=key_prefix_arg,
         default=DEFAULT_KEY_PREFIX,
         help="key prefix (default: pcr)",
     )
@@ -143,23 +143,23 @@ def _add_simulate(commands: Any, url_default: str | None) -> None:
     sim = commands.add_parser("simulate", help="the serving-fleet simulation (the main job)")
     _redis_options(sim, url_default)
     sim.add_argument(
-        "--serve-port", type=_port, help="also serve the embedded Redis on this TCP port"
+        "--serve-port", type=port_arg, help="also serve the embedded Redis on this TCP port"
     )
     sim.add_argument("--router", choices=["round-robin", "prefix", "both"], default="both")
-    sim.add_argument("--nodes", type=_positive, default=4, help="serving nodes (default 4)")
+    sim.add_argument("--nodes", type=positive_arg, default=4, help="serving nodes (default 4)")
     sim.add_argument(
-        "--requests", type=_positive, default=1000, help="requests per router (default 1000)"
+        "--requests", type=positive_arg, default=1000, help="requests per router (default 1000)"
     )
     sim.add_argument(
-        "--kv-blocks", type=_positive, default=512, help="KV blocks per node (default 512)"
+        "--kv-blocks", type=positive_arg, default=512, help="KV blocks per node (default 512)"
     )
     sim.add_argument(
-        "--mamba-slots", type=_positive, default=32, help="Mamba slots per node (default 32)"
+        "--mamba-slots", type=positive_arg, default=32, help="Mamba slots per node (default 32)"
     )
     sim.add_argument(
-        "--block-size", type=_positive, default=16, help="tokens per block (default 16)"
+        "--block-size", type=positive_arg, default=16, help="tokens per block (default 16)"
     )
-    sim.add_argument("--seed", type=_seed, default=0, help="workload seed (default 0)")
+    sim.add_argument("--seed", type=seed_arg, default=0, help="workload seed (default 0)")
     sim.add_argument(
         "--json", metavar="FILE", help="also write the figures to FILE (checked before the run)"
     )
@@ -167,7 +167,7 @@ def _add_simulate(commands: Any, url_default: str | None) -> None:
         "--no-progress", action="store_true", help="no progress bar (shown only on a terminal)"
     )
     _simulate_modes(sim)
-    sim.set_defaults(handler=_command_simulate, command_parser=sim)
+    sim.set_defaults(handler=command_simulate, command_parser=sim)
 
 
 def _simulate_modes(sim: argparse.ArgumentParser) -> None:
@@ -189,7 +189,7 @@ def _simulate_modes(sim: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--bridge-drop-every",
-        type=_positive,
+        type=positive_arg,
         metavar="N",
         help="with --bridge: send every Nth batch of a node to its replay buffer only, as if "
         "the subscription lost it (the bridge sees a gap and replays it); N >= 2",
@@ -203,7 +203,7 @@ def _simulate_modes(sim: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--metrics-port",
-        type=_port,
+        type=port_arg,
         help="serve Prometheus metrics on this TCP port (all interfaces) while it runs "
         "(needs the metrics extra)",
     )
@@ -214,7 +214,7 @@ def _add_bench(commands: Any) -> None:
     bench = commands.add_parser("bench", help="measure every operation against raw Redis commands")
     bench.add_argument(
         "--redis-url",
-        type=_url,
+        type=url_arg,
         default=None,
         help="a standalone server to measure (default: a redis-server it starts itself); "
         "it is FLUSHed",
@@ -247,7 +247,7 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument(
         "--json", metavar="FILE", help="also write the figures to FILE (checked before the run)"
     )
-    bench.set_defaults(handler=_command_bench, command_parser=bench)
+    bench.set_defaults(handler=command_bench, command_parser=bench)
 
 
 def _add_stats(commands: Any, url_default: str | None) -> None:
@@ -258,28 +258,28 @@ def _add_stats(commands: Any, url_default: str | None) -> None:
     _redis_options(stats, url_default)
     stats.add_argument(
         "--namespace",
-        type=_namespace,
+        type=namespace_arg,
         action="append",
         help="also show this namespace (repeatable)",
     )
     stats.add_argument("--json", action="store_true", help="JSON output")
-    stats.set_defaults(handler=_command_stats, command_parser=stats)
+    stats.set_defaults(handler=command_stats, command_parser=stats)
 
 
 def _add_inspect(commands: Any, url_default: str | None) -> None:
     """The ``pcr inspect`` subcommand and its options."""
     inspect = commands.add_parser("inspect", help="a namespace's mappings, one page at a time")
     _redis_options(inspect, url_default)
-    inspect.add_argument("namespace_name", metavar="NAMESPACE", type=_namespace)
+    inspect.add_argument("namespace_name", metavar="NAMESPACE", type=namespace_arg)
     inspect.add_argument("--kind", choices=["kv", "mamba"], default="kv")
     inspect.add_argument(
-        "--cursor", type=_cursor, default=0, help=f"HSCAN cursor of the page (0 to {MAX_CURSOR})"
+        "--cursor", type=cursor_arg, default=0, help=f"HSCAN cursor of the page (0 to {MAX_CURSOR})"
     )
     inspect.add_argument(
-        "--count", type=_page, default=50, help=f"about this many per page (1 to {MAX_PAGE})"
+        "--count", type=page_arg, default=50, help=f"about this many per page (1 to {MAX_PAGE})"
     )
     inspect.add_argument("--json", action="store_true", help="JSON output")
-    inspect.set_defaults(handler=_command_inspect, command_parser=inspect)
+    inspect.set_defaults(handler=command_inspect, command_parser=inspect)
 
 
 def _add_match(commands: Any, url_default: str | None) -> None:
@@ -289,40 +289,40 @@ def _add_match(commands: Any, url_default: str | None) -> None:
     )
     _redis_options(match, url_default)
     match.add_argument(
-        "hashes", metavar="HASH", nargs="*", type=_hash, help="block hashes (1 to 2^63-1)"
+        "hashes", metavar="HASH", nargs="*", type=hash_arg, help="block hashes (1 to 2^63-1)"
     )
     match.add_argument(
         "--namespace",
         dest="namespace_name",
-        type=_namespace,
+        type=namespace_arg,
         help="one node (default: every live node)",
     )
-    match.add_argument("--tokens", type=_token, nargs="+", help="token ids to hash instead")
+    match.add_argument("--tokens", type=token_arg, nargs="+", help="token ids to hash instead")
     match.add_argument(
         "--block-size",
-        type=_block_size,
+        type=block_size_arg,
         default=16,
         help=f"tokens per block (1 to {MAX_BLOCK_SIZE})",
     )
     match.add_argument("--json", action="store_true", help="JSON output")
-    match.set_defaults(handler=_command_match, command_parser=match)
+    match.set_defaults(handler=command_match, command_parser=match)
 
 
 def _add_watch(commands: Any, url_default: str | None) -> None:
     """The ``pcr watch`` subcommand and its options."""
     watch = commands.add_parser("watch", help="follow a namespace's eviction notices")
     _redis_options(watch, url_default)
-    watch.add_argument("namespace_name", metavar="NAMESPACE", type=_namespace)
+    watch.add_argument("namespace_name", metavar="NAMESPACE", type=namespace_arg)
     watch.add_argument(
-        "--count", type=_notices, help=f"stop after this many notices (1 to {MAX_NOTICES:,})"
+        "--count", type=notices_arg, help=f"stop after this many notices (1 to {MAX_NOTICES:,})"
     )
     watch.add_argument(
         "--timeout",
-        type=_seconds,
+        type=seconds_arg,
         help=f"stop after this many seconds (0 to {MAX_WATCH_SECONDS:.0f})",
     )
     watch.add_argument("--json", action="store_true", help="one JSON object per notice")
-    watch.set_defaults(handler=_command_watch, command_parser=watch)
+    watch.set_defaults(handler=command_watch, command_parser=watch)
 
 
 def _add_gc(commands: Any, url_default: str | None) -> None:
@@ -333,7 +333,7 @@ def _add_gc(commands: Any, url_default: str | None) -> None:
     _redis_options(gc, url_default)
     gc.add_argument("--dry-run", action="store_true", help="only list them")
     gc.add_argument("--json", action="store_true", help="JSON output")
-    gc.set_defaults(handler=_command_gc, command_parser=gc)
+    gc.set_defaults(handler=command_gc, command_parser=gc)
 
 
 # -- the entry point ------------------------------------------------------------------
@@ -343,7 +343,7 @@ def _say(command: str | None, message: str, label: str = "error") -> None:
     prog = f"pcr {command}" if command else "pcr"
     text = f"{prog}: {label}: {message}" if label else f"{prog}: {message}"
     with contextlib.suppress(Exception):  # nothing more can be said without a stderr
-        sys.stderr.write(_scrub(_one_line(text)) + "\n")
+        sys.stderr.write(_scrub(one_line(text)) + "\n")
         sys.stderr.flush()
 
 
@@ -409,8 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _quiet_stdout()
         _say(command, "standard output was closed (broken pipe)")
         return EXIT_RUNTIME
-    except (RedisError, RedisClusterException) as exc:  # one that no _talking block named
-        error = translate(exc, f"Redis at {_where(url)}" if url else "Redis")
+    except (RedisError, RedisClusterException) as exc:  # one that no talking block named
+        error = translate(exc, f"Redis at {shown_url(url)}" if url else "Redis")
         _say(command, str(error or exc))
         return EXIT_RUNTIME
     except Exception as exc:

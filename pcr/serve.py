@@ -29,11 +29,11 @@ from pcr.common import (
     DEFAULT_POOL_TIMEOUT,
     CommandError,
     UsageError,
-    _int_in,
-    _port,
-    _scheme,
-    _seconds_in,
-    _where,
+    int_in,
+    port_arg,
+    seconds_in,
+    shown_url,
+    url_scheme,
 )
 from registry.transport.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
 
@@ -53,11 +53,11 @@ MAX_TIMEOUT = 3600.0
 MAX_CONNECTIONS = 10_000
 """The largest ``--max-connections`` (Redis' own default ``maxclients``)."""
 
-_connections = _int_in(1, MAX_CONNECTIONS, "connection count")
-_keep_alive = _int_in(1, int(MAX_TIMEOUT), "keep-alive timeout")
+_connections = int_in(1, MAX_CONNECTIONS, "connection count")
+_keep_alive = int_in(1, int(MAX_TIMEOUT), "keep-alive timeout")
 
 
-_timeout = _seconds_in(0, MAX_TIMEOUT, above=True)
+_timeout = seconds_in(0, MAX_TIMEOUT, above=True)
 """An argparse type: a finite number of seconds in (0, MAX_TIMEOUT]."""
 
 
@@ -90,7 +90,7 @@ def listen_options(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
     )
-    parser.add_argument("--port", type=_port, default=port, help=f"TCP port (default {port})")
+    parser.add_argument("--port", type=port_arg, default=port, help=f"TCP port (default {port})")
     parser.add_argument(
         "--hybrid",
         action=argparse.BooleanOptionalAction,
@@ -462,7 +462,7 @@ def enable_metrics() -> None:
 def check_url(command: str, url: str) -> None:
     """Refuse (usage error) a ``--redis-url`` that ``pcr serve`` and ``pcr gateway``
     cannot use: Sentinel's, or another scheme."""
-    if _scheme(url) not in SERVE_SCHEMES:
+    if url_scheme(url) not in SERVE_SCHEMES:
         raise UsageError(
             f"argument --redis-url: pcr {command} takes redis://, rediss://, unix://, "
             "redis+cluster:// or rediss+cluster:// URLs"
@@ -521,7 +521,7 @@ def command_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(
         f"pcr serve: scoring on http://{host}:{port} (docs at /docs) for Redis at "
-        f"{_where(args.redis_url)}",
+        f"{shown_url(args.redis_url)}",
         flush=True,
     )
     return run_app(app, sock, args)

@@ -15,8 +15,8 @@ from typing import Any
 
 # -- simulate -------------------------------------------------------------------------
 from pcr import common
-from pcr.common import CommandError, UsageError, _check_writable, _talking, _where, _write_json
-from pcr.tables import _percent, format_table
+from pcr.common import CommandError, UsageError, check_writable, shown_url, talking, write_json
+from pcr.tables import format_table, percent
 
 
 def _progress_bar(label: str) -> Callable[[int, int], None]:
@@ -42,9 +42,9 @@ def _simulate_table(results: list[dict[str, Any]]) -> str:
         rows.append([label, *[get(r) for r in results]])
 
     row("requests", lambda r: r["requests"])
-    row("KV prefix hit rate (blocks)", lambda r: _percent(r["hit_rate_blocks"]))
-    row("usable hit rate (blocks, Mamba-aware)", lambda r: _percent(r["usable_hit_rate_blocks"]))
-    row("hit rate (tokens)", lambda r: _percent(r["hit_rate_tokens"]))
+    row("KV prefix hit rate (blocks)", lambda r: percent(r["hit_rate_blocks"]))
+    row("usable hit rate (blocks, Mamba-aware)", lambda r: percent(r["usable_hit_rate_blocks"]))
+    row("hit rate (tokens)", lambda r: percent(r["hit_rate_tokens"]))
     row("prefill tokens saved", lambda r: r["totals"]["prefill_tokens_saved"])
     row("KV blocks evicted", lambda r: r["totals"]["kv_evictions"])
     row("Mamba restores", lambda r: r["totals"]["mamba_restores"])
@@ -125,9 +125,9 @@ def _check_simulate_sizes(config: Any) -> None:
         raise UsageError(f"argument {option}: {exc}") from None
 
 
-def _command_simulate(args: argparse.Namespace) -> int:
+def command_simulate(args: argparse.Namespace) -> int:
     """``pcr simulate``: checks first, then each router's run on one Redis, the table last."""
-    _check_writable(args.json)
+    check_writable(args.json)
     try:
         from sim import FleetConfig, WorkloadConfig, simulate
     except ImportError as exc:
@@ -151,7 +151,7 @@ def _command_simulate(args: argparse.Namespace) -> int:
             # Every node's listener holds a pub/sub connection: room for all of them.
             connections = max(100, 2 * args.nodes + 32)
             client = stack.enter_context(common.connect(args, max_connections=connections))
-            where = f"Redis at {_where(args.redis_url)}"
+            where = f"Redis at {shown_url(args.redis_url)}"
         else:
             client, where = _embedded_redis(args.serve_port, stack)
         if args.metrics_port is not None:
@@ -170,7 +170,7 @@ def _command_simulate(args: argparse.Namespace) -> int:
         document: dict[str, Any] = {"config": _config_dict(config), "runs": results}
         if bridge is not None:
             document["bridge"] = _config_dict(bridge)
-        _write_json(args.json, document)
+        write_json(args.json, document)
     bad = {k: v for r in results for k, v in r["consistency"].items() if v}
     if bad:  # after the figures and the file: they show what went wrong
         raise CommandError(f"consistency check FAILED: {bad}")
@@ -203,12 +203,12 @@ def _runs(
     results = []
     for router in routers:
         progress = _progress_bar(router) if show else None
-        with _talking(where), _bridge_trouble():
+        with talking(where), _bridge_trouble():
             results.append(simulate(client, config, router, progress=progress, bridge=bridge))
         if args.mirror:
             mirrored = dataclasses.replace(config, mirror=True)
             progress = _progress_bar(f"{router} mirrored") if show else None
-            with _talking(where):
+            with talking(where):
                 results.append(simulate(client, mirrored, router, progress=progress))
     return results
 

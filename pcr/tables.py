@@ -28,5 +28,5 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _percent(value: float) -> str:
+def percent(value: float) -> str:
     return f"{value * 100:.1f}%"

@@ -10,11 +10,11 @@ from pcr import common
 from pcr.common import (
     CommandError,
     UsageError,
-    _check_writable,
-    _scheme,
-    _talking,
-    _where,
-    _write_json,
+    check_writable,
+    shown_url,
+    talking,
+    url_scheme,
+    write_json,
 )
 from pcr.servers import RedisClusterServers, RedisServer
 from registry.transport.client import CLUSTER_SCHEMES, client_from_url
@@ -22,8 +22,8 @@ from registry.transport.client import CLUSTER_SCHEMES, client_from_url
 BENCH_SCHEMES = ("redis", "rediss", "unix")
 
 
-def _command_bench(args: argparse.Namespace) -> int:
-    _check_writable(args.json)
+def command_bench(args: argparse.Namespace) -> int:
+    check_writable(args.json)
     if args.best_case and not args.fleet:
         raise UsageError("argument --best-case: only with --fleet")
     if args.fleet:
@@ -31,14 +31,14 @@ def _command_bench(args: argparse.Namespace) -> int:
     from pcr.bench import run as bench
 
     if args.redis_url:
-        if _scheme(args.redis_url) not in BENCH_SCHEMES:
+        if url_scheme(args.redis_url) not in BENCH_SCHEMES:
             raise UsageError(
                 "argument --redis-url: pcr bench measures one standalone server: "
                 "give a redis://, rediss:// or unix:// URL"
             )
         with common.connect(args):
             pass
-        with _talking(f"Redis at {_where(args.redis_url)}"):
+        with talking(f"Redis at {shown_url(args.redis_url)}"):
             report = bench.run(args.redis_url, quick=args.quick, sizes=args.sizes)
     else:
         try:
@@ -46,13 +46,13 @@ def _command_bench(args: argparse.Namespace) -> int:
                 print(
                     f"pcr bench: a redis-server of its own on 127.0.0.1:{server.port}", flush=True
                 )
-                with _talking(f"Redis at 127.0.0.1:{server.port}"):
+                with talking(f"Redis at 127.0.0.1:{server.port}"):
                     report = bench.run(server.url, quick=args.quick, sizes=args.sizes)
         except RuntimeError as exc:
             raise CommandError(str(exc)) from None
     print(bench.format_report(report))
     if args.json:
-        _write_json(args.json, report)
+        write_json(args.json, report)
     return 0
 
 
@@ -89,7 +89,7 @@ def _command_bench_fleet(args: argparse.Namespace) -> int:
     print("\n".join(view.format_redis(redis)))
     print(f"\n{'quick' if args.quick else 'full'} fleet run, {report['seconds']} s")
     if args.json:
-        _write_json(args.json, report)
+        write_json(args.json, report)
     return 0
 
 
@@ -98,7 +98,7 @@ def _fleet_deployment(args: argparse.Namespace) -> str:
     it), checked and reached before anything is measured."""
     if not args.redis_url:
         return "standalone"
-    scheme = _scheme(args.redis_url)
+    scheme = url_scheme(args.redis_url)
     if scheme not in (*BENCH_SCHEMES, *CLUSTER_SCHEMES):
         raise UsageError(
             "argument --redis-url: pcr bench --fleet measures a standalone server or a "
@@ -116,7 +116,7 @@ def _fleet_on_url(args: argparse.Namespace, deployment: str) -> tuple[list[dict[
 
     client = client_from_url(args.redis_url)
     try:
-        with _talking(f"Redis at {_where(args.redis_url)}"):
+        with talking(f"Redis at {shown_url(args.redis_url)}"):
             rows = fleet.measure(client, deployment, quick=args.quick, best=args.best_case)
             redis = view.measure_redis(args.redis_url, quick=args.quick)
     finally:
@@ -134,7 +134,7 @@ def _fleet_on_own_servers(args: argparse.Namespace) -> tuple[list[dict[str, Any]
             f"pcr bench --fleet: a redis-server of its own on 127.0.0.1:{server.port}",
             flush=True,
         )
-        with server.client() as client, _talking(f"Redis at 127.0.0.1:{server.port}"):
+        with server.client() as client, talking(f"Redis at 127.0.0.1:{server.port}"):
             rows = fleet.measure(client, "standalone", quick=args.quick, best=args.best_case)
             redis = view.measure_redis(server.url, quick=args.quick)
     with RedisClusterServers(masters=3) as cluster:
@@ -143,6 +143,6 @@ def _fleet_on_own_servers(args: argparse.Namespace) -> tuple[list[dict[str, Any]
             f"pcr bench --fleet: a 3-master Redis Cluster of its own on ports {ports}",
             flush=True,
         )
-        with cluster.client() as cluster_client, _talking(f"Redis Cluster at {cluster.url}"):
+        with cluster.client() as cluster_client, talking(f"Redis Cluster at {cluster.url}"):
             rows += fleet.measure(cluster_client, "cluster", quick=args.quick, best=args.best_case)
     return rows, redis
