@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import repeat
+from itertools import compress, repeat
+from operator import eq
 from typing import TYPE_CHECKING, Any
 
 from registry.core import observe
@@ -189,12 +190,18 @@ def scores_from_replies(
 
 def least_loaded(names: Iterable[str], load: Mapping[str, float] | None) -> str | None:
     """The namespace of ``names`` with the lowest ``load`` (missing = 0), ties to the
-    first in sort order; None for no names. (Pairs compared in C: a view's choice may
-    weigh hundreds of namespaces holding the same prefix.)"""
+    first in sort order; None for no names. (All in C, no pair built per name: a view's
+    choice may weigh hundreds of namespaces holding the same prefix.)"""
     if not load:
         return min(names, default=None)
     listed = list(names)
-    return min(zip(map(load.get, listed, repeat(0)), listed, strict=True), default=(0, None))[1]
+    loads = list(map(load.get, listed, repeat(0)))
+    lowest = min(loads, default=None)
+    if lowest is None:
+        return None
+    if loads.count(lowest) == 1:
+        return listed[loads.index(lowest)]
+    return min(compress(listed, map(eq, loads, repeat(lowest))))
 
 
 def best_of(scores: Mapping[str, NodeScore], load: Mapping[str, float] | None = None) -> str | None:
