@@ -18,7 +18,9 @@ blocks of each conversation, the same text its scripts publish), the tree as Dyn
 ``stored`` events (each conversation from its root, parent by parent). A decision is
 ``FleetView.match(hashes)`` (the workers that match, each with its usable prefix) against
 ``RadixTree.find_matches(hashes)`` (the workers that match, each with its matched
-blocks); both in this process, on the same prompts, alternating.
+blocks); both in this process, on the same prompts, alternating. Every fleet is built
+first and the fleets take turns round by round, so that the growth from the smallest to
+the largest is measured under one machine's load, not two.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,8 +153,18 @@ STEPS = ("decision", "answer", "choice")
 (``PrefixRouter(view=...).best(prompt, load)``; the tree's scores, then the same rule)."""
 
 
-def measure(fleet: Fleet, rounds: int) -> dict[str, Any]:
-    """One fleet: build both, check the answers and the choices, time each step."""
+@dataclass
+class Built:
+    """One fleet built into both sides, with its row so far and each side's steps."""
+
+    fleet: Fleet
+    row: dict[str, Any]
+    steps: dict[str, dict[str, Any]]
+
+
+def build(fleet: Fleet) -> Built:
+    """One fleet into a detached view and, when installed, Dynamo's tree; the answers
+    and the choices checked equal, the view's bytes per (node, block) measured."""
     names = list(fleet.held)
     gc.collect()
     tracemalloc.start()
@@ -173,39 +185,49 @@ def measure(fleet: Fleet, rounds: int) -> dict[str, Any]:
     }
     rng = random.Random(len(names))
     load = {n: rng.random() for n in names}  # distinct: no tie left to the name order
-    ours = _our_steps(view, load)
+    steps = {"view": _our_steps(view, load)}
     tree = _radix_tree()
-    theirs: dict[str, Any] = {}
     if tree is not None:
         for worker, event in dynamo_events(fleet):
             tree.apply_event(worker, event)
-        theirs = _their_steps(tree, names, load)
-        row["answers_equal"] = _compare(view, tree, fleet, names, ours["choice"], theirs["choice"])
-    timed: dict[str, list[float]] = {
-        f"{side}_{step}": [] for side in ("view", "radix") for step in STEPS
-    }
-    for turn in range(rounds + 1):  # the first round warms up, untimed
-        for step in STEPS:  # each step of both in turn, call by call on the same prompts
-            for prompt in fleet.prompts:
-                for side, steps in (("view", ours), ("radix", theirs)):
-                    call = steps.get(step)
-                    if call is not None:
+        steps["radix"] = _their_steps(tree, names, load)
+        row["answers_equal"] = _compare(
+            view, tree, fleet, names, steps["view"]["choice"], steps["radix"]["choice"]
+        )
+    return Built(fleet, row, steps)
+
+
+def time_steps(built: list[Built], rounds: int) -> None:
+    """Time every step of every fleet, filling each row: in rounds (the first warms up,
+    untimed), each round going through every fleet in turn, and within one fleet each
+    step of both sides call by call on the same prompts. The fleets take turns so that
+    their figures, and the growth from one to the next, are taken under the same
+    conditions (a machine's load drifts over a run)."""
+    timed: list[dict[str, list[int]]] = [
+        {f"{side}_{step}": [] for side in b.steps for step in STEPS} for b in built
+    ]
+    for turn in range(rounds + 1):
+        for b, out in zip(built, timed, strict=True):
+            for step in STEPS:
+                for prompt in b.fleet.prompts:
+                    for side, steps in b.steps.items():
+                        call = steps[step]
                         t0 = time.perf_counter_ns()
                         call(prompt)
                         if turn:
-                            timed[f"{side}_{step}"].append(time.perf_counter_ns() - t0)
-    for step in STEPS:
-        prefix = "" if step == "decision" else f"{step}_"
-        for side in ("view", "radix"):
-            values = timed[f"{side}_{step}"]
-            if values:
+                            out[f"{side}_{step}"].append(time.perf_counter_ns() - t0)
+    for b, out in zip(built, timed, strict=True):
+        row = b.row
+        for step in STEPS:
+            prefix = "" if step == "decision" else f"{step}_"
+            for side in b.steps:
+                values = out[f"{side}_{step}"]
                 row[f"{side}_{prefix}p50_us"] = round(statistics.median(values) / 1000, 1)
                 row[f"{side}_{prefix}p99_us"] = round(_p99(values) / 1000, 1)
-        if f"radix_{prefix}p50_us" in row:
-            row[f"ratio_{prefix}p50"] = round(
-                row[f"view_{prefix}p50_us"] / row[f"radix_{prefix}p50_us"], 2
-            )
-    return row
+            if f"radix_{prefix}p50_us" in row:
+                row[f"ratio_{prefix}p50"] = round(
+                    row[f"view_{prefix}p50_us"] / row[f"radix_{prefix}p50_us"], 2
+                )
 
 
 def _our_steps(view: FleetView, load: dict[str, float]) -> dict[str, Any]:
@@ -232,7 +254,7 @@ def _their_steps(tree: Any, names: list[str], load: dict[str, float]) -> dict[st
     }
 
 
-def _p99(values: list[float]) -> float:
+def _p99(values: Sequence[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
@@ -255,11 +277,14 @@ def _compare(
 
 
 def run(nodes: tuple[int, ...], *, rounds: int, best: bool) -> dict[str, Any]:
-    rows = []
+    built = []
     for n in nodes:
-        rows.append(measure(realistic(n), rounds))
+        built.append(build(realistic(n)))
         if best:
-            rows.append(measure(best_case(n), rounds))
+            built.append(build(best_case(n)))
+    time_steps(built, rounds)
+    rows = [b.row for b in built]
+    del built
     realistic_rows = [r for r in rows if r["workload"] == "realistic"]
     growth: dict[str, float] = {}
     if len(realistic_rows) > 1:
