@@ -351,8 +351,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
 
 def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
     """On the server (or cluster) at ``url`` (flushed): how long an owner's write takes
-    to reach a view following it (from the write's call to the view holding it, one
-    process, the view's own thread); a view's cold start over 256 namespaces x 4,096
+    to reach a view following it in another process (from the write's call to that view
+    holding it); a view's cold start over 256 namespaces x 4,096
     blocks (64 x 1,024 with ``quick``); and what an owner's ``register_kv`` /
     ``evict_kv`` of 32 blocks costs (its change record included)."""
     from registry.transport.client import client_from_url
@@ -368,28 +368,53 @@ def measure_redis(url: str, *, quick: bool) -> dict[str, Any]:
 
 
 def _write_to_view(client: Any, url: str, rng: random.Random, quick: bool) -> dict[str, Any]:
-    """From an owner's ``register_kv`` call to a view following it holding the block."""
-    from registry import PrefixCacheRegistry
-    from registry.transport.client import client_from_url
+    """From an owner's ``register_kv`` call to a view in another process holding the
+    block. Both ends stamp ``time.perf_counter`` (``CLOCK_MONOTONIC`` on Linux, one clock
+    for every process); the watcher sends back when it saw each write, and the owner
+    writes the next one only then, so one write is in flight at a time."""
+    import multiprocessing
 
+    from registry import PrefixCacheRegistry
+
+    samples = 100 if quick else 1000
+    hashes = [rng.randrange(1, 2**63) for _ in range(samples)]
     owner = PrefixCacheRegistry(client, "writer")
     owner.claim(lease_ttl=600)
-    view = FleetView(client_from_url(url)).start()
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    watcher = ctx.Process(target=_watch_writes, args=(url, hashes, theirs), daemon=True)
+    watcher.start()
     try:
+        if not ours.poll(120) or ours.recv() != "ready":
+            raise RuntimeError("the view in the watching process did not load")
         seen = []
-        for i in range(100 if quick else 1000):
-            h = rng.randrange(1, 2**63)
+        for i, h in enumerate(hashes):
             t0 = time.perf_counter()
             owner.register_kv([i], [h])
-            while h not in view.blocks:
-                time.sleep(0)
-            seen.append(time.perf_counter() - t0)
+            if not ours.poll(60):
+                raise RuntimeError("the view in the watching process never saw a write")
+            seen.append(ours.recv() - t0)
     finally:
-        view.close()
+        watcher.kill()
+        watcher.join()
     return {
         "write_to_view_p50_ms": round(statistics.median(seen) * 1000, 3),
         "write_to_view_p99_ms": round(_p99(seen) * 1000, 3),
     }
+
+
+def _watch_writes(url: str, hashes: list[int], conn: Any) -> None:
+    """In the watching process: follow ``url`` and send the time each hash arrived."""
+    from registry.transport.client import client_from_url
+
+    view = FleetView(client_from_url(url)).start(timeout=120)
+    conn.send("ready")
+    blocks = view.blocks
+    for h in hashes:
+        while h not in blocks:
+            time.sleep(0)
+        conn.send(time.perf_counter())
+    view.close()
 
 
 def _cold_start(client: Any, url: str, rng: random.Random, quick: bool) -> dict[str, Any]:
