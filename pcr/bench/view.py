@@ -509,7 +509,7 @@ def _change_records(on: bool) -> Iterator[None]:
 def format_redis(row: dict[str, Any]) -> list[str]:
     return [
         "",
-        "against Redis (one process; the view in its own thread):",
+        "against Redis (the write seen by a view in another process):",
         f"  an owner's write seen by a view: p50 {row['write_to_view_p50_ms']} ms, "
         f"p99 {row['write_to_view_p99_ms']} ms",
         f"  a view's cold start over {row['cold_start_fleet']} blocks: {row['cold_start_s']} s",
