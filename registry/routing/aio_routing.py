@@ -107,7 +107,9 @@ class AsyncPrefixRouter(RouterBase):
         namespaces: Iterable[str] | None = None,
     ) -> str | None:
         """The live node with the longest usable prefix; ties go to the lowest ``load``
-        (missing = 0), then to the first namespace in sort order. None if none is live."""
+        (missing = 0), then to the first namespace in sort order. None if none is live.
+        Raises ``TypeError`` or ``ValueError`` when a load it weighs is not a number or
+        is NaN."""
         if self._choosing_from_view():
             return self._best_viewed(hashes, load, namespaces)
         return (await self.decide(hashes, load, namespaces))[1]

@@ -191,25 +191,52 @@ def scores_from_replies(
 def least_loaded(names: Iterable[str], load: Mapping[str, float] | None) -> str | None:
     """The namespace of ``names`` with the lowest ``load`` (missing = 0), ties to the
     first in sort order; None for no names. (All in C, no pair built per name: a view's
-    choice may weigh hundreds of namespaces holding the same prefix.)"""
+    choice may weigh hundreds of namespaces holding the same prefix.) Raises
+    ``TypeError`` or ``ValueError`` when a load it reads is not a number or is NaN."""
     if not load:
         return min(names, default=None)
     listed = list(names)
     loads = list(map(load.get, listed, repeat(0)))
-    lowest = min(loads, default=None)
-    if lowest is None:
+    if not listed:
         return None
+    lowest = min(checked_loads(listed, loads))
     if loads.count(lowest) == 1:
         return listed[loads.index(lowest)]
     return min(compress(listed, map(eq, loads, repeat(lowest))))
 
 
+def checked_loads(names: Sequence[str], loads: list[Any]) -> list[Any]:
+    """``loads`` (one per name) if each is a number and none is NaN; else ``TypeError``
+    or ``ValueError`` naming the first namespace whose load is not. One ``sum`` in C
+    checks the common case (it refuses what is not a number and carries a NaN); a bool
+    passes as 0 or 1."""
+    try:
+        total = sum(loads)
+    except TypeError:
+        total = float("nan")
+    if total == total:
+        return loads
+    for name, value in zip(names, loads, strict=True):
+        try:
+            0 + value  # what sum refused
+        except TypeError:
+            kind = type(value).__name__
+            raise TypeError(f"the load of {name!r} must be a number, not {kind}") from None
+        if value != value:
+            raise ValueError(f"the load of {name!r} must be a number, not NaN")
+    return loads  # +inf and -inf, summed to NaN: each a number
+
+
 def best_of(scores: Mapping[str, NodeScore], load: Mapping[str, float] | None = None) -> str | None:
     """The longest usable prefix; ties go to the lowest ``load`` (missing = 0), then to
-    the first namespace in sort order. None when ``scores`` is empty."""
+    the first namespace in sort order. None when ``scores`` is empty. Raises
+    ``TypeError`` or ``ValueError`` when a load is not a number or is NaN."""
     if not scores:
         return None
     loads = load or {}
+    if loads:
+        names = list(scores)
+        checked_loads(names, list(map(loads.get, names, repeat(0))))
     return min(
         scores.values(), key=lambda s: (-s.usable, loads.get(s.namespace, 0), s.namespace)
     ).namespace

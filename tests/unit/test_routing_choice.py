@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import random
 
-from registry.routing.plan import least_loaded
+import pytest
+
+from registry.core.scores import NodeScore
+from registry.routing.plan import best_of, least_loaded
 
 
 def test_least_loaded_is_the_lowest_load_then_the_first_name() -> None:
@@ -24,3 +27,32 @@ def test_least_loaded_is_the_lowest_load_then_the_first_name() -> None:
         assert least_loaded(iter(names), load) == want  # any iterable, read once
         assert least_loaded(names, None) == min(names, default=None)
         assert least_loaded(names, {}) == min(names, default=None)
+
+
+def test_a_load_that_is_no_number_or_nan_is_refused_naming_its_namespace() -> None:
+    names = [f"node-{i:03d}" for i in range(50)]
+    for bad, error, said in (
+        (float("nan"), ValueError, "not NaN"),
+        ("3", TypeError, "not str"),
+        (None, TypeError, "not NoneType"),
+        ([1], TypeError, "not list"),
+    ):
+        for where in (0, 17, 49):
+            load: dict[str, object] = {n: float(i) for i, n in enumerate(names)}
+            load[names[where]] = bad
+            with pytest.raises(error, match=f"load of '{names[where]}' must be a number, {said}"):
+                least_loaded(names, load)  # type: ignore[arg-type]
+            scores = {n: NodeScore(n, 4, 0, 4) for n in names}
+            with pytest.raises(error, match=f"load of '{names[where]}'"):
+                best_of(scores, load)  # type: ignore[arg-type]
+            # a namespace not weighed is not read
+            assert least_loaded(names[:where] + names[where + 1 :], load) == (  # type: ignore[arg-type]
+                "node-000" if where else "node-001"
+            )
+
+
+def test_infinite_loads_are_numbers() -> None:
+    load = {"a": float("inf"), "b": float("-inf"), "c": 0.0}
+    assert least_loaded(["a", "b", "c"], load) == "b"
+    assert least_loaded(["a", "c"], load) == "c"
+    assert best_of({n: NodeScore(n, 2, 0, 2) for n in "abc"}, load) == "b"
