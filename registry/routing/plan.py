@@ -196,10 +196,10 @@ def least_loaded(names: Iterable[str], load: Mapping[str, float] | None) -> str 
     if not load:
         return min(names, default=None)
     listed = list(names)
-    loads = list(map(load.get, listed, repeat(0)))
     if not listed:
         return None
-    lowest = min(checked_loads(listed, loads))
+    loads = checked_loads(listed, list(map(load.get, listed, repeat(0))))
+    lowest = min(loads)
     if loads.count(lowest) == 1:
         return listed[loads.index(lowest)]
     return min(compress(listed, map(eq, loads, repeat(lowest))))
@@ -233,10 +233,10 @@ def best_of(scores: Mapping[str, NodeScore], load: Mapping[str, float] | None = 
     ``TypeError`` or ``ValueError`` when a load is not a number or is NaN."""
     if not scores:
         return None
-    loads = load or {}
-    if loads:
-        names = list(scores)
-        checked_loads(names, list(map(loads.get, names, repeat(0))))
-    return min(
-        scores.values(), key=lambda s: (-s.usable, loads.get(s.namespace, 0), s.namespace)
-    ).namespace
+    listed = list(scores.values())
+    names = [s.namespace for s in listed]
+    weights = checked_loads(names, list(map(load.get, names, repeat(0)))) if load else None
+    if weights is None:
+        return min(listed, key=lambda s: (-s.usable, s.namespace)).namespace
+    chosen = min(range(len(listed)), key=lambda i: (-listed[i].usable, weights[i], names[i]))
+    return names[chosen]

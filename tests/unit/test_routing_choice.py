@@ -56,3 +56,16 @@ def test_infinite_loads_are_numbers() -> None:
     assert least_loaded(["a", "b", "c"], load) == "b"
     assert least_loaded(["a", "c"], load) == "c"
     assert best_of({n: NodeScore(n, 2, 0, 2) for n in "abc"}, load) == "b"
+
+
+def test_best_of_is_the_longest_prefix_then_the_lowest_load_then_the_first_name() -> None:
+    rng = random.Random(12)
+    for _ in range(2000):
+        names = rng.sample([f"node-{i:03d}" for i in range(40)], rng.randrange(0, 25))
+        scores = {n: NodeScore(n, u, 0, u) for n in names for u in [rng.randrange(0, 4)]}
+        load = {n: rng.randrange(0, 3) for n in names if rng.random() < 0.7}
+        want = min(names, key=lambda n: (-scores[n].usable, load.get(n, 0), n), default=None)
+        assert best_of(scores, load) == want
+        assert best_of(scores, None) == min(
+            names, key=lambda n: (-scores[n].usable, n), default=None
+        )
