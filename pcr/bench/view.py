@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from registry.core.errors import RegistryUnavailable
 from registry.fleet.view import FleetView
 from registry.routing.plan import least_loaded
 from registry.routing.routing import PrefixRouter
@@ -384,16 +385,22 @@ def _write_to_view(client: Any, url: str, rng: random.Random, quick: bool) -> di
     ours, theirs = ctx.Pipe()
     watcher = ctx.Process(target=_watch_writes, args=(url, hashes, theirs), daemon=True)
     watcher.start()
+
+    def heard(wait: float, what: str) -> Any:
+        if not ours.poll(wait):
+            raise RegistryUnavailable(f"the view in the watching process {what} in {wait:g} s")
+        kind, value = ours.recv()
+        if kind == "error":
+            raise RegistryUnavailable(f"the view in the watching process failed: {value}")
+        return value
+
     try:
-        if not ours.poll(120) or ours.recv() != "ready":
-            raise RuntimeError("the view in the watching process did not load")
+        heard(150, "did not load")  # its own start gives up at 120 s, and says why
         seen = []
         for i, h in enumerate(hashes):
             t0 = time.perf_counter()
             owner.register_kv([i], [h])
-            if not ours.poll(60):
-                raise RuntimeError("the view in the watching process never saw a write")
-            seen.append(ours.recv() - t0)
+            seen.append(heard(60, "did not see a write") - t0)
     finally:
         watcher.kill()
         watcher.join()
@@ -404,16 +411,21 @@ def _write_to_view(client: Any, url: str, rng: random.Random, quick: bool) -> di
 
 
 def _watch_writes(url: str, hashes: list[int], conn: Any) -> None:
-    """In the watching process: follow ``url`` and send the time each hash arrived."""
+    """In the watching process: follow ``url`` and send the time each hash arrived
+    (``("seen", t)``), after ``("ready", None)``, or ``("error", message)``."""
     from registry.transport.client import client_from_url
 
-    view = FleetView(client_from_url(url)).start(timeout=120)
-    conn.send("ready")
+    try:
+        view = FleetView(client_from_url(url)).start(timeout=120)
+    except Exception as exc:  # said by the measuring process, in one line
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
     blocks = view.blocks
     for h in hashes:
         while h not in blocks:
             time.sleep(0)
-        conn.send(time.perf_counter())
+        conn.send(("seen", time.perf_counter()))
     view.close()
 
 
