@@ -15,6 +15,9 @@ This module re-exports the public names; nothing in the library imports it.
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 from registry.core.base import EvictionHook, MambaEvictCallback, RegistryBase
 from registry.core.errors import (
     NamespaceMirrored,
@@ -74,3 +77,19 @@ __all__ = [
     "parse_stream_entry",
 ]
 __version__ = "0.1.0"
+
+_DEPRECATED = {"gc": ("collect_dead", collect_dead)}
+"""Public names that were renamed: old name -> (new name, object). Each still works,
+with a ``DeprecationWarning`` naming the new spelling, until 0.3.0 (CHANGELOG.md)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        new_name, value = _DEPRECATED[name]
+        warnings.warn(
+            f"registry.{name} is deprecated and goes in 0.3.0; use registry.{new_name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return value
+    raise AttributeError(f"module 'registry' has no attribute {name!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from typing import Any
 
 from registry.core.errors import REDIS_ERRORS, translate
@@ -132,6 +133,15 @@ class NodeIndex:
                 return
             self._warned.add(what)
         warn_invalid(self.key, what)
+
+    def gc(self) -> list[str]:
+        """Deprecated spelling of :meth:`collect_dead` (goes in 0.3.0)."""
+        warnings.warn(
+            "NodeIndex.gc() is deprecated and goes in 0.3.0; use NodeIndex.collect_dead()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.collect_dead()
 
     def collect_dead(self) -> list[str]:
         """Delete the keys and index entries of every dead namespace; return them.

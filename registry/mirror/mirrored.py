@@ -29,9 +29,11 @@ from registry.namespace.ownership import DEFAULT_LEASE_TTL, Heartbeat, lease_sec
 from registry.namespace.redis_registry import (
     DEFAULT_NOTICE_STREAM_MAXLEN,
     DEFAULT_REPLY_TTL,
+    FROM_URL_OWN,
     PrefixCacheRegistry,
 )
 from registry.transport.client import RedisClient
+from registry.transport.options import check_client_options
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,10 @@ class MirroredRegistry(RegistryBase):
         (``MIRROR_OPTIONS``: ``max_delay``, ``max_batch``, ``max_queue``, ``owner``) may
         be given here as well."""
         mirror_options = {k: options.pop(k) for k in MIRROR_OPTIONS if k in options}
-        return cls.wrap(PrefixCacheRegistry.from_url(url, namespace, **options), **mirror_options)
+        own = {k: options.pop(k) for k in FROM_URL_OWN if k in options}
+        check_client_options(options, "MirroredRegistry.from_url", (*FROM_URL_OWN, *MIRROR_OPTIONS))
+        inner = PrefixCacheRegistry.from_url(url, namespace, **own, **options)
+        return cls.wrap(inner, **mirror_options)
 
     @classmethod
     def wrap(
@@ -432,3 +437,8 @@ class MirroredRegistry(RegistryBase):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# The deprecated ``PrefixCacheRegistry.from_url(mirror=True)`` builds one of these; the
+# namespace floor cannot import this package, so the package hands it the factory.
+PrefixCacheRegistry.mirror_factory = MirroredRegistry.from_url

@@ -20,8 +20,9 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-from collections.abc import Iterator
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 from registry.core import observe
 from registry.core.base import RegistryBase
@@ -38,6 +39,7 @@ from registry.namespace.admin import NamespaceInfo, info_commands, info_from, me
 from registry.namespace.ownership import DEFAULT_LEASE_TTL, Ownership
 from registry.namespace.replay import notices_after
 from registry.transport.client import RedisClient, bounded_options, client_from_url, redacted
+from registry.transport.options import check_client_options
 from registry.transport.scripts import ScriptRunner
 
 log = logging.getLogger(__name__)
@@ -51,8 +53,17 @@ call can keep retrying (``registry.transport.client.CALL_BOUND``), so a re-sent 
 never runs twice."""
 
 
+FROM_URL_OWN = ("url", "namespace", "key_prefix", "notice_stream_maxlen", "reply_ttl", "cluster")
+"""``PrefixCacheRegistry.from_url``'s own parameters (named when a keyword is unknown)."""
+
+
 class PrefixCacheRegistry(RegistryBase, Ownership):
     """The ``hash -> block_id`` registry of one namespace, kept in Redis."""
+
+    mirror_factory: ClassVar[Callable[..., Any] | None] = None
+    """``MirroredRegistry.from_url``, set when ``registry.mirror`` is imported (the
+    package root imports it): what the deprecated ``from_url(mirror=True)`` builds. The
+    namespace floor never imports the mirror above it."""
 
     def __init__(
         self,
@@ -155,6 +166,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         notice_stream_maxlen: int = DEFAULT_NOTICE_STREAM_MAXLEN,
         reply_ttl: float = DEFAULT_REPLY_TTL,
         cluster: bool | None = None,
+        mirror: bool | None = None,
         **client_options: Any,
     ) -> PrefixCacheRegistry:
         """Connect with a URL: ``redis://``, ``rediss://``, ``unix://``, Redis Cluster
@@ -166,8 +178,33 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         with them no call blocks longer than ``CALL_BOUND`` seconds.
 
         An owner's registry answered locally and written behind to Redis:
-        ``registry.mirror.MirroredRegistry.from_url``.
+        ``registry.mirror.MirroredRegistry.from_url``. (``mirror=True`` still builds
+        one, with a ``DeprecationWarning``, until 0.3.0.)
+
+        A keyword that is neither one of these parameters nor a redis-py client option
+        raises ``TypeError`` before anything connects.
         """
+        if mirror is not None:
+            warnings.warn(
+                "PrefixCacheRegistry.from_url(mirror=...) is deprecated and goes in 0.3.0; "
+                "use registry.mirror.MirroredRegistry.from_url(url, namespace, ...) for a "
+                "mirrored owner, PrefixCacheRegistry.from_url without mirror= otherwise",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if mirror:
+                factory = PrefixCacheRegistry.mirror_factory
+                if factory is None:  # registry.mirror was never imported
+                    raise TypeError("from_url(mirror=True) needs registry.mirror; import it")
+                options = dict(
+                    key_prefix=key_prefix,
+                    notice_stream_maxlen=notice_stream_maxlen,
+                    reply_ttl=reply_ttl,
+                    cluster=cluster,
+                )
+                result: PrefixCacheRegistry = factory(url, namespace, **options, **client_options)
+                return result
+        check_client_options(client_options, "PrefixCacheRegistry.from_url", FROM_URL_OWN)
         validate_namespace(namespace)
         try:  # a cluster client connects here already
             client = client_from_url(url, cluster=cluster, **bounded_options(client_options))
