@@ -10,18 +10,27 @@ address answered reads with an empty namespace and no error. Here:
   that answers must give the same one, and none may see it objectively down or failing
   over (``SENTINEL MASTER``'s flags): until then there is no master to use, and calls
   raise ``RegistryUnavailable``;
-* a new connection asks the server its role (``HELLO``, which needs no ACL grant) and is
-  refused unless it says ``master``;
+* every connection, new or reconnecting (redis-py's retry reconnects a connection to the
+  host and port it had, skipping the sentinels), asks the sentinels for the master first,
+  then asks the server its role (``HELLO``, which needs no ACL grant) and is refused
+  unless it says ``master``, then asks the sentinels once more (the server may have been
+  stalled and failed over between the first question and its answer);
 * a call asks the sentinels again when nobody asked for ``MASTER_RECHECK_S`` seconds or
   its pooled connection sat idle that long, so a connection to a primary that was failed
   over while it sat idle (a stalled server that resumed, still saying it is a master) is
-  dropped instead of used. A failover takes at least Sentinel's
-  ``down-after-milliseconds``, and a connection used meanwhile fails and reconnects, so
-  keep that setting at or above ``MASTER_RECHECK_S``.
+  dropped instead of used. Only an answer counts as a check: while a failover is under
+  way, or when no sentinel answers, every call asks again, raises
+  ``RegistryUnavailable``, and drops the connection it was handed. A failover takes at
+  least Sentinel's ``down-after-milliseconds``, and a connection used meanwhile fails
+  and reconnects through the sentinels, so keep that setting at or above
+  ``MASTER_RECHECK_S``.
 
 So a read is answered by the server the sentinels currently name, and that server says it
 is a master, or the call raises. (A server the sentinels still name that restarted empty
-before any failover began has lost the data for everyone: that is an empty restart.)
+before any failover began has lost the data for everyone: that is an empty restart.) A
+write that the old primary acknowledged before it was failed over and had not yet sent
+to its replica is lost with it (replication is asynchronous): ``wait_replicas`` of
+``PrefixCacheRegistry`` confirms each write on replicas before it counts.
 """
 
 from __future__ import annotations
@@ -64,24 +73,51 @@ def hello_role(reply: Any) -> str:
 
 class VerifiedMasterConnection(SentinelManagedConnection):
     """A connection to the master Sentinel names that checks, once connected, that the
-    server says it is a master."""
+    server says it is a master and that the sentinels still name it; every reconnect,
+    redis-py's retry included, asks the sentinels where the master is."""
+
+    _resolved = False  # set while connecting to an address the sentinels just gave
+
+    def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        # redis-py reconnects a dropped connection here (``send_packed_command``, the
+        # retry of a call), to the host and port it had: for a master, ask the
+        # sentinels instead and check the server (``connect_to``).
+        if self._sock is not None or self._resolved or not self.connection_pool.is_master:
+            super().connect_check_health(check_health, retry_socket_connect)
+            return
+        self.connect_to(self.connection_pool.get_master_address())
 
     def connect_to(self, address: Any) -> None:
-        super().connect_to(address)  # type: ignore[no-untyped-call]
+        self._resolved = True
+        try:
+            super().connect_to(address)  # type: ignore[no-untyped-call]
+        finally:
+            self._resolved = False
         if not self.connection_pool.is_master:
             return
         try:
             self.send_command("HELLO")  # type: ignore[no-untyped-call]
             role = hello_role(self.read_response())
+            if role != "master":
+                raise ConnectionError(
+                    f"{self.host}:{self.port}, which Sentinel names the master of "
+                    f"{self.connection_pool.service_name!r}, is a {role}: "
+                    "a failover is under way"
+                )
+            # The server may have stalled between the sentinels' answer and its own, and
+            # been failed over meanwhile: it still says master. Ask again.
+            named = self.connection_pool.get_master_address()
+            if tuple(named) != (self.host, self.port):
+                raise ConnectionError(
+                    f"{self.host}:{self.port} is no longer the master of "
+                    f"{self.connection_pool.service_name!r} (the sentinels name "
+                    f"{named[0]}:{named[1]}): a failover happened while connecting"
+                )
         except BaseException:
             self.disconnect()  # type: ignore[no-untyped-call]
             raise
-        if role != "master":
-            self.disconnect()  # type: ignore[no-untyped-call]
-            raise ConnectionError(
-                f"{self.host}:{self.port}, which Sentinel names the master of "
-                f"{self.connection_pool.service_name!r}, is a {role}: a failover is under way"
-            )
 
 
 class VerifiedMasterSSLConnection(VerifiedMasterConnection, SSLConnection):
@@ -101,7 +137,7 @@ class VerifiedSentinelPool(SentinelConnectionPool):
         super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
         self._checked_at = time.monotonic()
         self._check_lock = threading.Lock()
-        self._unasked = False  # the sentinels did not answer the last check (logged once)
+        self._unasked = False  # no sentinel answered the last check (logged once)
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         connection = super().get_connection(*args, **kwargs)
@@ -117,6 +153,8 @@ class VerifiedSentinelPool(SentinelConnectionPool):
                 connection.disconnect()  # type: ignore[no-untyped-call]  # the old master
                 connection.connect()  # type: ignore[no-untyped-call]  # to the new one
         except BaseException:
+            # Not confirmed: the connection may lead to a primary that was failed over.
+            connection.disconnect()  # type: ignore[no-untyped-call]
             self.release(connection)
             raise
         return connection
@@ -127,19 +165,19 @@ class VerifiedSentinelPool(SentinelConnectionPool):
 
     def _recheck(self) -> None:
         """Ask the sentinels for the master; a moved master drops the idle connections
-        (redis-py's proxy does it) and in-use ones are dropped as they come back."""
+        (redis-py's proxy does it) and in-use ones are dropped as they come back. Only
+        an answer counts as a check: a failover under way, or sentinels that do not
+        answer, raise ``MasterNotFoundError`` and leave the next call to ask again."""
         with self._check_lock:
             try:
                 self.get_master_address()  # type: ignore[no-untyped-call]
-                self._unasked = False
             except MasterNotFoundError as exc:
-                if "failover is under way" in str(exc):
-                    raise  # no master to use yet
-                if not self._unasked:  # once until the sentinels answer again
+                if "failover is under way" not in str(exc) and not self._unasked:
                     log.warning("cannot ask the sentinels whether the master moved: %s", exc)
-                self._unasked = True
-            finally:
-                self._checked_at = time.monotonic()
+                    self._unasked = True  # logged once until the sentinels answer again
+                raise
+            self._unasked = False
+            self._checked_at = time.monotonic()
 
 
 class VerifiedSentinel(Sentinel):

@@ -17,7 +17,9 @@ import pytest
 import redis
 
 from registry import PrefixCacheRegistry, RegistryUnavailable
-from registry.transport.sentinel import VerifiedSentinel, hello_role
+from registry.transport import sentinel as sentinel_module
+from registry.transport.client import client_from_url
+from registry.transport.sentinel import MASTER_RECHECK_S, VerifiedSentinel, hello_role
 from tests.support.servers import RedisServer, find_redis_server, free_port, require_redis_server
 from tests.support.waiting import wait_until
 
@@ -264,6 +266,79 @@ def test_a_connection_to_a_server_that_is_not_the_master_is_refused(
             reg.match_kv_prefix(H)
     finally:
         reg.client.close()
+
+
+def test_a_reconnect_asks_the_sentinels_and_the_server_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """redis-py's retry reconnects a dropped connection on its own
+    (``send_packed_command``), to the host and port it had: a master connection asks the
+    sentinels instead, then the server's role, and is refused by a replica."""
+    require_redis_server()
+    with (
+        RedisServer() as first,
+        RedisServer() as second,
+        RedisServer(["--replicaof", "127.0.0.1", str(second.port)]) as replica,
+    ):
+        named = {"address": ("127.0.0.1", first.port)}
+        monkeypatch.setattr(VerifiedSentinel, "discover_master", lambda _s, _n: named["address"])
+        client = client_from_url("redis+sentinel://127.0.0.1:1/mymaster", socket_timeout=2)
+        pool = client.connection_pool
+        connection = pool.get_connection()
+        try:
+            assert connection.port == first.port
+            named["address"] = ("127.0.0.1", second.port)  # a failover
+            connection.disconnect()
+            connection.send_command("PING")  # the reconnect redis-py's retry makes
+            assert (connection.port, connection.read_response()) == (second.port, b"PONG")
+            named["address"] = ("127.0.0.1", replica.port)
+            connection.disconnect()
+            with pytest.raises(redis.ConnectionError, match=r"is a (slave|replica)"):
+                connection.send_command("PING")
+            assert connection._sock is None
+        finally:
+            pool.release(connection)
+            client.close()
+
+
+def test_while_a_failover_is_under_way_calls_raise_and_drop_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sentinel flags the master ``failover_in_progress``: every call raises
+    ``RegistryUnavailable`` (a refused check is no check: none rides on the last good
+    one) and the pooled connection to the old primary is closed; once the sentinels
+    agree again, calls carry on."""
+    require_redis_server()
+    with RedisServer() as server:
+        flags: set[str] = {"master"}
+        monkeypatch.setattr(
+            sentinel_module, "_ask", lambda _s, _n: (("127.0.0.1", server.port), set(flags))
+        )
+        reg = PrefixCacheRegistry.from_url(
+            "redis+sentinel://127.0.0.1:1/mymaster", "node-f", socket_timeout=2
+        )
+        watcher = server.client()
+        try:
+            reg.claim()
+            reg.register_kv([1], [H[0]])
+            flags.add("failover_in_progress")
+            used = time.monotonic()
+            # Idle past MASTER_RECHECK_S, the next call asks the sentinels.
+            wait_until(lambda: time.monotonic() - used > MASTER_RECHECK_S, what="idle")
+            for i in range(20):
+                call = (
+                    (lambda: reg.register_kv([2], [H[1]]))
+                    if i % 2
+                    else (lambda: reg.match_kv_prefix(H))
+                )
+                with pytest.raises(RegistryUnavailable, match="failover is under way"):
+                    call()
+            assert int(watcher.info("clients")["connected_clients"]) == 1  # the watcher
+            flags.discard("failover_in_progress")
+            assert reg.match_kv_prefix(H) == ([1], H[0])
+        finally:
+            watcher.close()
+            reg.client.close()
 
 
 def test_hello_role_reads_both_protocols() -> None:
