@@ -16,6 +16,7 @@ from registry.bridge.bridge_events import (
     EventBatch,
 )
 from registry.bridge.counts import FollowerCounts
+from registry.bridge.picture import STORE, EnginePicture
 from registry.bridge.source import EngineSource
 from registry.core.errors import translate
 from registry.core.hashing import ZERO_PARENT, chain_digests, digest_hash
@@ -34,8 +35,8 @@ past this, the cache is emptied after a write, when Redis holds every digest in 
 DEFAULT_MEDIUM = "GPU"
 """The medium of an event that names none."""
 
-# bridge_apply's operation codes and map names (lua/bridge_apply.lua).
-STORE: Final = "S"
+# bridge_apply's operation codes and map names (lua/bridge_apply.lua); STORE comes
+# from the picture, which writes stores of its own.
 REMOVE: Final = "R"
 CLEAR: Final = "C"
 KV_MAP: Final = "k"
@@ -58,7 +59,9 @@ class HashChain:
     in ``pcr:{NS}:engine-blocks``; parents this process has not seen are read from
     there) and the block size, learnt from the first event that names one when the
     source does not. What it cannot hash is skipped and counted, never guessed.
-    ``note`` logs a message once per key.
+    ``note`` logs a message once per key. ``picture`` follows every store, removal and
+    clear it turns into an operation (``registry.bridge.picture``): what the engine
+    holds, for writing a lost namespace again.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class HashChain:
         self.note = note
         self.block_size = source.block_size
         self.digests: dict[int, tuple[bytes, int]] = {}
+        self.picture = EnginePicture()
 
     def forget(self) -> None:
         """Drop every digest held in memory (the namespace restarts, or was cleared)."""
@@ -103,6 +107,7 @@ class HashChain:
             elif isinstance(event, AllBlocksCleared):
                 ops.append(CLEAR)
                 self.digests.clear()
+                self.picture.clear()
         return ops, blocks
 
     def _medium(self, medium: str | None, n: int) -> str | None:
@@ -129,6 +134,9 @@ class HashChain:
         slot = self._slot(event.group_idx, medium)
         if slot is None or not event.block_hashes:
             return []
+        picture = self.picture
+        for h in event.block_hashes:
+            picture.removed(h, slot)
         packed = b"".join(b"%020d" % h for h in event.block_hashes)
         return [REMOVE, slot, len(event.block_hashes), packed]
 
@@ -177,15 +185,20 @@ class HashChain:
         else:
             known = self.digests.get(event.parent_block_hash)
             if known is None:
+                known = self.picture.digest(event.parent_block_hash)
+            if known is None:
                 self.counts.orphans += n
                 return []
             parent, depth = known
         if not n:
             return []
         digests = chain_digests(parent, event.token_ids, placement.block_size)
+        picture, slot, map_name = self.picture, placement.slot, placement.map_name
         for h, digest in zip(event.block_hashes, digests, strict=True):
             depth += 1
             self.digests[h] = (digest, depth)
+            if not picture.stored(h, digest, depth, slot, map_name):
+                self.counts.unpictured += 1
         # One operation per event, its per-block values packed at fixed widths
         # (lua/bridge_apply.lua): far cheaper to send and to hand to Lua than 7 per block.
         return [
@@ -207,7 +220,12 @@ class HashChain:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 p = event.parent_block_hash
-                if p is not None and p not in self.digests and p not in produced:
+                if (
+                    p is not None
+                    and p not in self.digests
+                    and p not in produced
+                    and self.picture.digest(p) is None
+                ):
                     wanted.append(p)
                 produced.update(event.block_hashes)
         if not wanted:

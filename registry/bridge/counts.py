@@ -39,6 +39,9 @@ class FollowerCounts:
     silent: int = 0
     superseded: int = 0
     internal_errors: int = 0
+    rewrites: int = 0  # lost namespaces written again from the engine's picture
+    rewritten_blocks: int = 0  # blocks those writes stored
+    unpictured: int = 0  # stored blocks the picture had no room for
     applied_seq: int = -1  # the last engine seq written to Redis (-1: none yet)
     bad_kinds: dict[str, int] = field(default_factory=dict)
 

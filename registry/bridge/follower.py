@@ -6,11 +6,19 @@ It composes what it keeps: where the stream stands (``EngineSequence``), the own
 chain (``HashChain``), the batch waiting for its ``bridge_apply`` call
 (``PendingWrite``) and the lease schedule (``Liveness``); what it decides itself is
 what a gap, a restart, a lost namespace or a Redis fault does to them.
+
+Two restarts differ in what the engine still holds. An engine that restarted (its seq
+went back, or its replay no longer holds the batch applied last), a gap no replay
+reaches back to, or an internal error: the namespace restarts empty and the chain's
+picture of the engine (``registry.bridge.picture``) is dropped with it. A namespace
+Redis lost while the engine kept its cache (Redis restarted empty, the namespace
+collected, or an older copy of it restored): the namespace is claimed again and written
+again from the picture, parents first, in writes of at most ``MAX_BLOCKS_PER_WRITE``
+blocks, and the engine's URL is announced again, so routing by prefix resumes at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
@@ -32,7 +40,7 @@ from registry.bridge.sequence import (
 )
 from registry.bridge.source import EngineSource
 from registry.bridge.writes import PendingWrite
-from registry.core.errors import RegistryError, RegistryUnavailable, StaleEpochError
+from registry.core.errors import RegistryError, RegistryUnavailable, StaleEpochError, translate
 from registry.core.validation import text
 from registry.fleet.membership import NodeIndex
 from registry.namespace.ownership import DEFAULT_LEASE_TTL
@@ -87,6 +95,7 @@ class Follower:
         self.backlog: deque[Frames] = deque()
         self.blocked_until = 0.0
         self.restart_due: str | None = None
+        self.rewrite_due = False  # the restart due writes the picture again
         self.stopped = False
         self.started = False
 
@@ -112,10 +121,7 @@ class Follower:
                 self._write([], None)  # record the engine and endpoint for pcr stats
             except _Blocked as exc:
                 raise _registry_error(exc) from None
-        if self.source.engine_url is not None:  # which engine a gateway sends it to
-            NodeIndex(self.registry.client, self.registry.keys.key_prefix).announce_engine(
-                self.source.namespace, self.source.engine_url
-            )
+        self._announce()
         self.started = True
         self.liveness.renewed(self.clock())
         if self.replay is not None:
@@ -156,8 +162,35 @@ class Follower:
         if size is None and block_size:
             self.chain.block_size = int(block_size)
         self.counts.resumed += 1
+        self._picture_from_redis()
         log.info("%s: resumed after engine seq %s", self.log.name, seq or "(none)")
         return True
+
+    def _picture_from_redis(self) -> None:
+        """A resumed namespace's ``engine-blocks`` as the picture of the engine: what the
+        previous bridge wrote is what the engine held at the seq it resumes after."""
+        picture = self.chain.picture
+        picture.clear()
+        key = self.registry.keys.engine_blocks
+        try:
+            for field, value in self.registry.client.hscan_iter(key, count=1000):
+                if not picture.load_entry(int(field), text(value)):
+                    self.counts.unpictured += 1
+        except ValueError:
+            picture.clear()
+            self.log.once("picture", "engine-blocks holds a malformed entry; no picture kept")
+        except Exception as exc:
+            error = translate(exc, f"namespace {self.source.namespace!r}: engine-blocks")
+            if error is None:
+                raise
+            raise error from exc
+
+    def _announce(self) -> None:
+        """Say which engine serves the namespace (``--engine-url``), for gateways."""
+        if self.source.engine_url is not None:
+            NodeIndex(self.registry.client, self.registry.keys.key_prefix).announce_engine(
+                self.source.namespace, self.source.engine_url
+            )
 
     def _claim(self) -> None:
         self.registry.claim(self.lease_ttl)
@@ -179,8 +212,9 @@ class Follower:
             return
         try:
             if self.restart_due is not None:
-                self._restart(self.restart_due)
-                if self.replay is not None:  # what the replay still has, as a suffix
+                rewrite = self.rewrite_due
+                self._restart(self.restart_due, rewrite=rewrite)
+                if self.replay is not None and not rewrite:  # what the replay still has
                     self.backlog.extendleft(reversed(self._recover(0, initial=True)))
             while self.backlog:
                 if self.pending.full:
@@ -282,19 +316,46 @@ class Follower:
         self.sequence.remember(run)
         return as_messages(self.source.topic, run)
 
-    def _restart(self, reason: str) -> None:
-        """Claim the namespace afresh: it restarts empty (may raise ``_Blocked``)."""
-        self.restart_due = reason
+    def _restart(self, reason: str, *, rewrite: bool = False) -> None:
+        """Claim the namespace afresh: it restarts empty, or with ``rewrite`` (Redis
+        lost it, the engine did not lose its cache) holding what the picture says the
+        engine holds; the engine is announced again (may raise ``_Blocked``)."""
+        self.restart_due, self.rewrite_due = reason, rewrite
+        if not rewrite:
+            self.chain.picture.clear()
         try:
             self._claim()
             self._write([], None)
+            blocks = self._rewrite() if rewrite else 0
+            self._announce()
         except StaleEpochError:  # claims are not fenced; kept for completeness
             raise _Blocked() from None
         except RegistryError as exc:
             self._redis_error(exc)
-        self.restart_due = None
+        self.restart_due, self.rewrite_due = None, False
         self.counts.restarts += 1
-        log.warning("%s: namespace restarted empty: %s", self.log.name, reason)
+        if rewrite:
+            log.warning(
+                "%s: namespace claimed again and written from the engine's picture "
+                "(%d blocks): %s",
+                self.log.name, blocks, reason,
+            )  # fmt: skip
+        else:
+            log.warning("%s: namespace restarted empty: %s", self.log.name, reason)
+
+    def _rewrite(self) -> int:
+        """Write the picture into the freshly claimed namespace, parents first, in writes
+        of at most ``MAX_BLOCKS_PER_WRITE`` blocks; the blocks written. The operations
+        waiting to be written are dropped, their effect being in the picture already
+        (their seq stays, for the next write to record). Raises registry errors."""
+        blocks = 0
+        for ops, n in self.chain.picture.rewrite():
+            self.pending.apply(ops, None, self.chain.block_size)
+            blocks += n
+        self.pending.ops, self.pending.blocks = [], 0
+        self.counts.rewrites += 1
+        self.counts.rewritten_blocks += blocks
+        return blocks
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -321,9 +382,9 @@ class Follower:
             self.pending.apply(ops, seq, self.chain.block_size)
         except StaleEpochError as exc:
             self._lost(exc)
-            # The namespace restarted empty: the batches at hand still apply to it (a
-            # suffix of the engine's history lists a subset of its blocks).
-            self._write(ops, seq)
+            # The namespace was written again from the picture, which holds what these
+            # operations did already: only their seq is left to record.
+            self._write([], seq)
             if seq is not None:
                 self.sequence.last = seq
         except RegistryError as exc:
@@ -331,12 +392,14 @@ class Follower:
 
     def _lost(self, exc: StaleEpochError) -> None:
         """This bridge's epoch is no longer the namespace's: if the namespace is gone
-        (gc, an emptied server) start it again; if another process owns it, stop."""
+        (gc, an emptied server) or holds an older epoch than this bridge's (Redis came
+        back from an older snapshot), claim it again and write what the engine holds;
+        if another process owns it (a newer epoch), stop."""
         try:
             current = self.registry.client.hget(self.registry.keys.meta, "epoch")
         except Exception as error:
             raise _Blocked() from error
-        if current is not None:
+        if current is not None and not self._older(text(current)):
             self.counts.superseded += 1
             self.stopped = True
             log.error(
@@ -345,7 +408,17 @@ class Follower:
                 exc,
             )
             raise _Blocked() from exc
-        self._restart("the namespace was collected or lost")
+        self._restart(
+            "Redis lost the namespace (emptied, collected or restored from an older copy)",
+            rewrite=True,
+        )
+
+    def _older(self, epoch: str) -> bool:
+        """Whether ``epoch`` (the namespace's, as Redis holds it) was taken before this
+        follower's own: epochs grow with the server clock, so a namespace holding an
+        older one came back from a snapshot taken before this follower's claim."""
+        own = self.registry.epoch
+        return own is not None and epoch.isdigit() and int(epoch) < own
 
     def _redis_error(self, exc: RegistryError) -> NoReturn:
         self.counts.redis_errors += 1
@@ -389,9 +462,13 @@ class Follower:
             self.registry.renew()
             self.counts.renewals += 1
             self.liveness.renewed(now)
+            self._announce()  # again: a Redis that lost the engine table alone learns it
         except StaleEpochError as exc:
-            with contextlib.suppress(_Blocked):
+            try:
                 self._lost(exc)
+            except _Blocked:
+                if not self.stopped:
+                    self.blocked_until = self.clock() + RETRY_DELAY
         except RegistryError as exc:
             self.counts.redis_errors += 1
             self.log.once(f"renew:{type(exc).__name__}", f"lease renewal failed: {exc}")
@@ -446,7 +523,7 @@ class Follower:
         self.counts.internal_errors += 1
         self.log.exception("internal", "internal error; its namespace restarts")
         self.backlog.clear()
-        self.restart_due = "an internal error"
+        self.restart_due, self.rewrite_due = "an internal error", False
         self.blocked_until = self.clock() + 1.0
 
     def _bad(self, kind: str, exc: BadEvent) -> None:

@@ -1031,8 +1031,9 @@ def test_a_paused_redis_holds_the_batches_until_it_is_back(
 def test_redis_restarted_empty_is_claimed_again(
     own_rig: Rig, own_server: RedisServer, own_client: Any
 ) -> None:
-    """Redis comes back empty: the bridge claims the namespace again and goes on with
-    what came since (children of blocks that are gone are orphans)."""
+    """Redis comes back empty: the bridge claims the namespace again, writes what the
+    engine holds from its picture and goes on with what came since (children of blocks
+    stored before the restart are no orphans)."""
     client = own_client
     engine = own_rig.engine()
     source = own_rig.source(engine)
@@ -1048,23 +1049,24 @@ def test_redis_restarted_empty_is_claimed_again(
     engine.publish([stored(ha[3:], ha[2], a[3 * BS :], BS)])
     own_server.restart()
     wait_applied(client, ns, 2, bridge)
-    assert kv(client, ns) == listed((b, 2))
-    assert match(client, ns, a) == []
+    assert kv(client, ns) == listed((b, 2), (a, 4))
     c = counts(bridge, ns)
-    assert (c["restarts"], c["superseded"], c["orphans"]) == (1, 0, 1), c
+    assert (c["restarts"], c["rewrites"], c["superseded"], c["orphans"]) == (1, 1, 0, 0), c
     assert c["redis_errors"] >= 1
     assert NodeIndex(client).live() == [ns]
     assert meta(client, ns)["bridge_endpoint"] == engine.endpoint
-    seq = engine.publish([stored(ha[:1], None, a[:BS], BS)])
+    seq = engine.publish([removed(ha[1:])])
     wait_applied(client, ns, seq, bridge)
     assert kv(client, ns) == listed((b, 2), (a, 1))
+    assert counts(bridge, ns)["unknown_removals"] == 0
     alive(bridge)
 
 
 def test_redis_restarted_empty_while_the_bridge_is_idle(
     own_rig: Rig, own_server: RedisServer, own_client: Any
 ) -> None:
-    """Only the lease renewal finds the empty server: the bridge claims again."""
+    """Only the lease renewal finds the empty server: the bridge claims again and
+    writes the engine's blocks again."""
     client = own_client
     engine = own_rig.engine(replay=False)
     source = own_rig.source(engine)
@@ -1077,11 +1079,13 @@ def test_redis_restarted_empty_while_the_bridge_is_idle(
     own_server.restart()
     wait_until(lambda: counts(bridge, ns)["restarts"] == 1, WAIT, "a new claim")
     wait_until(lambda: NodeIndex(client).live() == [ns], WAIT, "the lease back")
-    assert kv(client, ns) == {}
-    seq = engine.publish([stored(ha[1:], ha[0], a[BS:], BS), stored(ha[:1], None, a[:BS], BS)])
+    assert kv(client, ns) == listed((a, 2))
+    b = a + prompt(55, 1, BS)
+    hb = engine_chain(b, BS)
+    seq = engine.publish([stored(hb[2:], ha[1], b[2 * BS :], BS)])
     wait_applied(client, ns, seq, bridge)
-    assert kv(client, ns) == listed((a, 1))
-    assert counts(bridge, ns)["orphans"] == 1
+    assert kv(client, ns) == listed((b, 3))
+    assert counts(bridge, ns)["orphans"] == 0
     alive(bridge)
 
 

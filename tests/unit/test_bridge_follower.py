@@ -15,14 +15,16 @@ import pytest
 from registry import PrefixCacheRegistry
 from registry.core.errors import RegistryError
 from registry.core.hashing import block_hashes
+from registry.fleet.membership import NodeIndex
 
 pytest.importorskip("msgpack")
 pytest.importorskip("zmq")  # sim.engine_events
 
 import registry.bridge.bridge as bridge_module
 import registry.bridge.chain as chain_module
+import registry.bridge.writes as writes_module
 from registry.bridge.bridge import EngineSource, Follower
-from sim.engine_events import batch, engine_chain, prompt, removed, stored
+from sim.engine_events import batch, cleared, engine_chain, prompt, removed, stored
 
 BS = 4
 Frames = list[bytes]
@@ -376,9 +378,9 @@ def test_a_lost_namespace_is_claimed_again_and_a_superseded_follower_stops(
     f.offer([engine.publish([stored(ha[:2], None, a[: 2 * BS], BS)])])
     client.flushall()  # the server lost everything
     f.offer([engine.publish([stored(ha[2:], ha[1], a[2 * BS :], BS)])])
-    assert (f.counts.restarts, f.counts.superseded) == (1, 0)
+    assert (f.counts.restarts, f.counts.superseded, f.counts.rewrites) == (1, 0, 1)
     assert f.sequence.last == 1
-    assert kv(client) == {block_hashes(a, BS)[2]: 2}  # listed; its parents went with Redis
+    assert kv(client) == listed((a, 3))  # its parents written again from the picture
     PrefixCacheRegistry(client, "ns-f").claim()  # another owner
     f.offer([engine.publish([removed(ha)])])
     assert (f.counts.superseded, f.stopped) == (1, True)
@@ -439,11 +441,11 @@ def test_copies_of_replayed_messages_after_the_namespace_was_lost(client: Any) -
     client.flushall()
     f.offer([last])  # a gap: replayed, then written to a namespace that is gone
     assert (f.counts.gaps, f.counts.restarts) == (1, 1)
-    assert kv(client) == {h: i for i, h in enumerate(block_hashes(tokens, BS)) if i}
+    assert kv(client) == listed((tokens, 3))  # block 0 from the picture
     f.offer([lost, last])
     c = f.counts
     assert (c.duplicates, c.restarts, c.engine_restarts) == (3, 1, 0)
-    assert kv(client) == {h: i for i, h in enumerate(block_hashes(tokens, BS)) if i}
+    assert kv(client) == listed((tokens, 3))
 
 
 def test_applied_seq_says_what_redis_holds(client: Any) -> None:
@@ -595,3 +597,207 @@ def test_a_probe_of_the_same_quiet_engine_changes_nothing(client: Any) -> None:
     assert kv(client) == listed((a, 2))
     assert (f.counts.probes, f.counts.engine_restarts, f.counts.restarts) == (3, 0, 0)
     assert engine.requests[1:] == [0, 0, 0]
+
+
+# -- Redis lost the namespace: written again from the engine's picture ----------------------
+
+
+def engine_blocks(client: Any, namespace: str = "ns-f") -> dict[bytes, tuple[bytes, ...]]:
+    """``engine-blocks`` with each entry's holders without trailing empty slots (a slot
+    freed last leaves a '0' behind in Redis, not in a rewrite)."""
+    key = PrefixCacheRegistry(client, namespace).keys.engine_blocks
+    entries = {}
+    for field, value in client.hgetall(key).items():
+        parts = value.split(b" ")
+        parts[3] = parts[3].rstrip(b"0")
+        entries[field] = tuple(parts)
+    return entries
+
+
+def maps(client: Any, namespace: str = "ns-f") -> tuple[dict[int, int], dict[int, int]]:
+    kv_map, mamba_map = PrefixCacheRegistry(client, namespace).entries()
+    return kv_map, mamba_map
+
+
+def test_a_namespace_redis_lost_is_written_again_as_it_was(
+    client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stores, copies, a second (Mamba) group, removals and a clear; then Redis loses
+    everything: the next write finds the namespace gone and writes the picture again, in
+    writes of at most MAX_BLOCKS_PER_WRITE blocks: engine-blocks and both maps come back
+    exactly as they were, and the engine's URL is announced again."""
+    monkeypatch.setattr(writes_module, "MAX_BLOCKS_PER_WRITE", 3)
+    engine = FakeEngine()
+    source = EngineSource(
+        "ns-f", "tcp://127.0.0.1:5557", block_size=BS, engine_url="http://127.0.0.1:8001"
+    )
+    f = Follower(PrefixCacheRegistry(client, "ns-f"), source, clock=Clock())
+    f.start()
+    a, ha = chain(40, 4)
+    b, hb = chain(41, 3)
+    c, hc = chain(42, 2)
+    q = a[: 2 * BS] + prompt(43, 2, BS)  # a branch off a's block 1
+    hq = engine_chain(q, BS)
+    f.offer([engine.publish([stored(ha, None, a, BS), stored(hb, None, b, BS)])])
+    f.offer([engine.publish([stored(ha[3:], ha[2], a[3 * BS :], BS)])])  # a copy
+    f.offer([engine.publish([stored(hq[2:], ha[1], q[2 * BS :], BS)])])
+    f.offer([engine.publish([stored(ha[:2], None, a[: 2 * BS], BS, group_idx=1, kind="mamba")])])
+    f.offer([engine.publish([removed(hb[1:]), removed(ha[3:])])])  # one copy of a[3] left
+    f.offer([engine.publish([removed(ha[1:2], group_idx=1)])])
+    f.offer([engine.publish([cleared()]), engine.publish([stored(hc, None, c, BS)])])
+    f.offer([engine.publish([stored(ha, None, a, BS), stored(hb[:1], None, b[:BS], BS)])])
+    f.offer([engine.publish([stored(ha[:3], None, a[: 3 * BS], BS, group_idx=1, kind="mamba")])])
+    f.offer([engine.publish([stored(ha[:1], None, a[:BS], BS)])])  # a second copy of a[0]
+    before = (engine_blocks(client), maps(client))
+    assert before[1][1]  # the Mamba map holds something
+    assert any(len(parts) == 5 for parts in before[0].values())  # copies kept
+    writes = f.counts.writes
+    client.flushall()
+    f.offer([engine.publish([])])
+    assert (engine_blocks(client), maps(client)) == before
+    assert f.counts.rewrites == 1
+    assert f.counts.rewritten_blocks == 4 + 1 + 2 + 1 + 3  # a, b[0], c; a[0]'s copy; Mamba
+    assert f.counts.writes - writes == 1 + 4 + 1  # the claim, 11 blocks by 3, the seq
+    assert NodeIndex(client).engines() == {"ns-f": "http://127.0.0.1:8001"}
+    assert PrefixCacheRegistry(client, "ns-f").info().bridge_seq == engine.seq - 1
+    # and it goes on from there: a removal of the copy applies to the rewritten entries
+    f.offer([engine.publish([removed(ha[:1]), removed(ha[:1])])])
+    assert block_hashes(a, BS)[0] not in kv(client)
+    assert f.counts.unknown_removals == 0
+
+
+def test_an_idle_engine_s_namespace_is_written_again_at_the_renewal(client: Any) -> None:
+    """No message after Redis lost everything: the lease renewal finds the namespace
+    gone, and the namespace and the announcement are written again there."""
+    engine, clock = FakeEngine(), Clock()
+    source = EngineSource(
+        "ns-f", "tcp://127.0.0.1:5557", block_size=BS, engine_url="http://127.0.0.1:8001"
+    )
+    f = Follower(
+        PrefixCacheRegistry(client, "ns-f"), source, clock=clock, lease_ttl=3.0,
+        silence_timeout=30.0,
+    )  # fmt: skip
+    f.start()
+    a, ha = chain(44, 3)
+    f.offer([engine.publish([stored(ha, None, a, BS)])])
+    client.flushall()
+    clock.now += 1.5
+    f.offer([])  # nothing new to write
+    f.tick()
+    assert kv(client) == listed((a, 3))
+    assert NodeIndex(client).engines() == {"ns-f": "http://127.0.0.1:8001"}
+    assert NodeIndex(client).live() == ["ns-f"]
+    assert (f.counts.rewrites, f.counts.restarts) == (1, 1)
+
+
+def test_a_restarted_engine_s_old_blocks_are_never_written_again(client: Any) -> None:
+    """An engine restart drops the engine's cache: its old blocks leave the picture
+    too, and a later loss of the namespace writes only what the new process stored."""
+    engine = FakeEngine()
+    f = follower(client, None)
+    f.start()
+    old, ho = chain(45, 3)
+    f.offer([engine.publish([stored(ho, None, old, BS)]), engine.publish([])])
+    engine.restart()
+    new, hn = chain(46, 2, b"engine-2")
+    f.offer([engine.publish([stored(hn, None, new, BS)])])
+    assert f.counts.engine_restarts == 1
+    client.flushall()
+    f.offer([engine.publish([])])
+    assert kv(client) == listed((new, 2))
+    assert f.counts.rewrites == 1
+
+
+def test_children_of_blocks_stored_before_the_loss_are_not_orphans(
+    client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A system prompt stored before Redis lost everything, and never stored again; the
+    in-memory digest cache emptied: new blocks continuing it still hash (their parents'
+    digests come from the picture, then from the rewritten engine-blocks)."""
+    monkeypatch.setattr(chain_module, "CACHE_BLOCKS", 0)
+    engine = FakeEngine()
+    system = prompt(47, 2, BS)
+    f = follower(client, None)
+    f.start()
+    hs = engine_chain(system, BS)
+    f.offer([engine.publish([stored(hs, None, system, BS)])])
+    client.flushall()
+    for seed in (48, 49):
+        tokens = system + prompt(seed, 1, BS)
+        hashes = engine_chain(tokens, BS)
+        f.offer([engine.publish([stored(hashes[2:], hs[1], tokens[2 * BS :], BS)])])
+        assert block_hashes(tokens, BS)[2] in kv(client)
+    assert f.counts.orphans == 0
+    assert len(kv(client)) == 4
+
+
+def test_a_resumed_follower_pictures_what_its_predecessor_wrote(client: Any) -> None:
+    engine = FakeEngine()
+    a, ha = chain(50, 3)
+    first = follower(client, engine)
+    first.start()
+    first.offer([engine.publish([stored(ha, None, a, BS), stored(ha[2:], ha[1], a[2 * BS :], BS)])])
+    second = follower(client, engine)  # a new bridge process
+    second.start()
+    assert second.counts.resumed == 1
+    before = (engine_blocks(client), maps(client))
+    client.flushall()
+    second.offer([engine.publish([])])
+    assert (engine_blocks(client), maps(client)) == before
+    assert second.counts.rewrites == 1
+
+
+def test_an_older_copy_of_the_namespace_is_written_over(client: Any) -> None:
+    """Redis came back from a snapshot taken before the follower's claim (an older
+    epoch in meta, stale maps): the follower claims again and writes its picture; a
+    newer epoch (another owner) still stops it (the superseded test above)."""
+    engine = FakeEngine()
+    f = follower(client, None)
+    f.start()
+    stale, hs = chain(51, 2)
+    f.offer([engine.publish([stored(hs, None, stale, BS)])])
+    registry = PrefixCacheRegistry(client, "ns-f")
+    older = registry.info().epoch
+    f.offer([engine.publish([removed(hs)]), engine.publish([])])
+    a, ha = chain(52, 2)
+    f.offer([engine.publish([stored(ha, None, a, BS)])])
+    f.registry.claim()  # the follower's epoch moves on (as after a restart) ...
+    f.registry.adopt_epoch(int(f.registry.epoch or 0))
+    meta = registry.keys.meta
+    client.hset(meta, "epoch", str(older))  # ... and Redis holds the older one again
+    f.offer([engine.publish([])])
+    assert (f.counts.superseded, f.counts.rewrites, f.stopped) == (0, 1, False)
+    assert kv(client) == listed((a, 2))
+
+
+def test_the_picture_is_bounded(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past PICTURE_BLOCKS new blocks are not pictured (counted): a rewrite lists a
+    subset of what the engine holds, shallowest first, never a block it dropped."""
+    import registry.bridge.picture as picture_module
+
+    monkeypatch.setattr(picture_module, "PICTURE_BLOCKS", 3)
+    engine = FakeEngine()
+    f = follower(client, None)
+    f.start()
+    a, ha = chain(53, 5)
+    f.offer([engine.publish([stored(ha, None, a, BS)])])
+    assert f.counts.unpictured == 2
+    f.offer([engine.publish([removed(ha[2:3])])])
+    client.flushall()
+    f.offer([engine.publish([])])
+    hashes = block_hashes(a, BS)
+    assert kv(client) == {hashes[0]: 0, hashes[1]: 1}
+
+
+def test_the_picture_rewrites_parents_first_in_bounded_writes() -> None:
+    from registry.bridge.picture import EnginePicture
+
+    picture = EnginePicture()
+    for h in range(1, 11):  # depth h - 1; stored deepest first
+        picture.stored(100 - h, bytes([h]) * 32, h - 1, 1, "k")
+    picture.stored(99, bytes([1]) * 32, 0, 1, "k")  # a copy
+    writes = list(picture.rewrite(limit=4))
+    assert [n for _, n in writes] == [4, 4, 3]
+    depths = [ops[i + 3] for ops, _ in writes for i in range(0, len(ops), 8)]
+    assert depths == sorted(depths)
+    assert depths[:2] == [0, 0]
