@@ -23,6 +23,7 @@ from pcr.serve import (
     enable_metrics,
     limit_options,
     listen_options,
+    listen_url,
     require,
     run_app,
 )
@@ -296,8 +297,8 @@ def command_gateway(args: argparse.Namespace) -> int:
     known = ", ".join(f"{n}={u}" for n, u in sorted(backends.items())) or "none configured"
     where = "registry in" if args.no_announced else "and engines announced in"
     print(
-        f"pcr gateway: routing on http://{host}:{port} to {known} ({where} Redis at "
+        f"pcr gateway: routing on {listen_url(host, port)} to {known} ({where} Redis at "
         f"{shown_url(args.redis_url)}), policy {args.policy}",
         flush=True,
     )
-    return run_app(app, sock, args, openai_errors=True)
+    return run_app(app, sock, args, "gateway", openai_errors=True)

@@ -45,8 +45,12 @@ HEADER_TIMEOUT = 10.0
 BODY_TIMEOUT = 20.0
 """Seconds for a request's body, from its headers: a 1M-token body (~8 MB of JSON) needs
 ~4 Mbit/s, the 32 MiB limit ~14 Mbit/s; a slow client holds a connection 30 s at most."""
-KEEP_ALIVE_TIMEOUT = 5
-"""Seconds an idle keep-alive connection stays open (uvicorn's default)."""
+KEEP_ALIVE_TIMEOUT = 120
+"""Seconds an idle keep-alive connection stays open: longer than the clients' own pools
+keep an idle connection (aiohttp 15 s, httpx 5 s, Go's net/http and reqwest 90 s), so the
+client closes it first. A server that closes first races with the client's next request
+on that connection, which then fails unless the client retries it (aiohttp and urllib3
+retry only idempotent methods, never a POST). uvicorn's own default is 5 s."""
 LINGER = 2.0
 """Seconds a connection stays half-open after its last answer, for the answer to arrive."""
 MAX_TIMEOUT = 3600.0
@@ -134,7 +138,9 @@ def limit_options(serve: argparse.ArgumentParser) -> None:
         "--keep-alive-timeout",
         type=_keep_alive,
         default=KEEP_ALIVE_TIMEOUT,
-        help=f"seconds an idle keep-alive connection stays open (default {KEEP_ALIVE_TIMEOUT})",
+        help="seconds an idle keep-alive connection stays open; keep it longer than the "
+        "clients' pools keep idle connections, or a request sent as it closes fails "
+        f"(default {KEEP_ALIVE_TIMEOUT})",
     )
 
 
@@ -154,12 +160,25 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def server_class() -> Any:
+def listen_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def server_class(ready: str = "") -> Any:
+    """uvicorn's server class for ``pcr serve`` and ``pcr gateway``; ``ready`` is the line
+    it prints on stdout once it accepts connections (its app started)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn's server, but SIGTERM, SIGHUP and Ctrl-C end it cleanly (exit 0), as
-        they end ``pcr bridge``: uvicorn itself raises the signal again once stopped."""
+        they end ``pcr bridge``: uvicorn itself raises the signal again once stopped. It
+        says when it is ready: the signal a supervisor or a test waits for."""
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if ready and self.started and not self.should_exit:
+                print(ready, flush=True)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -238,8 +257,8 @@ class _Deadlines(_HttpToolsProtocol):
         if self._lingering:
             return  # after the last answer: read and drop until the client closes
         super().data_received(data)
-        if self.transport.is_closing():
-            return
+        if self._lingering or self.transport.is_closing():
+            return  # answered and ended by the parser's callbacks (400, 431)
         if self.phase in ("new", "headers"):  # a head that never ends (one long line)
             self._unfinished += len(data)
             if self._unfinished > HEAD_LIMIT:
@@ -326,7 +345,9 @@ class _Deadlines(_HttpToolsProtocol):
         _answer(self, 408, f"the request's {what} did not arrive within {seconds:g} s")
 
     def linger(self) -> None:
-        """Half-close after a last answer (``_linger``)."""
+        """Half-close after a last answer (``_linger``); once only."""
+        if self._lingering:
+            return
         self._stop()
         self._unset_keepalive_if_required()
         self._lingering = _linger(self.transport)
@@ -343,9 +364,10 @@ class Coalescing:
         self._transport = transport
         self._pending: list[bytes] = []
         self._loop = asyncio.get_running_loop()
+        self._ended = False  # write_eof called: later writes are dropped, as on a closed one
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not data:
+        if not data or self._ended:
             return
         if not self._pending:
             self._loop.call_soon(self.flush)
@@ -364,7 +386,10 @@ class Coalescing:
             self._transport.write(data)
 
     def write_eof(self) -> None:
+        if self._ended:
+            return
         self.flush()
+        self._ended = True
         self._transport.write_eof()
 
     def close(self) -> None:
@@ -403,6 +428,8 @@ def _answer(protocol: Any, status: int, detail: str) -> None:
     from pcr.http_errors import error_body
     from pcr.serve_app import ERROR_KINDS
 
+    if getattr(protocol, "_lingering", False):
+        return  # already answered and ending: a second answer would follow the FIN
     cycle = protocol.cycle
     if protocol.phase in ("new", "headers"):  # a next request, no answer of its own yet
         fresh = cycle is None or cycle.response_complete
@@ -484,9 +511,12 @@ def require(command: str, needed: dict[str, str], extra: str) -> None:
         )
 
 
-def run_app(app: Any, sock: socket.socket, args: argparse.Namespace, **options: Any) -> int:
+def run_app(
+    app: Any, sock: socket.socket, args: argparse.Namespace, name: str, **options: Any
+) -> int:
     """Run ``app`` on the bound ``sock`` with the deadlines of ``args`` (``limit_options``)
-    until a signal ends it; ``options`` go to ``uvicorn_config``."""
+    until a signal ends it, saying ``pcr NAME: ready on http://HOST:PORT`` on stdout once
+    it accepts connections; ``options`` go to ``uvicorn_config``."""
     config = uvicorn_config(
         app,
         header_timeout=args.header_timeout,
@@ -494,7 +524,8 @@ def run_app(app: Any, sock: socket.socket, args: argparse.Namespace, **options: 
         keep_alive_timeout=args.keep_alive_timeout,
         **options,
     )
-    server = server_class()(config)
+    host, port = sock.getsockname()[:2]
+    server = server_class(f"pcr {name}: ready on {listen_url(host, port)}")(config)
     try:
         server.run(sockets=[sock])
     finally:
@@ -520,8 +551,8 @@ def command_serve(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(
-        f"pcr serve: scoring on http://{host}:{port} (docs at /docs) for Redis at "
+        f"pcr serve: scoring on {listen_url(host, port)} (docs at /docs) for Redis at "
         f"{shown_url(args.redis_url)}",
         flush=True,
     )
-    return run_app(app, sock, args)
+    return run_app(app, sock, args, "serve")

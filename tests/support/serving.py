@@ -1,10 +1,16 @@
 """``pcr serve`` as a process of its own on a free port, for the tests that need the real
-command (its HTTP layer, its signals, its exit); stopped in ``stop()`` by PID."""
+command (its HTTP layer, its signals, its exit); stopped in ``stop()`` by PID.
+
+``start()`` waits for the service's own readiness line (``pcr serve: ready on URL``,
+printed once it accepts connections) or for its exit, which fails at once with what it
+printed: no fixed poll that a slow start on a busy machine outlasts."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+from typing import IO
 
 import httpx
 
@@ -12,22 +18,34 @@ from tests.support import REPO_ROOT
 from tests.support.servers import free_port
 from tests.support.waiting import wait_until
 
+START_DEADLINE = 600.0
+"""Seconds a start may take before the test gives up: only a guard against a service that
+hangs without exiting (the per-test timeout usually ends such a test first)."""
+
 
 class ServeProcess:
     """``python -m pcr serve --port <free> ARGS`` (or ``pcr gateway`` with
-    ``command="gateway"``); ``start()`` waits until ``path`` answers 200."""
+    ``command="gateway"``); ``start()`` waits until it says it is ready, then until
+    ``path`` answers 200 (``path=None``: ready is enough)."""
 
-    def __init__(self, *args: str, path: str = "/live", command: str = "serve") -> None:
+    def __init__(self, *args: str, path: str | None = "/live", command: str = "serve") -> None:
         self.command = command
         self.port = free_port()
         self.args = [*args, "--port", str(self.port)]
         self.path = path
         self.process: subprocess.Popen[str] | None = None
         self.out = self.err = ""
+        self._lines: dict[str, list[str]] = {"out": [], "err": []}
+        self._readers: list[threading.Thread] = []
+        self._ready = threading.Event()  # the readiness line came, or stdout ended
 
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ready_line(self) -> str:
+        return f"pcr {self.command}: ready on {self.base}"
 
     def start(self) -> ServeProcess:
         self.process = subprocess.Popen(
@@ -37,21 +55,64 @@ class ServeProcess:
             text=True,
             cwd=REPO_ROOT,
         )
-        process = self.process
-
-        def answers() -> bool:
-            assert process.poll() is None, process.communicate()
-            try:
-                return httpx.get(f"{self.base}{self.path}", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
+        assert self.process.stdout is not None
+        assert self.process.stderr is not None
+        self._read(self.process.stdout, "out", self.ready_line)
+        self._read(self.process.stderr, "err", None)
         try:
-            wait_until(answers, timeout=60, what=f"pcr {self.command}")
+            self._wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _read(self, pipe: IO[str], name: str, ready: str | None) -> None:
+        """Collect ``pipe``'s lines in a thread (a full pipe would block the service);
+        ``ready``: set ``_ready`` when that line comes, and when the pipe ends."""
+
+        def run() -> None:
+            try:
+                for line in pipe:
+                    self._lines[name].append(line)
+                    if ready is not None and line.rstrip("\n") == ready:
+                        self._ready.set()
+            finally:
+                pipe.close()
+                if ready is not None:
+                    self._ready.set()
+
+        reader = threading.Thread(target=run, name=f"pcr-{self.command}-{name}", daemon=True)
+        reader.start()
+        self._readers.append(reader)
+
+    def _wait_ready(self) -> None:
+        process = self.process
+        assert process is not None
+        if not self._ready.wait(START_DEADLINE):
+            raise AssertionError(f"pcr {self.command} did not start in {START_DEADLINE:g} s")
+        if self.ready_line + "\n" not in self._lines["out"]:  # stdout ended: it exited
+            code = process.wait(30)
+            self._collect()
+            raise AssertionError(f"pcr {self.command} exited ({code}) before ready:\n{self.err}")
+        if self.path is None:
+            return
+
+        def answers() -> bool:
+            if process.poll() is not None:
+                self._collect()
+                raise AssertionError(f"pcr {self.command} exited:\n{self.err}")
+            try:
+                return httpx.get(f"{self.base}{self.path}", timeout=30).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(answers, timeout=60, what=f"pcr {self.command} to answer 200 on {self.path}")
+
+    def _collect(self) -> None:
+        for reader in self._readers:
+            reader.join(30)
+        self.out = "".join(self._lines["out"])
+        self.err = "".join(self._lines["err"])
 
     def stop(self) -> int:
         """SIGTERM, then its exit code (its output in ``out`` and ``err``)."""
@@ -59,8 +120,9 @@ class ServeProcess:
         if self.process.poll() is None:
             self.process.terminate()
         try:
-            self.out, self.err = self.process.communicate(timeout=30)
+            self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.out, self.err = self.process.communicate(timeout=30)
+            self.process.wait(timeout=30)
+        self._collect()
         return self.process.returncode
