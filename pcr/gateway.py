@@ -62,6 +62,20 @@ def _replica_id(text: str) -> str:
     return text
 
 
+MAX_MODEL_LEN = 1 << 30
+"""The largest ``--max-model-len``."""
+
+
+def _model_len(text: str) -> int:
+    """An argparse type: a prompt length in tokens, 1 to ``MAX_MODEL_LEN``."""
+    if not text.isdigit() or not 1 <= int(text) <= MAX_MODEL_LEN:
+        raise argparse.ArgumentTypeError(
+            f"--max-model-len must be a whole number of tokens from 1 to {MAX_MODEL_LEN:,}, "
+            f"not {text[:40]!r}"
+        )
+    return int(text)
+
+
 MAX_NUMBER = 1e6
 """The largest value of the balance rule's numbers and the gateway's seconds."""
 
@@ -126,6 +140,15 @@ def _backend_options(gateway: argparse.ArgumentParser) -> None:
         help="the model's tokenizer directory (tokenizer.json, tokenizer_config.json with "
         "its chat template), to tokenize text and chat prompts as the engine does; without "
         "it only token-id prompts are routed by prefix",
+    )
+    gateway.add_argument(
+        "--max-model-len",
+        type=_model_len,
+        default=None,
+        metavar="TOKENS",
+        help="the longest prompt the engines take, as their --max-model-len: longer ones are "
+        "refused (400) before they are tokenized, a text judged by its bytes (default: the "
+        "model's config.json in the --tokenizer directory; without either, none)",
     )
     gateway.add_argument(
         "--block-size",
@@ -259,6 +282,7 @@ def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
     return GatewayConfig(
         backends=backends,
         tokenizer=args.tokenizer,
+        max_model_len=args.max_model_len,
         block_size=args.block_size,
         policy=args.policy,
         rule=rule,

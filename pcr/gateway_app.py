@@ -39,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pcr.gateway_backends import Backend, engine_load, merge_announced
+from pcr.gateway_backends import Backend, engine_load, kept_backends
 from pcr.gateway_balance import (
     POLICIES,
     REPLICA_ID,
@@ -47,15 +47,20 @@ from pcr.gateway_balance import (
     Choice,
     Kin,
     cached_tokens,
-    prompt_root,
     ranked,
 )
-from pcr.gateway_exchange import LoadExchange, RegistryHealth
+from pcr.gateway_exchange import LoadExchange, RegistryHealth, discover
 from pcr.gateway_metrics import GatewayMetrics
-from pcr.gateway_tokens import PromptTokenizer, prompt_tokens
+from pcr.gateway_tokens import (
+    BadBody,
+    BodyParser,
+    PromptIds,
+    PromptTokenizer,
+    prompt_ids,
+    prompt_tokens,
+)
 from pcr.http_errors import error_content
 from registry.core.errors import RegistryError
-from registry.core.hashing import block_hashes
 from registry.core.validation import checked_number, is_number, prefix_hashes
 from registry.fleet.membership import validate_engine_url
 from registry.fleet.view import FleetView
@@ -70,8 +75,6 @@ ERROR_KIND = {
 }
 VIEW_START_S = 5.0
 """Seconds the gateway waits at start for its fleet view's first load."""
-HASH_IN_LOOP = 4_096
-"""Token lists longer than this are hashed in a worker thread."""
 SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 HOP_HEADERS = frozenset(
     {
@@ -97,6 +100,10 @@ class GatewayConfig:
     """Namespace -> engine base URL, from the command line or a config file; the engine
     table in Redis (``pcr bridge --engine-url``) adds more."""
     tokenizer: str | None = None
+    max_model_len: int | None = None
+    """The longest prompt in tokens the engines take (else the model's ``config.json``
+    beside the tokenizer, else none): longer ones are refused (400) before they are
+    tokenized (``pcr.gateway_tokens``)."""
     block_size: int = 16
     policy: str = "prefix"
     rule: BalanceRule = field(default_factory=BalanceRule)
@@ -129,6 +136,8 @@ class GatewayConfig:
         if self.replica_id and not REPLICA_ID.fullmatch(self.replica_id):
             raise ValueError("a replica id is 1 to 200 printable ASCII characters, no spaces")
         checked_number(self.block_size, "block_size", 1, 1 << 20, integer=True)
+        if self.max_model_len is not None:
+            checked_number(self.max_model_len, "max_model_len", 1, 1 << 40, integer=True)
         for name in (
             "share_interval",
             "discover_interval",
@@ -184,7 +193,13 @@ class GatewayState:
         self.backends: dict[str, Backend] = {
             ns: Backend(ns, url.rstrip("/"), "config") for ns, url in config.backends.items()
         }
-        self.tokenizer = PromptTokenizer(config.tokenizer) if config.tokenizer else None
+        self.tokenizer = (
+            PromptTokenizer(config.tokenizer, config.max_model_len) if config.tokenizer else None
+        )
+        self.max_tokens = config.max_model_len or (
+            self.tokenizer.max_tokens if self.tokenizer is not None else None
+        )
+        self.parser = BodyParser()
         self.metrics = GatewayMetrics.get()
         self.http: aiohttp.ClientSession | None = None
         self.health = RegistryHealth(self.metrics)
@@ -264,6 +279,9 @@ class GatewayState:
             log.warning("a background task did not stop: %s", task.get_coro())
         if self.view is not None:
             await asyncio.to_thread(self.view.close)
+        self.parser.close()
+        if self.tokenizer is not None:
+            self.tokenizer.close()
         if self.http is not None:
             await self.http.close()
 
@@ -278,11 +296,11 @@ class GatewayState:
                 log.debug("gateway background step failed: %s", type(exc).__name__)
 
     async def _discover(self) -> None:
-        """Backends announced in Redis (``pcr bridge --engine-url``)."""
+        """Backends announced in Redis (``pcr bridge --engine-url``); one no longer
+        announced is kept until its lease has run out (``pcr.gateway_exchange``)."""
         router, gate = self.registry.ready()
         async with asyncio.timeout(max(1.0, self.config.registry_timeout)), gate.turn():
-            table = await router.engines()
-        merge_announced(self.backends, table)
+            await discover(router, self.registry.client, self.registry.key_prefix, self.backends)
 
     async def _tick(self) -> None:
         """The periodic exchange (``LoadExchange.tick``), after asking the fleet view
@@ -298,21 +316,18 @@ class GatewayState:
         ready = [b for b in self.backends.values() if b.refused_until <= now]
         return ready or list(self.backends.values())
 
-    async def cached(self, names: list[str], tokens: list[int]) -> dict[str, int] | None:
-        """Each backend's cached prefix of ``tokens`` in tokens, from the registry; None
+    async def cached(self, names: list[str], ids: PromptIds) -> dict[str, int] | None:
+        """Each backend's cached prefix of the prompt in tokens, from the registry; None
         when Redis is away (or slower than ``registry_timeout``)."""
         now = time.monotonic()
         if not self.health.up and now < self.health.retry_at:
             return None
         size = self.config.block_size
         if self.view is not None:
-            return await self._viewed(names, tokens)
+            return self._viewed(names, ids)
+        assert ids.hashes is not None
         try:
-            if len(tokens) > HASH_IN_LOOP:
-                hashes = await asyncio.to_thread(block_hashes, tokens, size)
-            else:
-                hashes = block_hashes(tokens, size)
-            wanted = prefix_hashes(hashes)
+            wanted = prefix_hashes(ids.hashes)
             router, gate = self.registry.ready()
             async with asyncio.timeout(self.config.registry_timeout), gate.turn():
                 scores = await router.score(wanted, namespaces=names)
@@ -320,9 +335,9 @@ class GatewayState:
             self.health.mark(False, exc)
             return None
         self.health.mark(True)
-        return {n: cached_tokens(s.usable, size, len(tokens)) for n, s in scores.items()}
+        return {n: cached_tokens(s.usable, size, ids.count) for n, s in scores.items()}
 
-    async def _viewed(self, names: list[str], tokens: list[int]) -> dict[str, int] | None:
+    def _viewed(self, names: list[str], ids: PromptIds) -> dict[str, int] | None:
         """``cached`` from the fleet view: memory work, no Redis round trip. None while
         the view is not ``fresh`` (it has not heard from Redis for ``STALE_S`` seconds and
         may hold what the engines no longer do)."""
@@ -331,13 +346,10 @@ class GatewayState:
         if not self.registry_reachable():
             return None
         size = self.config.block_size
-        if len(tokens) > HASH_IN_LOOP:
-            hashes = await asyncio.to_thread(block_hashes, tokens, size)
-        else:
-            hashes = block_hashes(tokens, size)
-        usable = view.match(hashes, names, hybrid=self.registry.hybrid)
+        assert ids.hashes is not None
+        usable = view.match(ids.hashes, names, hybrid=self.registry.hybrid)
         self.health.mark(True)
-        return {n: cached_tokens(blocks, size, len(tokens)) for n, blocks in usable.items()}
+        return {n: cached_tokens(blocks, size, ids.count) for n, blocks in usable.items()}
 
     def registry_reachable(self) -> bool:
         """Whether routing can use the registry now (with the fleet view: whether it is
@@ -348,9 +360,8 @@ class GatewayState:
                 self.health.mark(fresh, RegistryError("the fleet view is not following Redis"))
         return self.health.up
 
-    async def choose(self, tokens: list[int] | None, root: Any = None) -> tuple[list[Choice], str]:
-        """The backends in the order to try them, and the routing outcome (``root``: the
-        prompt's ``prompt_root``)."""
+    async def choose(self, ids: PromptIds | None) -> tuple[list[Choice], str]:
+        """The backends in the order to try them, and the routing outcome."""
         backends = self.candidates()
         names = [b.namespace for b in backends]
         if not names:
@@ -361,11 +372,12 @@ class GatewayState:
             turns = sorted(names)
             turns = turns[start:] + turns[:start]
             return [Choice(n, 0.0, 0, 0.0, 0.0) for n in turns], "load"
-        prompt = len(tokens) if tokens else max(1, round(self.mean_prefill))
+        prompt = ids.count if ids else max(1, round(self.mean_prefill))
+        root = ids.root if ids else None
         cached: dict[str, int] = {}
         outcome = "load"
-        if self.config.policy == "prefix" and tokens:
-            found = await self.cached(names, tokens)
+        if self.config.policy == "prefix" and ids:
+            found = await self.cached(names, ids)
             if found is None:
                 outcome = "registry_away"
             else:
@@ -460,29 +472,28 @@ async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat
         await _respond(send, 413, front.too_large)
         return
     assert isinstance(raw, bytes)
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        await _answer_error(send, 400, "the body is not JSON")
+    size = state.config.block_size
+    routed = state.config.policy != "round-robin"
+    hashed = state.config.policy == "prefix"
+    try:  # a large body in the helper process: never parsed on the loop
+        body, ids = await state.parser.parse(
+            raw, chat, state.max_tokens, size if routed else None, hashed
+        )
+        if not state.backends:
+            await _answer_error(send, 503, "no backend is configured or announced")
+            return
+        if routed and ids is None:
+            tokens = await prompt_tokens(state.tokenizer, body, chat)
+            ids = None if tokens is None else await prompt_ids(tokens, size, hashed)
+    except BadBody as refused:  # not JSON, or a prompt over the model's length
+        await _answer_error(send, 400, str(refused))
         return
-    if not isinstance(body, dict):
-        await _answer_error(send, 400, "the body must be a JSON object")
-        return
-    if not state.backends:
-        await _answer_error(send, 503, "no backend is configured or announced")
-        return
-    tokens = (
-        await prompt_tokens(state.tokenizer, body, chat)
-        if state.config.policy != "round-robin"
-        else None
-    )
-    root = prompt_root(tokens, state.config.block_size)
-    order, outcome = await state.choose(tokens, root)
+    order, outcome = await state.choose(ids)
     if state.metrics.on:
         state.metrics.routed_as[outcome].inc()
     watch = _ClientWatch(receive)
     try:
-        await _forward(state, scope, send, body, raw, order, tokens, root, arrived, watch)
+        await _forward(state, scope, send, body, raw, order, ids, arrived, watch)
     except asyncio.CancelledError:
         if not watch.left:
             raise  # the server is stopping
@@ -536,15 +547,15 @@ async def _forward(
     body: dict[str, Any],
     raw: bytes,
     order: list[Choice],
-    tokens: list[int] | None,
-    root: Any,
+    ids: PromptIds | None,
     arrived: float,
     watch: _ClientWatch,
 ) -> None:
     """Send to the best backend, once more to the next best on a failure before its
     first byte; answer with the reply, or the error."""
     stream = body.get("stream") is True
-    prompt = len(tokens) if tokens else 0
+    prompt = ids.count if ids else 0
+    root = ids.root if ids else None
     headers = _forwarded(scope["headers"])
     query = scope.get("query_string", b"")
     path = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
@@ -825,7 +836,8 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> JSONResponse:
     """200 while some backend is up; says whether the registry answers (when it does
-    not, requests are routed by load alone)."""
+    not, requests are routed by load alone). Answered from state on the event loop,
+    which no request's parsing or tokenizing holds (``pcr.gateway_tokens``)."""
     state = gateway_state(request)
     now = time.monotonic()
     backends = {
@@ -833,16 +845,22 @@ async def health(request: Request) -> JSONResponse:
     }
     status = 200 if any(v == "up" for v in backends.values()) else 503
     up = state.registry_reachable()
-    body = {
+    body: dict[str, Any] = {
         "status": "ok" if status == 200 else "unavailable",
         "registry": "reachable" if up else "away",
         "routing": state.config.policy if up else "load",
         "backends": backends,
+        "kept": kept_backends(state.backends.values()),
         "in_flight": {
             b.namespace: {"here": b.load.in_flight, "other_replicas": b.load.remote_in_flight}
             for b in state.backends.values()
         },
     }
+    if state.tokenizer is not None:  # prompts in each lane, tokenizing or queued
+        body["tokenizing"] = {
+            "short": state.tokenizer.short.held,
+            "long": state.tokenizer.long.held,
+        }
     return JSONResponse(body, status_code=status)
 
 

@@ -15,33 +15,258 @@ engine does, with the model's own tokenizer and chat template, from a local dire
   a string or a list of text parts (joined by newlines, as vLLM does for templates that
   take a string).
 
-Whatever cannot be tokenized here (an image part, a template error, no tokenizer given)
-gives ``None``: the request is still sent, routed by load. Tokenizing runs in a worker
-thread (``asyncio.to_thread``), never on the event loop.
+Whatever cannot be tokenized here (an image part, a template error, no tokenizer given, a
+text over ``MAX_PROMPT_CHARS``) gives ``None``: the request is still sent, routed by load.
+
+No request stalls another:
+
+- A prompt over the model's maximum length (``--max-model-len``, else the model's
+  ``config.json`` in the tokenizer directory) is refused (``PromptTooLong``, answered 400)
+  before it is tokenized, judged by its bytes: its text (a chat's rendered template) over
+  ``max_len * longest_token`` UTF-8 bytes, where ``longest_token`` is the longest entry of
+  the vocabulary in bytes (its byte-level spelling, which is never shorter than the bytes
+  it stands for). Every token covers at most that many bytes of text, so such a prompt
+  has more than ``max_len`` tokens and the engine would refuse it too (true of every
+  lossless tokenizer; one whose normalizer deletes text, e.g. control characters, could
+  be refused where the engine would not: give a larger ``--max-model-len`` then). A prompt
+  of token ids is refused by its count.
+- Tokenizing runs in worker threads, each with its own copy of the tokenizer (fast
+  tokenizers are not safe to share across threads): no lock between requests. Texts up to
+  ``LONG_PROMPT_CHARS`` go to a short lane of ``SHORT_WORKERS`` threads, longer ones to a
+  long lane of one thread, so long prompts never starve short ones; while
+  ``LONG_WAITING`` long prompts are in the long lane, more are routed by load untokenized.
+- A body over ``PARSE_IN_LOOP`` bytes is parsed (and a prompt of token ids checked and
+  hashed) in a helper process (``BodyParser``), not on the event loop: ``json.loads``
+  holds the interpreter lock throughout, so a thread would not do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import logging
+import math
+import multiprocessing
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pcr.gateway_balance import prompt_root
+from registry.core.hashing import block_hashes
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MAX_PROMPT_CHARS = 4_000_000
 """Longer text prompts are not tokenized for routing (they are still sent, by load)."""
+LONG_PROMPT_CHARS = 32_768
+"""Longer texts are tokenized in the long lane (one thread), shorter in the short lane."""
+SHORT_WORKERS = 4
+"""Threads of the short lane, each with its own copy of the tokenizer."""
+LONG_WAITING = 2
+"""Long prompts the long lane takes at once (tokenizing or queued); more are routed by
+load without their tokens."""
+PARSE_IN_LOOP = 1 << 20
+"""Bodies over this many bytes are parsed in the helper process, not on the event loop."""
+HASH_IN_LOOP = 4_096
+"""Token lists longer than this are hashed in a worker thread."""
+MAX_CONFIG_BYTES = 1 << 20
+LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+    "model_max_length",
+)
+"""The keys of a model's ``config.json`` that may give its length (vLLM's list)."""
 
 
 class TokenizerError(Exception):
     """The tokenizer directory cannot be loaded (a one-line message for the CLI)."""
 
 
-class PromptTokenizer:
-    """The model's tokenizer and chat template, loaded once from ``directory``."""
+class BadBody(ValueError):
+    """A body the gateway answers 400 (its message is the answer's)."""
 
-    def __init__(self, directory: str | Path) -> None:
+
+class PromptTooLong(BadBody):
+    """A prompt over the model's maximum length, refused before it is tokenized."""
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    """What routing needs of a prompt's tokens: their count, its first block (kin share
+    it, ``prompt_root``) and its block hashes (None when the policy does not score)."""
+
+    count: int
+    root: Any
+    hashes: list[int] | None
+
+
+def ids_of(tokens: list[int], block_size: int, hashed: bool) -> PromptIds:
+    hashes = block_hashes(tokens, block_size) if hashed else None
+    return PromptIds(len(tokens), prompt_root(tokens, block_size), hashes)
+
+
+async def prompt_ids(tokens: list[int], block_size: int, hashed: bool) -> PromptIds:
+    """``ids_of``, hashed in a worker thread when the prompt is long."""
+    if hashed and len(tokens) > HASH_IN_LOOP:
+        return await asyncio.to_thread(ids_of, tokens, block_size, hashed)
+    return ids_of(tokens, block_size, hashed)
+
+
+def too_many(count: int, limit: int) -> PromptTooLong:
+    return PromptTooLong(
+        f"this model's maximum context length is {limit:,} tokens; the prompt has {count:,}"
+    )
+
+
+def parse_body(
+    raw: bytes, chat: bool, max_tokens: int | None, block_size: int | None, hashed: bool
+) -> tuple[dict[str, Any], PromptIds | None]:
+    """The body as a JSON object, and for a completion with a prompt of token ids its
+    ``PromptIds`` (``block_size`` None: not wanted); ``BadBody`` for a body that is not
+    a JSON object, ``PromptTooLong`` for a prompt of token ids over ``max_tokens``.
+
+    Also run in the helper process: a prompt of token ids is then left out of the body
+    it answers (its ids say what routing needs; the raw body is what is forwarded)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise BadBody("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise BadBody("the body must be a JSON object")
+    if chat:
+        return body, None
+    prompt = body.get("prompt")
+    if max_tokens is not None and isinstance(prompt, list):
+        for one in prompt if prompt and isinstance(prompt[0], list) else [prompt]:
+            if isinstance(one, list) and len(one) > max_tokens:
+                raise too_many(len(one), max_tokens)
+    tokens = token_prompt(body)
+    ids = None if tokens is None or block_size is None else ids_of(tokens, block_size, hashed)
+    return body, ids
+
+
+def _parse_apart(
+    raw: bytes, chat: bool, max_tokens: int | None, block_size: int | None, hashed: bool
+) -> tuple[dict[str, Any], PromptIds | None]:
+    """``parse_body`` in the helper process: a prompt that is not text stays there."""
+    body, ids = parse_body(raw, chat, max_tokens, block_size, hashed)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], str)):
+        body = {k: v for k, v in body.items() if k != "prompt"}
+    return body, ids
+
+
+class BodyParser:
+    """Parses bodies over ``PARSE_IN_LOOP`` bytes in a helper process, started at the
+    first such body (``json.loads`` of a large body holds the interpreter lock, so on
+    the loop or in a thread it would stall every other request, ``/health`` included);
+    smaller bodies on the loop."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def parse(
+        self, raw: bytes, chat: bool, max_tokens: int | None, block_size: int | None, hashed: bool
+    ) -> tuple[dict[str, Any], PromptIds | None]:
+        if len(raw) <= PARSE_IN_LOOP:
+            return parse_body(raw, chat, max_tokens, block_size, hashed)
+        if self._pool is None:
+            context = multiprocessing.get_context("spawn")  # the gateway runs threads
+            self._pool = ProcessPoolExecutor(2, mp_context=context)
+        try:
+            future = self._pool.submit(_parse_apart, raw, chat, max_tokens, block_size, hashed)
+            return await asyncio.wrap_future(future)
+        except BrokenProcessPool:  # the helper died (killed, out of memory): a new one
+            self._pool = None
+            log.warning("the gateway's body parser process died; starting another")
+            return await asyncio.to_thread(_parse_apart, raw, chat, max_tokens, block_size, hashed)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+class _Lane:
+    """Worker threads that tokenize, and how many prompts they hold (running or queued)."""
+
+    def __init__(self, name: str, workers: int) -> None:
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self.held = 0
+        self._lock = threading.Lock()
+
+    async def run(self, work: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            self.held += 1
+        future = self.pool.submit(work, *args)
+        future.add_done_callback(self._done)  # also when cancelled before it ran
+        return await asyncio.wrap_future(future)
+
+    def _done(self, _future: Future[Any]) -> None:
+        with self._lock:
+            self.held -= 1
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """The longest vocabulary entry (added tokens included) in UTF-8 bytes, at least 1."""
+    return (
+        max(
+            (len(entry.encode("utf-8", "surrogatepass")) for entry in tokenizer.get_vocab()),
+            default=1,
+        )
+        or 1
+    )
+
+
+def config_max_len(directory: Path) -> int | None:
+    """The model's length from ``config.json`` beside the tokenizer: the largest of
+    ``LENGTH_KEYS`` (vLLM takes the smallest), times a rope scaling factor over 1; None
+    without one."""
+    path = directory / "config.json"
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+        config = json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    best: int | None = None
+    for part in (config, config.get("text_config")):
+        if not isinstance(part, dict):
+            continue
+        lengths = [v for k in LENGTH_KEYS if type(v := part.get(k)) is int and 0 < v < 1 << 40]
+        if not lengths:
+            continue
+        factor = 1.0
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = part.get(key)
+            found = rope.get("factor") if isinstance(rope, dict) else None
+            if isinstance(found, (int, float)) and math.isfinite(found) and found > 1:
+                factor = max(factor, float(found))
+        length = math.ceil(max(lengths) * factor)
+        best = length if best is None else max(best, length)
+    return best
+
+
+class PromptTokenizer:
+    """The model's tokenizer and chat template, loaded once from ``directory``; copied
+    into each worker thread that tokenizes. ``max_model_len``: the prompts' longest (else
+    the model's ``config.json``'s, else none)."""
+
+    def __init__(self, directory: str | Path, max_model_len: int | None = None) -> None:
         path = Path(directory)
         if not path.is_dir():
             raise TokenizerError(f"tokenizer directory {str(path)!r} does not exist")
@@ -59,14 +284,47 @@ class PromptTokenizer:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise TokenizerError(f"cannot load a tokenizer from {str(path)!r}: {first}") from exc
         self.directory = path
-        self._lock = threading.Lock()  # fast tokenizers are not safe to share across threads
+        self.longest_token = longest_token_bytes(self.tokenizer)
+        self.max_tokens = max_model_len or config_max_len(path)
+        self.max_bytes = None if self.max_tokens is None else self.max_tokens * self.longest_token
+        self._mine = threading.local()
+        self._copying = threading.Lock()
+        self.short = _Lane("pcr-tokenize", SHORT_WORKERS)
+        self.long = _Lane("pcr-tokenize-long", 1)
 
-    def completion(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        with self._lock:
-            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    def _own(self) -> Any:
+        """This thread's copy of the tokenizer (the loaded one is only ever copied)."""
+        mine = getattr(self._mine, "tokenizer", None)
+        if mine is None:
+            with self._copying:
+                mine = copy.deepcopy(self.tokenizer)
+            self._mine.tokenizer = mine
+        return mine
+
+    def check_text(self, text: str) -> None:
+        """``PromptTooLong`` for a text over ``max_bytes`` UTF-8 bytes."""
+        limit = self.max_bytes
+        if limit is None or len(text) * 4 <= limit:  # at most 4 bytes a character
+            return
+        size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            assert self.max_tokens is not None
+            raise PromptTooLong(
+                f"this model's maximum context length is {self.max_tokens:,} tokens; the "
+                f"prompt's {size:,} bytes of text are more than that many tokens can hold "
+                f"({self.longest_token} bytes a token at most)"
+            )
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids: list[int] = self._own().encode(text, add_special_tokens=add_special_tokens)
         return ids
 
-    def chat(self, body: dict[str, Any]) -> list[int] | None:
+    def completion(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_text(prompt)
+        return self.encode(prompt, add_special_tokens)
+
+    def render(self, body: dict[str, Any]) -> str | None:
+        """The chat's text as the template writes it (None: not a chat of text)."""
         messages = _messages(body.get("messages"))
         if messages is None:
             return None
@@ -75,18 +333,50 @@ class PromptTokenizer:
         kwargs = body.get("chat_template_kwargs")
         options: dict[str, Any] = dict(kwargs) if isinstance(kwargs, dict) else {}
         tools = body.get("tools")
-        with self._lock:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools if isinstance(tools, list) and tools else None,
-                tokenize=False,
-                add_generation_prompt=generation,
-                continue_final_message=continue_final,
-                **options,
-            )
+        text: str = self._own().apply_chat_template(
+            messages,
+            tools=tools if isinstance(tools, list) and tools else None,
+            tokenize=False,
+            add_generation_prompt=generation,
+            continue_final_message=continue_final,
+            **options,
+        )
+        return text
+
+    def chat(self, body: dict[str, Any]) -> list[int] | None:
+        text = self.render(body)
+        if text is None:
+            return None
+        self.check_text(text)
+        return self.encode(text, body.get("add_special_tokens") is True)
+
+    async def tokens(self, body: dict[str, Any], chat: bool) -> list[int] | None:
+        """The prompt's tokens, in the lanes (``PromptTooLong`` before tokenizing; None
+        for what is not tokenized here)."""
+        if chat:
+            text = await self.short.run(self.render, body)
             add_special = body.get("add_special_tokens") is True
-            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special)
-        return ids
+        else:
+            prompt = body.get("prompt")
+            for one in prompt if isinstance(prompt, list) else [prompt]:
+                if isinstance(one, str):
+                    self.check_text(one)
+            text = text_prompt(body)
+            add_special = body.get("add_special_tokens", True) is not False
+        if text is None:
+            return None
+        self.check_text(text)
+        if len(text) > MAX_PROMPT_CHARS:
+            return None
+        if len(text) <= LONG_PROMPT_CHARS:
+            return await self.short.run(self.encode, text, add_special)
+        if self.long.held >= LONG_WAITING:
+            return None
+        return await self.long.run(self.encode, text, add_special)
+
+    def close(self) -> None:
+        for lane in (self.short, self.long):
+            lane.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _messages(raw: Any) -> list[dict[str, Any]] | None:
@@ -128,9 +418,7 @@ def text_prompt(body: dict[str, Any]) -> str | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
-    if isinstance(prompt, str) and len(prompt) <= MAX_PROMPT_CHARS:
-        return prompt
-    return None
+    return prompt if isinstance(prompt, str) else None
 
 
 def _token(value: Any) -> bool:
@@ -140,7 +428,8 @@ def _token(value: Any) -> bool:
 async def prompt_tokens(
     tokenizer: PromptTokenizer | None, body: dict[str, Any], chat: bool
 ) -> list[int] | None:
-    """The request's prompt as token ids, or None when it cannot be known here."""
+    """The request's prompt as token ids, or None when it cannot be known here;
+    ``PromptTooLong`` for a text over the model's length."""
     if not chat:
         tokens = token_prompt(body)
         if tokens is not None:
@@ -148,13 +437,9 @@ async def prompt_tokens(
     if tokenizer is None:
         return None
     try:
-        if chat:
-            return await asyncio.to_thread(tokenizer.chat, body)
-        text = text_prompt(body)
-        if text is None:
-            return None
-        add_special = body.get("add_special_tokens", True) is not False
-        return await asyncio.to_thread(tokenizer.completion, text, add_special)
+        return await tokenizer.tokens(body, chat)
+    except PromptTooLong:
+        raise
     except Exception as exc:  # a template's own error, a bad argument: route by load
         log.debug("tokenizing for routing failed: %s", type(exc).__name__)
         return None
