@@ -47,18 +47,37 @@ log = logging.getLogger(__name__)
 DEFAULT_NOTICE_STREAM_MAXLEN = 1_000
 """Notices kept in a namespace's stream for replay (each at most ~1.1 KiB there)."""
 
+DEFAULT_WAIT_TIMEOUT = 1.0
+"""Seconds a write waits for ``wait_replicas`` replicas (under the client's read
+timeout, ``registry.transport.client.READ_TIMEOUT``)."""
+
 DEFAULT_REPLY_TTL = 30.0
 """Seconds a write's reply stays recorded under its request id: longer than any one
 call can keep retrying (``registry.transport.client.CALL_BOUND``), so a re-sent copy
 never runs twice."""
 
 
-FROM_URL_OWN = ("url", "namespace", "key_prefix", "notice_stream_maxlen", "reply_ttl", "cluster")
+FROM_URL_OWN = (
+    "url",
+    "namespace",
+    "key_prefix",
+    "notice_stream_maxlen",
+    "reply_ttl",
+    "wait_replicas",
+    "wait_timeout",
+    "cluster",
+)
 """``PrefixCacheRegistry.from_url``'s own parameters (named when a keyword is unknown)."""
 
 
 class PrefixCacheRegistry(RegistryBase, Ownership):
-    """The ``hash -> block_id`` registry of one namespace, kept in Redis."""
+    """The ``hash -> block_id`` registry of one namespace, kept in Redis.
+
+    ``wait_replicas`` (0, off, by default): each write waits, on its own connection, for
+    that many replicas to acknowledge it (``WAIT``, at most ``wait_timeout`` seconds),
+    and raises ``RegistryUnavailable`` with ``outcome_unknown`` when fewer did, so that
+    no write counts as done that a failover can lose (docs/guides/cluster.md).
+    """
 
     mirror_factory: ClassVar[Callable[..., Any] | None] = None
     """``MirroredRegistry.from_url``, set when ``registry.mirror`` is imported (the
@@ -73,11 +92,15 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         key_prefix: str = DEFAULT_KEY_PREFIX,
         notice_stream_maxlen: int = DEFAULT_NOTICE_STREAM_MAXLEN,
         reply_ttl: float = DEFAULT_REPLY_TTL,
+        wait_replicas: int = 0,
+        wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
     ) -> None:
         super().__init__()
         self.keys = NamespaceKeys(namespace, key_prefix)
         checked_number(notice_stream_maxlen, "notice_stream_maxlen", 1, 10_000_000, integer=True)
         checked_number(reply_ttl, "reply_ttl", 1, 86_400, unit=" s")
+        checked_number(wait_replicas, "wait_replicas", 0, 1_000, integer=True)
+        checked_number(wait_timeout, "wait_timeout", 0.001, 60, unit=" s")
         if not callable(getattr(client, "evalsha", None)):
             raise TypeError(
                 f"client must be a redis-py style client (redis.Redis, RedisCluster, "
@@ -88,7 +111,9 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self.reply_ttl = float(reply_ttl)
         self.epoch: int | None = None
         self.lease_ttl = DEFAULT_LEASE_TTL
-        self._runner = ScriptRunner(client)
+        self._runner = ScriptRunner(
+            client, wait_replicas=wait_replicas, wait_timeout=float(wait_timeout)
+        )
         # Request ids: a random prefix per object, then a counter (next() is atomic).
         self._request_prefix = secrets.token_hex(6)
         self._requests = itertools.count(1)
@@ -165,6 +190,8 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         key_prefix: str = DEFAULT_KEY_PREFIX,
         notice_stream_maxlen: int = DEFAULT_NOTICE_STREAM_MAXLEN,
         reply_ttl: float = DEFAULT_REPLY_TTL,
+        wait_replicas: int = 0,
+        wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
         cluster: bool | None = None,
         mirror: bool | None = None,
         **client_options: Any,
@@ -175,7 +202,8 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
 
         ``client_options`` go to redis-py (``decode_responses``, ``password``...), over
         ``DEFAULT_CLIENT_OPTIONS`` and ``default_retry()`` (``registry.transport.client``):
-        with them no call blocks longer than ``CALL_BOUND`` seconds.
+        with them no call blocks longer than ``CALL_BOUND`` seconds. ``wait_replicas`` and
+        ``wait_timeout``: see the class (``wait_timeout`` under ``socket_timeout``).
 
         An owner's registry answered locally and written behind to Redis:
         ``registry.mirror.MirroredRegistry.from_url``. (``mirror=True`` still builds
@@ -206,8 +234,15 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
                 return result
         check_client_options(client_options, "PrefixCacheRegistry.from_url", FROM_URL_OWN)
         validate_namespace(namespace)
+        bounded = bounded_options(client_options)
+        read_timeout = bounded.get("socket_timeout")
+        if wait_replicas and read_timeout is not None and read_timeout <= wait_timeout:
+            raise ValueError(
+                f"wait_timeout ({wait_timeout} s) must be shorter than socket_timeout "
+                f"({read_timeout} s): the WAIT after a write is read within it"
+            )
         try:  # a cluster client connects here already
-            client = client_from_url(url, cluster=cluster, **bounded_options(client_options))
+            client = client_from_url(url, cluster=cluster, **bounded)
         except REDIS_ERRORS as exc:
             raise (translate(exc, f"connecting to {redacted(url)}") or exc) from exc
         return cls(
@@ -216,6 +251,8 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
             key_prefix=key_prefix,
             notice_stream_maxlen=notice_stream_maxlen,
             reply_ttl=reply_ttl,
+            wait_replicas=wait_replicas,
+            wait_timeout=wait_timeout,
         )
 
     @property

@@ -42,6 +42,8 @@ from registry.core.errors import (
     REDIS_ERRORS,
     NamespaceMirrored,
     RegistryError,
+    RegistryMisconfigured,
+    RegistryUnavailable,
     StaleEpochError,
     translate,
 )
@@ -117,11 +119,22 @@ def script_sha(operation: str) -> str:
 
 class ScriptRunner:
     """Runs the project's scripts on one redis-py style client (thread-safe: it holds
-    nothing that changes but what the client holds)."""
+    nothing that changes but what the client holds).
 
-    def __init__(self, client: Any) -> None:
+    ``wait_replicas`` (0: off): each write (``run(write=True)``) is followed, on the same
+    connection and in the same round trip, by ``WAIT wait_replicas wait_timeout``, and
+    raises ``RegistryUnavailable`` (outcome unknown: it ran, but a failover may lose it)
+    unless that many replicas acknowledged it. Replication is asynchronous: without it, a
+    write the primary acknowledged and had not sent on is lost when a replica takes
+    over. ``wait_timeout`` (seconds) must stay under the client's read timeout.
+    """
+
+    def __init__(self, client: Any, *, wait_replicas: int = 0, wait_timeout: float = 1.0) -> None:
         self.client = client
         self._direct = not is_cluster(client)  # a standalone server's pooled connection
+        self.wait_replicas = wait_replicas
+        self.wait_timeout = wait_timeout
+        self._wait = ("WAIT", wait_replicas, max(1, round(wait_timeout * 1000)))
 
     def load(self, operations: Iterable[str] = OPERATIONS) -> None:
         """SCRIPT LOAD the scripts now, so the first calls need no NOSCRIPT retry."""
@@ -175,19 +188,51 @@ class ScriptRunner:
         namespace: str | None,
         epoch: int | None,
     ) -> Any:
+        durable = write and self.wait_replicas > 0
         try:  # a plain try: this is every write's path
             replies = with_reload(
-                lambda: [self._send(operation, keys, args)],
+                (lambda: self._send_durably(operation, keys, args))
+                if durable
+                else (lambda: [self._send(operation, keys, args)]),
                 lambda: self.client.script_load(script_source(operation)),
             )
             reply = replies[0]
             if isinstance(reply, Exception):
                 raise reply
-            return reply
         except REDIS_ERRORS as exc:
             if namespace is not None:
                 context = f"namespace {namespace!r}"
             raise script_error(exc, operation, context, write, namespace, epoch) from exc
+        if durable:
+            self._confirm(
+                replies[1], operation, f"namespace {namespace!r}" if namespace else context
+            )
+        return reply
+
+    def _send_durably(self, operation: str, keys: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        """EVALSHA ``operation`` and ``WAIT`` on one connection, in one round trip (WAIT
+        counts the replicas that have every write of its own connection): on a
+        standalone server or Sentinel's master its pooled connection, on a cluster the
+        connection to the primary serving the keys. Both replies; a lost connection
+        raises (the write's outcome and replication are then unknown: a copy re-sent on
+        another connection would prove nothing)."""
+        command = ("EVALSHA", script_sha(operation), len(keys), *keys, *args)
+        if self._direct:
+            return on_one_connection(self.client, (command, self._wait))
+        return on_the_keys_primary(self.client, keys[0], (command, self._wait))
+
+    def _confirm(self, acked: Any, operation: str, context: str) -> None:
+        """Raise unless ``WAIT`` answered at least ``wait_replicas`` replicas."""
+        what = f"{context}: {operation}" if context else operation
+        if isinstance(acked, Exception):
+            raise _translated(acked, f"{what}: WAIT after the write", write=True) from acked
+        if int(acked) < self.wait_replicas:
+            raise RegistryUnavailable(
+                f"{what}: the write ran, but {int(acked)} of the {self.wait_replicas} "
+                f"replicas asked for acknowledged it within {self.wait_timeout:g} s: a "
+                "failover may lose it (the write may or may not last)",
+                outcome_unknown=True,
+            )
 
     def _send(self, operation: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """One EVALSHA of ``operation``: its reply, an error reply as its exception
@@ -374,6 +419,63 @@ def run_on_one_connection(
             connection.disconnect()  # a half-read connection must not be reused
         pool.release(connection)
     return replies
+
+
+def on_one_connection(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """``commands`` on one pooled connection of a standalone server (or Sentinel's
+    master), in one write and one read; error replies as exception objects. Unlike
+    ``run_on_one_connection``, a lost connection or a timeout raises."""
+    pool = direct_pool(client)
+    if pool is None:
+        raise RegistryMisconfigured(
+            "wait_replicas needs a client with a connection pool of its own "
+            "(not single_connection_client)"
+        )
+    return _on_connection(pool, commands)
+
+
+def on_the_keys_primary(client: Any, key: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """``commands`` on one connection to the primary of ``key``'s slot in a Redis
+    Cluster, in one round trip; error replies as exception objects. A redirection (the
+    slot moved: nothing ran) refreshes the slot map and tries again, a few times; a lost
+    connection refreshes it and raises."""
+    for _ in range(REDIRECTION_ROUNDS):
+        pool = client.get_redis_connection(client.get_node_from_key(key)).connection_pool
+        try:
+            replies = _on_connection(pool, commands)
+        except (RedisConnectionError, RedisTimeoutError):
+            _refresh_layout(client)
+            raise
+        if not isinstance(replies[0], REDIRECTED):
+            return replies
+        _refresh_layout(client)
+    raise ClusterDownError(f"the slot of {key!r} kept moving")
+
+
+REDIRECTION_ROUNDS = 3
+"""Tries of a confirmed write on a cluster whose slot keeps moving."""
+
+
+def _on_connection(pool: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    connection = pool.get_connection()
+    healthy = False
+    try:
+        connection.send_packed_command(packed_commands(connection, commands))
+        replies = read_replies(connection, len(commands))
+        healthy = True
+    finally:
+        if not healthy:
+            connection.disconnect()  # a half-read connection must not be reused
+        pool.release(connection)
+    return replies
+
+
+def _refresh_layout(client: Any) -> None:
+    """Ask the cluster for its slot map again (best effort: the next call tries too)."""
+    try:
+        client.nodes_manager.initialize()
+    except REDIS_ERRORS:
+        log.debug("refreshing the cluster's slot map failed", exc_info=True)
 
 
 def direct_pool(client: Any) -> Any | None:
