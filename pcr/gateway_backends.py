@@ -3,19 +3,29 @@
 Each ``Backend`` carries its load (``pcr.gateway_balance.BackendLoad``) and whether it
 takes connections: one that refused is passed over for ``REFUSED_FOR`` seconds. The
 table of backends is the configured ones plus those announced in Redis
-(``merge_announced``); ``engine_load`` reads an engine's queue and KV-cache usage from
-its Prometheus text. Nothing here does I/O (``pcr.gateway_app`` fetches).
+(``merge_announced``). An announced backend whose announcement is gone is kept (the
+last known set): Redis restarted empty forgets every announcement until the bridges
+make theirs again, and a gateway that dropped them would have nothing to send
+requests to. It goes only once the node index says its namespace's lease has run out
+(``pcr.gateway_exchange.ended_leases``); while Redis holds no lease for it at all, it
+stays, and ``/health`` lists it under ``kept``. ``engine_load`` reads an engine's queue
+and KV-cache usage from its Prometheus text. Nothing here does I/O (``pcr.gateway_app``
+and ``pcr.gateway_exchange`` fetch).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from pcr.gateway_balance import BackendLoad
 from pcr.gateway_metrics import BackendMetrics, GatewayMetrics
+
+log = logging.getLogger(__name__)
 
 REFUSED_FOR = 2.0
 """Seconds a backend that refused a connection is passed over (then tried again)."""
@@ -31,6 +41,8 @@ class Backend:
     load: BackendLoad = field(default_factory=BackendLoad)
     refused_until: float = 0.0
     up: bool = True
+    kept_since: float | None = None
+    """Announced, its announcement gone since then (wall clock, s): kept, not dropped."""
     _metrics: BackendMetrics | None = None
 
     def metrics(self, metrics: GatewayMetrics) -> BackendMetrics:
@@ -49,18 +61,48 @@ class Backend:
             metrics.backend_up.labels(self.namespace).set(1 if up else 0)
 
 
-def merge_announced(backends: dict[str, Backend], table: Mapping[str, str]) -> None:
+def merge_announced(
+    backends: dict[str, Backend], table: Mapping[str, str], ended: Collection[str] = ()
+) -> None:
     """Bring ``backends`` in line with the engine table in Redis (namespace -> URL): new
-    namespaces added, announced ones moved or dropped; configured ones kept as they are."""
+    namespaces added, announced ones moved; configured ones kept as they are. An
+    announced one missing from the table is kept (``kept_since``) unless its namespace
+    is in ``ended`` (the node index says its lease has run out): then it is dropped."""
     for namespace, url in table.items():
         known = backends.get(namespace)
         if known is None:
             backends[namespace] = Backend(namespace, url, "announced")
         elif known.source == "announced":
             known.url = url
-    for namespace in [n for n, b in backends.items() if b.source == "announced"]:
-        if namespace not in table:
+            if known.kept_since is not None:
+                known.kept_since = None
+                log.warning("backend %s is announced again", namespace)
+    for namespace in gone_from(backends, table):
+        backend = backends[namespace]
+        if namespace in ended:
             del backends[namespace]
+            log.warning("backend %s dropped: not announced and its lease has run out", namespace)
+        elif backend.kept_since is None:
+            backend.kept_since = time.time()
+            log.warning(
+                "backend %s is no longer announced; kept until its lease runs out", namespace
+            )
+
+
+def gone_from(backends: Mapping[str, Backend], table: Mapping[str, str]) -> list[str]:
+    """The announced backends missing from the engine table ``table``."""
+    return [n for n, b in backends.items() if b.source == "announced" and n not in table]
+
+
+def kept_backends(backends: Iterable[Backend]) -> dict[str, str]:
+    """Each kept backend (announced, announcement gone) and since when, for ``/health``."""
+    return {
+        b.namespace: "announcement gone since "
+        + datetime.fromtimestamp(b.kept_since, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        + "; kept until its lease runs out"
+        for b in backends
+        if b.kept_since is not None
+    }
 
 
 def engine_load(text: str) -> tuple[float, float, float]:

@@ -6,6 +6,7 @@ gateway load channel): periodically, when a request starts or ends (``nudge``), 
 before a reply's last bytes (``tell_peers``). ``LoadExchange`` sums the others' load
 into each backend's ``BackendLoad``; ``RegistryHealth`` is what routing and the exchange
 learn of Redis (away: routing by load alone, said by ``pcr_gateway_registry_up``).
+``ended_leases`` tells which backends no longer announced may go.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pcr.gateway_backends import Backend
+from pcr.gateway_backends import Backend, gone_from, merge_announced
 from pcr.gateway_metrics import GatewayMetrics
-from registry.core.errors import RegistryError
-from registry.core.keys import gateway_load_channel
+from registry.core.errors import REDIS_ERRORS, RegistryError, translate
+from registry.core.keys import gateway_load_channel, node_index_key
 from registry.core.validation import is_number, text
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,29 @@ class RegistryHealth:
             self.retry_at = time.monotonic() + 1.0
         if self.metrics.on:
             self.metrics.registry_up.set(1 if up else 0)
+
+
+async def ended_leases(client: Any, key_prefix: str, namespaces: Sequence[str]) -> set[str]:
+    """Those of ``namespaces`` whose lease in the node index has run out (server clock);
+    one the index does not list (Redis lost it, or nobody claimed it yet) is not."""
+    if not namespaces:
+        return set()
+    key = node_index_key(key_prefix)
+    try:
+        scores = await client.zmscore(key, list(namespaces))
+        seconds, micros = await client.time()
+    except REDIS_ERRORS as exc:
+        raise (translate(exc, f"node index {key!r}: leases", write=False) or exc) from exc
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    return {n for n, s in zip(namespaces, scores, strict=True) if s is not None and s < now_ms}
+
+
+async def discover(router: Any, client: Any, key_prefix: str, backends: dict[str, Backend]) -> None:
+    """Bring ``backends`` in line with the engines announced in Redis: those no longer
+    announced stay until their lease has run out (``merge_announced``)."""
+    table = await router.engines()
+    ended = await ended_leases(client, key_prefix, gone_from(backends, table))
+    merge_announced(backends, table, ended)
 
 
 @dataclass(frozen=True)
