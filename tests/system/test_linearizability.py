@@ -10,6 +10,14 @@ empty restart of the server. Each fault is held until every client has met it (a
 event, not a sleep), and a client that failed waits until the fault is over, so each
 fault costs each client at most one call of unknown outcome.
 
+On Sentinel (a primary, its replica, one sentinel), with ``wait_replicas=1``: the primary
+stopped past its failover and resumed without a restart (a split brain: it says it is a
+master until Sentinel converts it), and calls blocked on the stopped primary across its
+kill and an empty restart at its address. Each is also run with redis-py's own Sentinel
+client in place of the project's, which must be caught. Without ``wait_replicas`` a write
+the old primary acknowledged and had not yet replicated is lost when the replica takes
+over: such a history is rightly not linearizable, so the scenarios run with it on.
+
 A deliberately broken owner, whose ``register_kv`` is one HSET per pair, must be
 caught: a reader is let in between its HSETs (threading events), so its history is
 not linearizable on every run; the same gate around the real, atomic script is the
@@ -23,9 +31,11 @@ import functools
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,8 +44,13 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+import redis
+import redis.sentinel
+from redis.backoff import ConstantBackoff
+from redis.retry import Retry
 
 from registry import PrefixCacheRegistry
+from registry.core.validation import text
 from tests.support import REPO_ROOT
 from tests.support.backends import new_namespace
 from tests.support.histories import (
@@ -54,7 +69,12 @@ from tests.support.linearizability import (
     check,
     explain,
 )
-from tests.support.servers import RedisServer
+from tests.support.servers import (
+    RedisServer,
+    find_redis_server,
+    free_port,
+    require_redis_server,
+)
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.redis_server
@@ -79,8 +99,23 @@ class Harness:
     """The clients of one history: writer threads sharing the owner, reader threads,
     the recorder, and the events that hold clients while a fault lasts."""
 
-    def __init__(self, server: RedisServer, make_owner: Factory = PrefixCacheRegistry) -> None:
+    def __init__(
+        self,
+        server: RedisServer,
+        make_owner: Factory = PrefixCacheRegistry,
+        *,
+        url: str | None = None,
+        timeout: float = READ_TIMEOUT,
+        options: dict[str, Any] | None = None,
+        plain: Callable[[], Any] | None = None,
+        plain_roles: frozenset[str] = frozenset(),
+    ) -> None:
         self.server = server
+        self.url = url or server.url
+        self.timeout = timeout
+        self.options = options or {}
+        self.plain = plain  # a client without the project's checks, for the controls
+        self.plain_roles = plain_roles  # "writers", "readers": which use ``plain``
         self.namespace = new_namespace()
         self.recorder = HistoryRecorder()
         self.make_owner = make_owner
@@ -99,20 +134,30 @@ class Harness:
         self._claim_lock = threading.Lock()
         self._registries: list[PrefixCacheRegistry] = []
         self._threads: list[threading.Thread] = []
-        self.owner_client = self.connect().client
+        self.owner_client = (
+            self.plain_client() if "writers" in plain_roles else self.connect().client
+        )
 
     # -- clients ----------------------------------------------------------------------
 
     def connect(self) -> PrefixCacheRegistry:
         """A registry with a client of its own and short timeouts (from_url's retry)."""
         registry = PrefixCacheRegistry.from_url(
-            self.server.url,
+            self.url,
             self.namespace,
-            socket_timeout=READ_TIMEOUT,
-            socket_connect_timeout=READ_TIMEOUT,
+            socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout,
+            **self.options,
         )
         self._registries.append(registry)
         return registry
+
+    def plain_client(self) -> Any:
+        """A client of ``plain`` (a negative control's), closed at the end."""
+        assert self.plain is not None
+        registry = PrefixCacheRegistry(self.plain(), self.namespace)
+        self._registries.append(registry)
+        return registry.client
 
     def reclaim(self, process: str, stale: PrefixCacheRegistry | None) -> bool:
         """Claim the namespace with a new owner object, unless another writer already
@@ -156,7 +201,10 @@ class Harness:
 
     def _read_loop(self, process: str, seed: int) -> None:
         rng = random.Random(seed)
-        registry = self.connect()
+        if "readers" in self.plain_roles:
+            registry = PrefixCacheRegistry(self.plain_client(), self.namespace)
+        else:
+            registry = self.connect()
         while not self.stop.is_set():
             if self.recorder.run(process, registry, random_read(rng)) is None:
                 self._trouble(process)
@@ -216,6 +264,11 @@ class Harness:
         with self._lock:
             return self.troubled >= self.clients
 
+    def troubled_set(self) -> set[str]:
+        """The clients that failed since the fault began."""
+        with self._lock:
+            return set(self.troubled)
+
     def all_waiting(self) -> bool:
         """Whether every client has a call out right now."""
         return {f.process for f in self.recorder.in_flight()} >= self.clients
@@ -235,7 +288,8 @@ class Harness:
             wait_until(lambda: process_state(process.pid) == "T", DEADLINE, "server stopped")
             yield time.monotonic_ns()
         finally:
-            os.kill(process.pid, signal.SIGCONT)
+            if process.poll() is None:  # not killed inside the block
+                os.kill(process.pid, signal.SIGCONT)
 
     def finish(self) -> list[Operation]:
         """Stop every client thread, close every client; the history recorded."""
@@ -581,3 +635,227 @@ def test_a_register_kv_done_as_separate_hsets_is_caught(
     if verdict is Verdict.NOT_LINEARIZABLE:
         assert "cannot place #2: " in explain(pair, alone)
         assert "gated-reader: match_kv_prefix(hashes=[201, 202])" in explain(pair, alone)
+
+
+# -- Sentinel and Cluster failovers -------------------------------------------------------
+
+WAIT_TIMEOUT = 0.2
+"""``wait_timeout`` of the clients with ``wait_replicas=1`` (under ``READ_TIMEOUT``)."""
+DURABLE = {"wait_replicas": 1, "wait_timeout": WAIT_TIMEOUT}
+BLOCKED_TIMEOUT = 20.0
+"""Socket timeouts of the clients whose calls must still be blocked on a stopped server
+when it is killed: longer than any failover here takes."""
+
+
+class SentinelSet:
+    """A primary, its replica and one Sentinel watching them as ``mymaster`` (quorum 1,
+    ``down-after-milliseconds`` 500), each stopped by PID at the end."""
+
+    def __init__(self) -> None:
+        self.primary = RedisServer()
+        self.replica: RedisServer | None = None
+        self.sentinel: subprocess.Popen[bytes] | None = None
+        self.directory = Path(tempfile.mkdtemp(prefix="pcr-lin-sentinel-"))
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.port}/mymaster"
+
+    def __enter__(self) -> SentinelSet:
+        binary = find_redis_server()
+        assert binary is not None
+        self.primary.start()
+        self.replica = RedisServer(["--replicaof", "127.0.0.1", str(self.primary.port)]).start()
+        wait_until(lambda: self.link_up(self.replica), DEADLINE, "replica linked")
+        (self.directory / "sentinel.conf").write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.directory}\n"
+            f"sentinel monitor mymaster 127.0.0.1 {self.primary.port} 1\n"
+            "sentinel down-after-milliseconds mymaster 500\n"
+            "sentinel failover-timeout mymaster 2000\n"
+        )
+        self.sentinel = subprocess.Popen(
+            [binary, str(self.directory / "sentinel.conf"), "--sentinel"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_until(lambda: self.ask("PING") is not None, DEADLINE, "sentinel up")
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.sentinel is not None:
+            self.sentinel.kill()
+            self.sentinel.wait(DEADLINE)
+        for server in (self.primary, self.replica):
+            if server is not None and server.process is not None and server.running:
+                os.kill(server.process.pid, signal.SIGCONT)
+                server.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def ask(self, *command: str) -> Any:
+        """The sentinel's answer, or None when it does not answer."""
+        client = redis.Redis(port=self.port, decode_responses=True, socket_timeout=5)
+        try:
+            return client.execute_command(*command)
+        except redis.RedisError:
+            return None
+        finally:
+            client.close()
+
+    def flags(self) -> set[str]:
+        state = self.ask("SENTINEL MASTER", "mymaster")
+        if not isinstance(state, dict):
+            return set()
+        flags = state.get("flags", "")
+        return set(flags.split(",")) if isinstance(flags, str) else set(flags)
+
+    def named_port(self) -> int | None:
+        address = self.ask("SENTINEL GET-MASTER-ADDR-BY-NAME", "mymaster")
+        return int(address[1]) if address else None
+
+    def promoted(self) -> bool:
+        """The replica is the master the sentinel names, says so, and the failover is
+        over (no flag of one left)."""
+        assert self.replica is not None
+        return (
+            self.named_port() == self.replica.port
+            and role(self.replica) == "master"
+            and not self.flags() & {"o_down", "failover_in_progress"}
+        )
+
+    @staticmethod
+    def link_up(server: RedisServer | None) -> bool:
+        assert server is not None
+        client = server.client(socket_timeout=5)
+        try:
+            return bool(client.info("replication").get("master_link_status") == "up")
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def plain_master(self, timeout: float) -> Any:
+        """redis-py's own Sentinel client: ``SENTINEL MASTERS`` discovery, no role check,
+        its retry reconnecting to the old address (the negative control)."""
+        sentinel = redis.sentinel.Sentinel([("127.0.0.1", self.port)], socket_timeout=5)
+        retry = Retry(ConstantBackoff(0.05), 40)  # retries for about two seconds
+        return sentinel.master_for(
+            "mymaster", socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry
+        )
+
+
+def role(server: RedisServer) -> str | None:
+    """What ``ROLE`` says the server is, or None when it does not answer."""
+    client = server.client(socket_timeout=5)
+    try:
+        return str(text(client.execute_command("ROLE")[0]))
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def sentinel_harness(
+    plain_roles: frozenset[str] = frozenset(), timeout: float = READ_TIMEOUT
+) -> Iterator[tuple[SentinelSet, Harness]]:
+    """A Sentinel set and a harness of durable clients on it (``plain_roles`` use redis-py's
+    own Sentinel client instead); every thread and server stopped at the end."""
+    require_redis_server()
+    with SentinelSet() as servers:
+        made = Harness(
+            servers.primary,
+            url=servers.url,
+            timeout=timeout,
+            options=DURABLE,
+            plain=lambda: servers.plain_master(BLOCKED_TIMEOUT),
+            plain_roles=plain_roles,
+        )
+        try:
+            yield servers, made
+        finally:
+            for server in (servers.primary, servers.replica):
+                if server is not None and server.process is not None and server.running:
+                    os.kill(server.process.pid, signal.SIGCONT)
+            with contextlib.suppress(BaseException):
+                made.finish()
+
+
+def judged(harness: Harness, what: str, controls: frozenset[str]) -> None:
+    """Check the history: linearizable with the project's clients; with a control's
+    plain clients, caught (not linearizable)."""
+    history = harness.finish()
+    if not controls:
+        checked(history, harness.recorder, what)
+        return
+    result = check(history, budget=STEP_BUDGET)
+    print(f"{what} with plain {sorted(controls)}: {len(history)} operations, "
+          f"{result.verdict.value}")  # fmt: skip
+    assert result.verdict is Verdict.NOT_LINEARIZABLE, explain(history, result)
+
+
+PLAIN_WRITERS = frozenset({"writers"})
+PLAIN_READERS = frozenset({"readers"})
+
+
+@pytest.mark.parametrize(
+    "controls", [pytest.param(frozenset(), id="project"), pytest.param(PLAIN_WRITERS, id="plain")]
+)
+def test_a_sentinel_split_brain_is_linearizable_with_wait_replicas(
+    controls: frozenset[str],
+) -> None:
+    """The primary is stopped (SIGSTOP) past its failover: Sentinel promotes the replica
+    while every client meets the stall; then the old primary resumes without a restart
+    and says it is a master (until Sentinel converts it, seconds later) while the clients
+    carry on. The project's clients (``wait_replicas=1``) never use it and lose no
+    acknowledged write. The control's writers (redis-py's own Sentinel client, long
+    timeouts, no WAIT) stay blocked on the stopped primary, then write to the resumed old
+    primary and are acknowledged: caught."""
+    with sentinel_harness(controls) as (servers, harness):
+        harness.clears = False
+        harness.start(writers=3, readers=2, seed=50)
+        harness.run_on(PHASE_OPS)
+        ours = {c for c in harness.clients if not c.startswith("writer") or not controls}
+        with harness.fault(), harness.stopped():
+            harness.wait(servers.promoted, "the replica promoted")
+            harness.wait(
+                lambda: ours <= harness.troubled_set(), "every project client met the stall"
+            )
+        harness.run_on(PHASE_OPS // 2)
+        old_role = role(servers.primary)
+        harness.run_on(PHASE_OPS // 2)
+        print(f"old primary after the resume: {old_role}")
+        judged(harness, "Sentinel split brain", controls)
+
+
+@pytest.mark.parametrize(
+    "controls", [pytest.param(frozenset(), id="project"), pytest.param(PLAIN_READERS, id="plain")]
+)
+def test_reads_blocked_across_a_kill_and_an_empty_restart_never_answer_empty(
+    controls: frozenset[str],
+) -> None:
+    """Every client has a call blocked on the stopped primary; once Sentinel sees it down,
+    it is killed and an empty server started at its address (a master, until Sentinel
+    converts it). The blocked calls fail (their retry asks the sentinels, which name no
+    master during the failover): none answers the empty server's nothing. The control's
+    readers (redis-py's own Sentinel client) retry to the old address and read nothing."""
+    with sentinel_harness(controls, BLOCKED_TIMEOUT) as (servers, harness):
+        harness.clears = False
+        harness.start(writers=2, readers=3, seed=60)
+        harness.run_on(PHASE_OPS)
+        port = servers.primary.port
+        with harness.fault():
+            with harness.stopped():
+                harness.wait(harness.all_waiting, "every client blocked on the stopped primary")
+                killed = time.monotonic_ns()
+                harness.wait(lambda: "o_down" in servers.flags() or servers.promoted(), "o_down")
+                servers.primary.kill()
+            with RedisServer(port=port) as empty:
+                harness.wait(
+                    lambda: all(f.invoked_ns > killed for f in harness.recorder.in_flight()),
+                    "every blocked call back",
+                )
+                harness.wait(servers.promoted, "the replica promoted")
+                harness.healthy.set()
+                harness.run_on(PHASE_OPS)
+                print(f"the empty server at the old address: {role(empty)}")
+        judged(harness, "reads blocked across a kill and an empty restart", controls)
