@@ -52,13 +52,17 @@ atomic, in order, never partial. What a bridged namespace holds:
   its payload. While Redis is away the bridge keeps the batch and retries it
   (``bridge_apply`` applies a call once: one whose last engine seq is not above the
   namespace's ``bridge_seq`` changes nothing), reading nothing more; the engine's socket buffers
-  meanwhile, and what it drops shows up as a gap. An unexpected error in one engine's
+  meanwhile, and what it drops shows up as a gap. A namespace Redis lost (it came back
+  empty, or from a snapshot older than the bridge's claim) is claimed again and written
+  again from the follower's picture of the engine (``registry.bridge.picture``), and the
+  engine's URL announced again. An unexpected error in one engine's
   follower (a bug) restarts that namespace only (``internal_errors``).
 
 This module holds the transport: :class:`Bridge`, the ZeroMQ sockets of every engine
 on one thread. Each engine's state machine is a transport-free
 ``registry.bridge.follower.Follower``, composed of the stream's position
-(``registry.bridge.sequence``), the own hash chain (``registry.bridge.chain``), the
+(``registry.bridge.sequence``), the own hash chain (``registry.bridge.chain``) with its
+picture of the engine's cache (``registry.bridge.picture``), the
 pending ``bridge_apply`` call (``registry.bridge.writes``) and the lease schedule
 (``registry.bridge.liveness``); the engine it follows is an
 ``registry.bridge.source.EngineSource``. ``EngineSource``, ``ENGINES``, ``Follower`` and
