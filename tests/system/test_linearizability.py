@@ -70,6 +70,7 @@ from tests.support.linearizability import (
     explain,
 )
 from tests.support.servers import (
+    RedisClusterServers,
     RedisServer,
     find_redis_server,
     free_port,
@@ -859,3 +860,41 @@ def test_reads_blocked_across_a_kill_and_an_empty_restart_never_answer_empty(
                 harness.run_on(PHASE_OPS)
                 print(f"the empty server at the old address: {role(empty)}")
         judged(harness, "reads blocked across a kill and an empty restart", controls)
+
+
+@pytest.mark.cluster
+def test_a_cluster_failover_with_replicas_is_linearizable_with_wait_replicas() -> None:
+    """The master holding the namespace's slot (a 3-master cluster, one replica each) is
+    stopped past the cluster's failover: its replica is elected while every client meets
+    the stall; then the old master resumes, says it is a master until it hears of the
+    newer epoch, and rejoins as a replica. With ``wait_replicas=1`` no acknowledged write
+    is lost and no call is answered by the old master."""
+    require_redis_server()
+    with RedisClusterServers(masters=3, replicas=1, node_timeout_ms=1000) as cluster:
+        first = cluster.nodes[0]
+        harness = Harness(first, url=f"redis+cluster://{first.host}:{first.port}", options=DURABLE)
+        probe = cluster.client()
+        try:
+            slot_master = probe.get_node_from_key(
+                PrefixCacheRegistry(probe, harness.namespace).keys.kv
+            )
+            replication = probe.get_redis_connection(slot_master).info("replication")
+            replica_port = int(replication["slave0"]["port"])
+            harness.server = next(n for n in cluster.nodes if n.port == slot_master.port)
+            replica = next(n for n in cluster.nodes if n.port == replica_port)
+            harness.clears = False
+            harness.start(writers=3, readers=2, seed=70)
+            harness.run_on(PHASE_OPS)
+            with harness.fault(), harness.stopped():
+                harness.wait(lambda: role(replica) == "master", "the replica elected")
+                harness.wait(harness.all_troubled, "every client met the stall")
+            harness.run_on(PHASE_OPS)
+            harness.wait(lambda: role(harness.server) == "slave", "the old master a replica")
+            harness.run_on(PHASE_OPS // 2)
+            checked(harness.finish(), harness.recorder, "Cluster failover")
+        finally:
+            probe.close()
+            if harness.server.process is not None and harness.server.running:
+                os.kill(harness.server.process.pid, signal.SIGCONT)
+            with contextlib.suppress(BaseException):
+                harness.finish()
