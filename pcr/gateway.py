@@ -2,15 +2,18 @@
 (``pcr.gateway_app``), on uvicorn with ``pcr serve``'s deadlines.
 
 FastAPI, uvicorn, httptools, aiohttp (and transformers for ``--tokenizer``) are imported
-only when the command runs. Backends come from ``--backend NAMESPACE=URL``, from
-``--backends FILE`` (a JSON object ``{"backends": {"NAMESPACE": "URL", ...}}``) and from
-the engine table in Redis (``pcr bridge --engine-url``).
+only when the command runs, and torch never (``without_torch``). Backends come from
+``--backend NAMESPACE=URL``, from ``--backends FILE`` (a JSON object
+``{"backends": {"NAMESPACE": "URL", ...}}``) and from the engine table in Redis
+(``pcr bridge --engine-url``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -295,10 +298,23 @@ def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
     )
 
 
+def without_torch() -> None:
+    """Keep torch out of this process: the gateway tokenizes and never runs a model, but
+    ``transformers`` imports torch whenever it finds it installed (for ``AutoTokenizer``
+    too), most of a start with ``--tokenizer``. A ``None`` in ``sys.modules`` makes it
+    absent, as on an install of the gateway extra alone: ``importlib.util.find_spec``
+    answers None and an import raises ``ImportError``. The tokenizer class chosen and its
+    tokens are the same; transformers' advice that torch is missing is not printed."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 def command_gateway(args: argparse.Namespace) -> int:
     """``pcr gateway``: check, build the app, bind, then route until a signal."""
     check_url("gateway", args.redis_url)
     backends = _backends(args)
+    without_torch()
     require("gateway", NEEDED, "gateway")
     from pcr.gateway_tokens import TokenizerError
     from pcr.serve_app import create_app
