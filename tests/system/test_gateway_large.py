@@ -280,3 +280,42 @@ def test_a_bad_max_model_len_is_one_line_exit_2(value: str) -> None:
     assert done.returncode == 2, done
     assert "--max-model-len" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_model_length_comes_from_config_json_never_under_the_engines(tmp_path: Path) -> None:
+    """The largest length key (vLLM takes the smallest) times a rope-scaling factor over 1,
+    a multimodal model's ``text_config`` too; nothing usable: None."""
+    from pcr.gateway_tokens import config_max_len
+
+    def length(config: object) -> int | None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return config_max_len(tmp_path)
+
+    assert config_max_len(tmp_path / "absent") is None
+    assert length({"max_position_embeddings": 4096}) == 4096
+    assert length({"max_position_embeddings": 4096, "seq_length": 8192}) == 8192
+    scaled = {"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0}}
+    assert length(scaled) == 131072
+    assert length({"text_config": {"max_position_embeddings": 2048}}) == 2048
+    for useless in ({}, [], {"max_position_embeddings": "4096"}, {"n_positions": True}):
+        assert length(useless) is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert config_max_len(tmp_path) is None
+
+
+def test_a_large_body_is_parsed_apart_with_its_token_ids_left_there() -> None:
+    """What the helper process answers: the body without its prompt of token ids, and
+    their count, first block and block hashes; over the length, ``PromptTooLong``."""
+    from pcr.gateway_tokens import PromptTooLong, _parse_apart
+    from registry import block_hashes
+
+    ids = list(range(4, 104))
+    raw = json.dumps({"model": "tiny", "prompt": ids, "stream": True}).encode()
+    body, found = _parse_apart(raw, False, 100, 4, True)
+    assert body == {"model": "tiny", "stream": True}
+    assert found is not None
+    assert (found.count, found.root, found.hashes) == (100, (4, 5, 6, 7), block_hashes(ids, 4))
+    with pytest.raises(PromptTooLong, match="maximum context length is 99 tokens"):
+        _parse_apart(raw, False, 99, 4, True)
+    text = json.dumps({"prompt": ["w5 w6", "w7"]}).encode()
+    assert _parse_apart(text, False, None, 4, True) == ({"prompt": ["w5 w6", "w7"]}, None)
