@@ -240,6 +240,12 @@ def _add_bench(commands: Any) -> None:
         "start and an owner write's cost",
     )
     bench.add_argument(
+        "--durability",
+        action="store_true",
+        help="instead: a write's cost with and without wait_replicas=1, side by side on "
+        "a primary with a replica and a 3-master cluster with a replica each, of its own",
+    )
+    bench.add_argument(
         "--best-case",
         action="store_true",
         help="with --fleet: also the labelled best case (every node holding one chain)",

@@ -28,6 +28,8 @@ def command_bench(args: argparse.Namespace) -> int:
         raise UsageError("argument --best-case: only with --fleet")
     if args.fleet:
         return _command_bench_fleet(args)
+    if args.durability:
+        return _command_bench_durability(args)
     from pcr.bench import run as bench
 
     if args.redis_url:
@@ -51,6 +53,22 @@ def command_bench(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             raise CommandError(str(exc)) from None
     print(bench.format_report(report))
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+def _command_bench_durability(args: argparse.Namespace) -> int:
+    """``pcr bench --durability``: a write with and without ``wait_replicas=1``."""
+    from pcr.bench import durability
+
+    if args.redis_url:
+        raise UsageError("argument --durability: runs on servers of its own, not --redis-url")
+    try:
+        report = durability.run(quick=args.quick)
+    except RuntimeError as exc:
+        raise CommandError(str(exc)) from None
+    print(durability.format_report(report))
     if args.json:
         write_json(args.json, report)
     return 0
