@@ -297,8 +297,9 @@ def test_the_model_length_comes_from_config_json_never_under_the_engines(tmp_pat
     scaled = {"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0}}
     assert length(scaled) == 131072
     assert length({"text_config": {"max_position_embeddings": 2048}}) == 2048
-    for useless in ({}, [], {"max_position_embeddings": "4096"}, {"n_positions": True}):
-        assert length(useless) is None
+    useless: list[object] = [{}, [], {"max_position_embeddings": "4096"}, {"n_positions": True}]
+    for config in useless:
+        assert length(config) is None
     (tmp_path / "config.json").write_text("{not json")
     assert config_max_len(tmp_path) is None
 
