@@ -12,9 +12,12 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,8 +28,10 @@ aiohttp = pytest.importorskip("aiohttp")
 
 from pcr.serve import KEEP_ALIVE_TIMEOUT  # noqa: E402
 from pcr.servers import RedisServer  # noqa: E402
+from tests.support import REPO_ROOT  # noqa: E402
 from tests.support.fake_engine import FakeEngine  # noqa: E402
 from tests.support.serving import ServeProcess  # noqa: E402
+from tests.support.tiny_tokenizer import build_tokenizer, words  # noqa: E402
 
 CONCURRENT = 32
 STALL = 7.0
@@ -217,3 +222,42 @@ def test_a_head_over_16_kib_is_431_without_a_traceback(
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")  # still serving
     finally:
         stopped_cleanly(served)
+
+
+# -- start-up ----------------------------------------------------------------------------
+
+
+def test_a_service_that_cannot_start_fails_the_wait_at_once_with_its_error() -> None:
+    """The wait ends with the process (no poll until a deadline), showing its stderr."""
+    with pytest.raises(AssertionError, match="pcr gateway: error: argument --redis-url"):
+        ServeProcess("--redis-url", "http://x", command="gateway").start()
+
+
+def test_the_gateway_tokenizes_without_torch(tmp_path: Path) -> None:
+    """``pcr gateway`` keeps torch out of its process (transformers imports it otherwise,
+    most of the start) and still tokenizes as the tokenizer does with torch about."""
+    pytest.importorskip("transformers")
+    from pcr.gateway_tokens import PromptTokenizer
+
+    build_tokenizer(tmp_path)
+    chat = {"messages": [{"role": "user", "content": words([7, 8, 9])}]}
+    script = (
+        "import json, sys\n"
+        "from pcr.gateway import without_torch\n"
+        "without_torch()\n"
+        "from pcr.gateway_tokens import PromptTokenizer\n"
+        f"tokenizer = PromptTokenizer({str(tmp_path)!r})\n"
+        f"ids = [tokenizer.completion({words([5, 6])!r}), tokenizer.chat({chat!r})]\n"
+        "print(json.dumps({'ids': ids, 'torch': sys.modules.get('torch') is not None}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # nor transformers' advice that torch is missing
+    result = json.loads(done.stdout)
+    tokenizer = PromptTokenizer(tmp_path)
+    assert result == {
+        "ids": [tokenizer.completion(words([5, 6])), tokenizer.chat(chat)],
+        "torch": False,
+    }
