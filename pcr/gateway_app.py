@@ -76,6 +76,10 @@ ERROR_KIND = {
 VIEW_START_S = 5.0
 """Seconds the gateway waits at start for its fleet view's first load."""
 SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+UPSTREAM_KEEP_ALIVE_S = 4.0
+"""Seconds the gateway keeps an idle connection to an engine: below the 5 s after which
+vLLM's and SGLang's servers (uvicorn's default) close one, so the gateway closes first and
+never sends a request into a connection the engine is closing."""
 HOP_HEADERS = frozenset(
     {
         "connection",
@@ -230,7 +234,9 @@ class GatewayState:
             sock_connect=self.config.connect_timeout,
             sock_read=self.config.upstream_timeout,
         )
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=60)
+        connector = aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=UPSTREAM_KEEP_ALIVE_S, ttl_dns_cache=60
+        )
         self.http = aiohttp.ClientSession(
             connector=connector,
             timeout=timeout,
