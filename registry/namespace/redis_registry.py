@@ -70,13 +70,21 @@ FROM_URL_OWN = (
 """``PrefixCacheRegistry.from_url``'s own parameters (named when a keyword is unknown)."""
 
 
+CONFIRMED_READS = {"hmget": "HMGET", "hget": "HGET", "hexists": "HEXISTS", "hlen": "HLEN"}
+"""The one-key reads that ``wait_replicas`` confirms on replicas (the match and lookup
+API: ``match_kv_prefix``, ``match_mamba_farthest``, ``mamba_block_ids``, the dict
+views): redis-py method name -> command."""
+
+
 class PrefixCacheRegistry(RegistryBase, Ownership):
     """The ``hash -> block_id`` registry of one namespace, kept in Redis.
 
     ``wait_replicas`` (0, off, by default): each write waits, on its own connection, for
     that many replicas to acknowledge it (``WAIT``, at most ``wait_timeout`` seconds),
     and raises ``RegistryUnavailable`` with ``outcome_unknown`` when fewer did, so that
-    no write counts as done that a failover can lose (docs/guides/cluster.md).
+    no write counts as done that a failover can lose; each match and lookup read
+    (``CONFIRMED_READS``) is confirmed the same way before it answers, so that no read
+    returns a write that a failover then loses (docs/guides/cluster.md).
     """
 
     mirror_factory: ClassVar[Callable[..., Any] | None] = None
@@ -119,6 +127,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self._requests = itertools.count(1)
         self._reply_prefix = f"{self.keys.base}:reply:{self._request_prefix}-"
         self._reply_ms = str(round(self.reply_ttl * 1000))
+        self._read_mark = f"{self.keys.base}:read-mark"  # written by confirmed reads
         k = self.keys
         # Fixed KEYS of each script after its reply key, built once.
         self._kv_write_keys = (k.kv, k.meta)
@@ -281,10 +290,24 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
 
     def _read_now(self, operation: str, command: Any, *args: Any) -> Any:
         try:
+            if self._runner.wait_replicas:
+                name = getattr(command, "__name__", "")
+                if name in CONFIRMED_READS:
+                    return self._confirmed(name, args)
             return command(*args)
         except REDIS_ERRORS as exc:
             error = translate(exc, f"namespace {self.namespace!r}: {operation}")
             raise (error or exc) from exc
+
+    def _confirmed(self, name: str, args: tuple[Any, ...]) -> Any:
+        """A one-key read (``CONFIRMED_READS``) confirmed on ``wait_replicas`` replicas
+        (``ScriptRunner.confirmed_read``): what a failover can lose is never answered."""
+        key = args[0]
+        rest = list(args[1]) if name == "hmget" else list(args[1:])
+        reply = self._runner.confirmed_read(
+            key, (CONFIRMED_READS[name], key, *rest), self._read_mark
+        )
+        return bool(reply) if name == "hexists" else reply
 
     # -- storage primitives -----------------------------------------------------
 

@@ -221,6 +221,30 @@ class ScriptRunner:
             return on_one_connection(self.client, (command, self._wait))
         return on_the_keys_primary(self.client, keys[0], (command, self._wait))
 
+    def confirmed_read(self, key: str, command: tuple[Any, ...], mark: str) -> Any:
+        """``command``'s reply (a read of ``key``), returned only once ``wait_replicas``
+        replicas hold everything it may have seen: on the same connection, in the same
+        round trip, a write of ``mark`` (a key of ``key``'s slot, expiring) and ``WAIT``.
+        The mark's replication offset is past every write the read saw, so a replica
+        that acknowledged it holds them all: a read never returns a write that a
+        failover then loses (one its writer got no confirmation for). Raises
+        ``RegistryUnavailable`` when fewer replicas acknowledged in time; a Redis fault
+        raises as it is (the caller translates it)."""
+        commands = (command, ("SET", mark, "1", "PX", MARK_TTL_MS), self._wait)
+        if self._direct:
+            reply, marked, acked = on_one_connection(self.client, commands)
+        else:
+            reply, marked, acked = on_the_keys_primary(self.client, key, commands)
+        for answer in (reply, marked, acked):
+            if isinstance(answer, Exception):
+                raise answer
+        if int(acked) < self.wait_replicas:
+            raise RegistryUnavailable(
+                f"a read of {key!r}: {int(acked)} of the {self.wait_replicas} replicas asked "
+                f"for held what it saw within {self.wait_timeout:g} s (a failover may lose it)"
+            )
+        return reply
+
     def _confirm(self, acked: Any, operation: str, context: str) -> None:
         """Raise unless ``WAIT`` answered at least ``wait_replicas`` replicas."""
         what = f"{context}: {operation}" if context else operation
@@ -451,6 +475,9 @@ def on_the_keys_primary(client: Any, key: Any, commands: Sequence[tuple[Any, ...
         _refresh_layout(client)
     raise ClusterDownError(f"the slot of {key!r} kept moving")
 
+
+MARK_TTL_MS = "10000"
+"""Milliseconds a confirmed read's mark key lives (``ScriptRunner.confirmed_read``)."""
 
 REDIRECTION_ROUNDS = 3
 """Tries of a confirmed write on a cluster whose slot keeps moving."""

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from pcr.servers import HOST, RedisClusterServers, RedisServer, find_redis_server, free_port
 
@@ -19,6 +20,7 @@ __all__ = [
     "find_redis_server",
     "free_port",
     "refused_port",
+    "replicas_streamed",
     "require_redis_server",
 ]
 
@@ -48,3 +50,20 @@ def require_redis_server() -> str:
     if os.environ.get("CI"):
         pytest.fail(reason.replace("SKIPPED", "FAILED because CI is set"), pytrace=False)
     pytest.skip(reason)
+
+
+def replicas_streamed(server: RedisServer, key: str = "tests-replication-probe") -> int:
+    """How many replicas acknowledged a write to ``key`` on ``server`` within 100 ms
+    (``WAIT``); 0 when it does not answer. A replica counts once the primary streams to
+    it, which is later than the replica's own "link up": after a full sync the primary
+    holds the stream until its RDB child has ended and the replica's first ACK came in
+    (seconds on a busy machine), and a ``WAIT`` with nothing written counts it before
+    that. On a cluster, ``key`` must be in a slot ``server`` serves."""
+    client = server.client(socket_timeout=5)
+    try:
+        client.set(key, "1")
+        return int(client.execute_command("WAIT", 1, 100))
+    except redis.RedisError:
+        return 0
+    finally:
+        client.close()

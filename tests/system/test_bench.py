@@ -282,3 +282,25 @@ def _report(bridge: dict[str, object], serve: dict[str, object] | None = None) -
     }
     report["targets"] = bench._targets(report)
     return report
+
+
+@pytest.mark.redis_server
+@pytest.mark.cluster
+def test_durability_bench_times_writes_and_confirmed_reads_on_both_deployments() -> None:
+    require_redis_server()
+    done = subprocess.run(
+        [sys.executable, "-m", "pcr", "bench", "--durability", "--quick"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if " us " in line]
+    kinds = [(row[0], row[-10]) for row in rows]  # deployment's first word, call
+    assert kinds == [
+        ("standalone,", "write"),
+        ("standalone,", "read"),
+        ("cluster", "write"),
+        ("cluster", "read"),
+    ]
+    for row in rows:
+        ratio = float(row[-5].rstrip("x"))
+        assert ratio > 0

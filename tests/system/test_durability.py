@@ -12,7 +12,12 @@ from collections.abc import Iterator
 import pytest
 
 from registry import PrefixCacheRegistry, RegistryUnavailable
-from tests.support.servers import RedisClusterServers, RedisServer, require_redis_server
+from tests.support.servers import (
+    RedisClusterServers,
+    RedisServer,
+    replicas_streamed,
+    require_redis_server,
+)
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.redis_server
@@ -35,6 +40,7 @@ def primary_and_replica() -> Iterator[tuple[RedisServer, RedisServer]]:
             )
         finally:
             client.close()
+        wait_until(lambda: replicas_streamed(primary) >= 1, what="replica streamed to")
         yield primary, replica
 
 
@@ -59,9 +65,18 @@ def test_a_write_counts_once_a_replica_has_it_and_raises_when_none_does(
             assert caught.value.outcome_unknown
             plain.adopt_epoch(reg.epoch)
             plain.register_mamba([3], [H[2]])  # without the option: acknowledged at once
+            # A read is confirmed too: it saw the unconfirmed entry, so it must not answer.
+            with pytest.raises(RegistryUnavailable, match="held what it saw"):
+                reg.match_kv_prefix(H)
+            with pytest.raises(RegistryUnavailable, match="held what it saw"):
+                reg.mamba_block_ids(H)
+            assert plain.match_kv_prefix(H) == ([1, 2, 3], H[2])  # unconfirmed: at once
         finally:
             os.kill(replica.process.pid, signal.SIGCONT)
         assert reg.match_kv_prefix(H) == ([1, 2, 3], H[2])  # the write did run
+        assert reg.mamba_block_ids(H) == [None, None, 3]
+        assert replica_client.hlen(reg.keys.kv) == 3  # the read answered once the replica had it
+        assert 0 < replica_client.pttl(f"{reg.keys.base}:read-mark") <= 10_000
         reg.evict_kv([H[2]])  # and the replica acknowledges again
     finally:
         replica_client.close()
@@ -90,6 +105,10 @@ def test_on_a_cluster_the_write_waits_on_its_slots_primary() -> None:
             cluster.url, "durable-c", cluster=True, wait_replicas=1, wait_timeout=0.2
         )
         try:
+            node = reg.client.get_node_from_key(reg.keys.kv)
+            server = next(n for n in cluster.nodes if n.port == node.port)
+            probe = "tests-replication-probe:{durable-c}"  # the namespace's slot
+            wait_until(lambda: replicas_streamed(server, probe) >= 1, what="replica streamed to")
             reg.claim()
             reg.register_kv([1, 2], H[:2])
             primary = reg.client.get_node_from_key(reg.keys.kv)
@@ -104,6 +123,8 @@ def test_on_a_cluster_the_write_waits_on_its_slots_primary() -> None:
             try:
                 with pytest.raises(RegistryUnavailable, match="0 of the 1 replicas"):
                     reg.register_kv([3], [H[2]])
+                with pytest.raises(RegistryUnavailable, match="held what it saw"):
+                    reg.match_kv_prefix(H)
             finally:
                 os.kill(replica.process.pid, signal.SIGCONT)
             reg.evict_kv([H[2]])
