@@ -127,7 +127,6 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self._requests = itertools.count(1)
         self._reply_prefix = f"{self.keys.base}:reply:{self._request_prefix}-"
         self._reply_ms = str(round(self.reply_ttl * 1000))
-        self._read_mark = f"{self.keys.base}:read-mark"  # written by confirmed reads
         k = self.keys
         # Fixed KEYS of each script after its reply key, built once.
         self._kv_write_keys = (k.kv, k.meta)
@@ -304,9 +303,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         (``ScriptRunner.confirmed_read``): what a failover can lose is never answered."""
         key = args[0]
         rest = list(args[1]) if name == "hmget" else list(args[1:])
-        reply = self._runner.confirmed_read(
-            key, (CONFIRMED_READS[name], key, *rest), self._read_mark
-        )
+        reply = self._runner.confirmed_read(key, (CONFIRMED_READS[name], key, *rest))
         return bool(reply) if name == "hexists" else reply
 
     # -- storage primitives -----------------------------------------------------

@@ -217,20 +217,22 @@ class ScriptRunner:
         raises (the write's outcome and replication are then unknown: a copy re-sent on
         another connection would prove nothing)."""
         command = ("EVALSHA", script_sha(operation), len(keys), *keys, *args)
+        # Every write script records its reply under its request id, so it always
+        # replicates and WAIT covers everything it saw, even when it changed nothing.
         if self._direct:
             return on_one_connection(self.client, (command, self._wait))
         return on_the_keys_primary(self.client, keys[0], (command, self._wait))
 
-    def confirmed_read(self, key: str, command: tuple[Any, ...], mark: str) -> Any:
+    def confirmed_read(self, key: str, command: tuple[Any, ...]) -> Any:
         """``command``'s reply (a read of ``key``), returned only once ``wait_replicas``
         replicas hold everything it may have seen: on the same connection, in the same
-        round trip, a write of ``mark`` (a key of ``key``'s slot, expiring) and ``WAIT``.
+        round trip, a write of ``key``'s mark (``mark_command``) and ``WAIT``.
         The mark's replication offset is past every write the read saw, so a replica
         that acknowledged it holds them all: a read never returns a write that a
         failover then loses (one its writer got no confirmation for). Raises
         ``RegistryUnavailable`` when fewer replicas acknowledged in time; a Redis fault
         raises as it is (the caller translates it)."""
-        commands = (command, ("SET", mark, "1", "PX", MARK_TTL_MS), self._wait)
+        commands = (command, mark_command(key), self._wait)
         if self._direct:
             reply, marked, acked = on_one_connection(self.client, commands)
         else:
@@ -477,7 +479,20 @@ def on_the_keys_primary(client: Any, key: Any, commands: Sequence[tuple[Any, ...
 
 
 MARK_TTL_MS = "10000"
-"""Milliseconds a confirmed read's mark key lives (``ScriptRunner.confirmed_read``)."""
+"""Milliseconds a confirmed call's mark key lives (``mark_command``)."""
+
+
+def mark_command(key: str) -> tuple[str, ...]:
+    """The write that ends a confirmed call on ``key`` before its ``WAIT``: ``SET`` of a
+    short-lived mark key in ``key``'s slot (``pcr:{NS}:read-mark`` for a namespace's keys).
+    It always replicates, so the call's ``WAIT`` covers every write the call may have
+    seen, whether or not the call wrote anything itself."""
+    if "{" in key and "}" in key[key.index("{") :]:
+        mark = key[: key.index("}", key.index("{")) + 1] + ":read-mark"
+    else:
+        mark = "{" + key + "}:read-mark"
+    return ("SET", mark, "1", "PX", MARK_TTL_MS)
+
 
 REDIRECTION_ROUNDS = 3
 """Tries of a confirmed write on a cluster whose slot keeps moving."""
