@@ -126,3 +126,16 @@ class ServeProcess:
             self.process.wait(timeout=30)
         self._collect()
         return self.process.returncode
+
+
+def metric(base: str, name: str, **labels: str) -> float:
+    """The sum of the Prometheus samples ``name`` with ``labels`` that the service at
+    ``base`` exports on ``/metrics``."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.split("{")[0].split(" ")[0] == name and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -22,7 +22,7 @@ import redis
 from registry import NodeIndex, PrefixCacheRegistry, block_hashes
 from tests.support.fake_engine import FakeEngine, wait_in_flight
 from tests.support.servers import RedisServer
-from tests.support.serving import ServeProcess
+from tests.support.serving import ServeProcess, metric
 from tests.support.tiny_tokenizer import build_tokenizer, words
 from tests.support.waiting import wait_until
 
@@ -78,17 +78,6 @@ def complete(base: str, body: dict[str, Any], path: str = "/v1/completions") -> 
     assert reply.status_code == 200, reply.text
     out: dict[str, Any] = reply.json()
     return out
-
-
-def metric(base: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.split("{")[0].split(" ")[0] == name and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_a_prompt_goes_to_the_engine_that_caches_its_prefix(

@@ -24,7 +24,7 @@ import redis
 from registry import NodeIndex, PrefixCacheRegistry, block_hashes
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import RedisServer
-from tests.support.serving import ServeProcess
+from tests.support.serving import ServeProcess, metric
 from tests.support.waiting import wait_until
 
 pytest.importorskip("fastapi")
@@ -84,17 +84,6 @@ def two_engines() -> Iterator[list[Engine]]:
     finally:
         for engine in made:
             engine.close()
-
-
-def metric(base: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.split("{")[0].split(" ")[0] == name and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def prefix_decisions(base: str) -> float:
