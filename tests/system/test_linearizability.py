@@ -208,12 +208,14 @@ class Harness:
             if failed:
                 self._trouble(process)
 
-    def _read_loop(self, process: str, seed: int) -> None:
-        rng = random.Random(seed)
+    def _reader(self) -> PrefixCacheRegistry:
+        """A reader's registry, connected (a cluster client connects when it is made)."""
         if "readers" in self.plain_roles:
-            registry = PrefixCacheRegistry(self.plain_client(), self.namespace)
-        else:
-            registry = self.connect(self.reader_options)
+            return PrefixCacheRegistry(self.plain_client(), self.namespace)
+        return self.connect(self.reader_options)
+
+    def _read_loop(self, process: str, seed: int, registry: PrefixCacheRegistry) -> None:
+        rng = random.Random(seed)
         while not self.stop.is_set():
             if self.recorder.run(process, registry, random_read(rng)) is None:
                 self._trouble(process)
@@ -239,9 +241,12 @@ class Harness:
         assert self.reclaim("owner", None), "the first claim failed"
         for i in range(writers):
             self.spawn(f"writer-{i}", functools.partial(self._write_loop, f"writer-{i}", seed + i))
-        for i in range(readers):
+        # Readers connect here, before any fault: a cluster client made while the
+        # slot's master is stopped fails to start on a busy machine, which is no history.
+        made = [self._reader() for _ in range(readers)]
+        for i, registry in enumerate(made):
             name = f"reader-{i}"
-            self.spawn(name, functools.partial(self._read_loop, name, seed + 100 + i))
+            self.spawn(name, functools.partial(self._read_loop, name, seed + 100 + i, registry))
 
     @property
     def clients(self) -> set[str]:
