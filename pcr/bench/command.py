@@ -59,7 +59,8 @@ def command_bench(args: argparse.Namespace) -> int:
 
 
 def _command_bench_durability(args: argparse.Namespace) -> int:
-    """``pcr bench --durability``: a write with and without ``wait_replicas=1``."""
+    """``pcr bench --durability``: a write and a confirmed read, with and without
+    ``wait_replicas=1``."""
     from pcr.bench import durability
 
     if args.redis_url:

@@ -23,7 +23,7 @@ from registry import NodeIndex, PrefixCacheRegistry, block_hashes
 from tests.support.fake_engine import FakeEngine, wait_in_flight
 from tests.support.servers import RedisServer
 from tests.support.serving import ServeProcess, metric
-from tests.support.tiny_tokenizer import build_tokenizer, words
+from tests.support.tiny_tokenizer import words
 from tests.support.waiting import wait_until
 
 pytest.importorskip("fastapi")
@@ -40,13 +40,6 @@ def engines() -> Iterator[list[FakeEngine]]:
     finally:
         for engine in made:
             engine.stop()
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(path)
-    return path
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import pytest
 from tests.support.fake_engine import FakeEngine
 from tests.support.servers import RedisServer
 from tests.support.serving import ServeProcess
-from tests.support.tiny_tokenizer import build_tokenizer, words
+from tests.support.tiny_tokenizer import words
 from tests.support.waiting import wait_until
 
 pytest.importorskip("fastapi")
@@ -37,13 +37,6 @@ HEALTH_BOUND = 1.0
 """Seconds ``/health`` may take while a 20 MB body is handled (milliseconds alone)."""
 LONGEST_TOKEN = 5
 """The tiny tokenizer's longest vocabulary entry in bytes (``<unk>``)."""
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(path)
-    return path
 
 
 @pytest.fixture
