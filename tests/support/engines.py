@@ -134,6 +134,13 @@ class VllmEngine:
         }
         if self.core is not None and not os.environ.get(BIND_ENV):
             env[BIND_ENV] = str(self.core)
+        # Each engine compiles into caches of its own: two engines started side by side on
+        # a machine with cold caches (a fresh CI machine) would otherwise write the same
+        # torch.compile / inductor / triton files at once.
+        cache = self.log_dir / f"cache-{self.name}"
+        env.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+        env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
         self.starts += 1
         log = (self.log_dir / f"{self.name}-{self.starts}.log").open("wb")
         self.process = subprocess.Popen(
@@ -142,13 +149,29 @@ class VllmEngine:
         log.close()
         return self
 
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> VllmEngine:
-        """Until the engine answers ``/v1/models`` (it stops it and raises on timeout)."""
+    def wait_ready(self, timeout: float = START_TIMEOUT, retries: int = 1) -> VllmEngine:
+        """Until the engine answers ``/v1/models`` (it stops it and raises on timeout).
+
+        An engine whose process exits while starting is started again, on fresh ports,
+        up to ``retries`` times (the first failure's cause is printed, so it reaches the
+        test's output): a start can fail for reasons outside the project (a port another
+        process took between ``free_port`` and the bind, a machine short of memory for a
+        moment), and one lost start should not fail the whole tier."""
         assert self.process is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited at start: {self.log_tail()}")
+                if retries <= 0:
+                    raise RuntimeError(f"{self.name} exited at start: {self.failure()}")
+                print(f"{self.name} exited at start (retrying): {self.failure()}", flush=True)
+                self.stop()
+                retries -= 1
+                self.port = free_port()
+                self.events_port = free_port()
+                self.replay_port = free_port()
+                self.launch()
+                deadline = time.monotonic() + timeout
+                continue
             try:
                 if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
                     return self
@@ -157,6 +180,16 @@ class VllmEngine:
             time.sleep(0.5)  # polling a starting process: no event to wait on
         self.stop()
         raise TimeoutError(f"{self.name} did not start in {timeout:.0f} s: {self.log_tail()}")
+
+    def failure(self) -> str:
+        """The start's root cause (the log's error lines) and the log's last lines."""
+        path = self.log_dir / f"{self.name}-{self.starts}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        causes = [
+            line for line in text.splitlines()
+            if ("Error" in line or "error:" in line) and "leaked" not in line
+        ]  # fmt: skip
+        return "\n".join(["causes:", *causes[:12], "last lines:", self.log_tail()])
 
     def log_tail(self, lines: int = 15) -> str:
         path = self.log_dir / f"{self.name}-{self.starts}.log"
