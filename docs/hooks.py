@@ -1,7 +1,7 @@
 """mkdocs hooks: reference pages generated from the code, so they cannot drift from it.
 
 A page holding ``<!-- generated: cli -->`` gets every ``pcr`` command's ``--help`` (from
-``pcr.main.build_parser``); one holding ``<!-- generated: lua -->`` gets the header of
+``pcr.cli.main.build_parser``); one holding ``<!-- generated: lua -->`` gets the header of
 every script in ``lua/`` (KEYS, ARGV, the reply and the commands it calls).
 
 A page that includes a file of the repository's root with the snippets extension
@@ -59,7 +59,7 @@ def cli_reference() -> str:
     """``pcr --help`` and each command's ``--help``, as sections."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from pcr.main import build_parser
+    from pcr.cli.main import build_parser
 
     with _help_environment():
         parser = build_parser()

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from pcr.main import main
+from pcr.cli.main import main
 
 sys.exit(main())

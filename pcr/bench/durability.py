@@ -10,7 +10,7 @@ import statistics
 import time
 from typing import Any
 
-from pcr.servers import RedisClusterServers, RedisServer
+from pcr.bench.servers import RedisClusterServers, RedisServer
 from registry import PrefixCacheRegistry
 from registry.transport.client import client_from_url
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import redis
 
-from pcr.servers import free_port
+from pcr.bench.servers import free_port
 from registry import PrefixCacheRegistry, PrefixRouter
 
 KEY_PREFIX = "pcr-bench-serve"

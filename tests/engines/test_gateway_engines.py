@@ -22,7 +22,7 @@ import httpx
 import pytest
 import redis
 
-from pcr.gateway_tokens import PromptTokenizer
+from pcr.gateway.tokens import PromptTokenizer
 from registry import NodeIndex, PrefixCacheRegistry, block_hashes
 from tests.engines.conftest import BridgeProcess
 from tests.support.engines import BLOCK_SIZE, VllmEngine

@@ -1,4 +1,4 @@
-"""The tests' redis-server launcher: ``pcr.servers`` (shared with ``pcr bench``), plus
+"""The tests' redis-server launcher: ``pcr.bench.servers`` (shared with ``pcr bench``), plus
 the rule for when no ``redis-server`` binary is installed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from pcr.servers import HOST, RedisClusterServers, RedisServer, find_redis_server, free_port
+from pcr.bench.servers import HOST, RedisClusterServers, RedisServer, find_redis_server, free_port
 
 __all__ = [
     "HOST",

@@ -147,7 +147,7 @@ def test_quick_fleet_bench_reports_equal_answers_and_sane_figures(tmp_path: Path
 
 
 def test_view_is_the_fleet_rows_by_their_earlier_name() -> None:
-    from pcr.main import build_parser
+    from pcr.cli.main import build_parser
 
     assert build_parser().parse_args(["bench", "--view", "--best-case"]).fleet is True
     assert build_parser().parse_args(["bench"]).fleet is False

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pcr.main import build_parser, main
+from pcr.cli.main import build_parser, main
 from registry import PrefixCacheRegistry, block_hashes
 from tests.support import REPO_ROOT
 from tests.support.backends import new_namespace

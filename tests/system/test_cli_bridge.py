@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from pcr.main import main
+from pcr.cli.main import main
 from sim.engine_events import EnginePublisher, engine_chain, prompt, stored
 from tests.support import REPO_ROOT
 from tests.support.servers import RedisServer, refused_port

@@ -30,13 +30,13 @@ import redis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import pcr.bench.command
 import pcr.bench.run
-import pcr.common as cli
-import pcr.inspection
-import pcr.simulate
-from pcr.common import MAX_CURSOR, MAX_PAGE
-from pcr.main import main
+import pcr.cli.bench
+import pcr.cli.common as cli
+import pcr.cli.inspection
+import pcr.cli.simulate
+from pcr.cli.common import MAX_CURSOR, MAX_PAGE
+from pcr.cli.main import main
 from registry import NodeIndex, PrefixCacheRegistry, StaleEpochError, block_hashes
 from registry.core.keys import validate_key_prefix, validate_namespace
 from tests.support import REPO_ROOT
@@ -592,8 +592,8 @@ def test_unwritable_json_is_refused_before_the_run(
         raise AssertionError("the run started")
 
     monkeypatch.setattr(pcr.bench.run, "run", must_not_run)
-    monkeypatch.setattr(pcr.bench.command, "RedisServer", must_not_run)
-    monkeypatch.setattr(pcr.simulate, "_embedded_redis", must_not_run)
+    monkeypatch.setattr(pcr.cli.bench, "RedisServer", must_not_run)
+    monkeypatch.setattr(pcr.cli.simulate, "_embedded_redis", must_not_run)
     monkeypatch.setattr(cli, "connect", must_not_run)
     line = one_line(capsys, 2, command, "--json", str(path))
     assert "argument --json: cannot write" in line
@@ -800,7 +800,7 @@ def test_ctrl_c_exits_130_with_one_line(
     def interrupted(*args: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pcr.inspection, "_follow", interrupted)
+    monkeypatch.setattr(pcr.cli.inspection, "_follow", interrupted)
     line = one_line(capsys, 130, "watch", "ns", "--redis-url", targets.server.url)
     assert line == "pcr watch: interrupted"
 
@@ -877,7 +877,7 @@ def test_a_redis_error_escaping_every_handler_is_translated(
     def refused(*args: Any) -> Any:
         raise redis.ConnectionError("Error 111 connecting. Connection refused.")
 
-    monkeypatch.setattr(pcr.inspection, "_print_scores", refused)
+    monkeypatch.setattr(pcr.cli.inspection, "_print_scores", refused)
     line = one_line(capsys, 1, "match", "1", "--redis-url", targets.server.url)
     assert "Redis unavailable" in line
     assert f"127.0.0.1:{targets.server.port}" in line

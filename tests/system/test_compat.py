@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 import registry
-from pcr.servers import RedisServer
+from pcr.bench.servers import RedisServer
 from registry import MirroredRegistry, NodeIndex, PrefixCacheRegistry, collect_dead
 from registry.transport.options import redis_client_options
 

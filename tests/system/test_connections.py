@@ -26,8 +26,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 aiohttp = pytest.importorskip("aiohttp")
 
-from pcr.serve import KEEP_ALIVE_TIMEOUT  # noqa: E402
-from pcr.servers import RedisServer  # noqa: E402
+from pcr.bench.servers import RedisServer  # noqa: E402
+from pcr.web.server import KEEP_ALIVE_TIMEOUT  # noqa: E402
 from tests.support import REPO_ROOT  # noqa: E402
 from tests.support.fake_engine import FakeEngine  # noqa: E402
 from tests.support.serving import ServeProcess  # noqa: E402
@@ -237,15 +237,15 @@ def test_the_gateway_tokenizes_without_torch(tmp_path: Path) -> None:
     """``pcr gateway`` keeps torch out of its process (transformers imports it otherwise,
     most of the start) and still tokenizes as the tokenizer does with torch about."""
     pytest.importorskip("transformers")
-    from pcr.gateway_tokens import PromptTokenizer
+    from pcr.gateway.tokens import PromptTokenizer
 
     build_tokenizer(tmp_path)
     chat = {"messages": [{"role": "user", "content": words([7, 8, 9])}]}
     script = (
         "import json, sys\n"
-        "from pcr.gateway import without_torch\n"
+        "from pcr.cli.gateway import without_torch\n"
         "without_torch()\n"
-        "from pcr.gateway_tokens import PromptTokenizer\n"
+        "from pcr.gateway.tokens import PromptTokenizer\n"
         f"tokenizer = PromptTokenizer({str(tmp_path)!r})\n"
         f"ids = [tokenizer.completion({words([5, 6])!r}), tokenizer.chat({chat!r})]\n"
         "print(json.dumps({'ids': ids, 'torch': sys.modules.get('torch') is not None}))\n"

@@ -278,7 +278,7 @@ def test_a_bad_max_model_len_is_one_line_exit_2(value: str) -> None:
 def test_the_model_length_comes_from_config_json_never_under_the_engines(tmp_path: Path) -> None:
     """The largest length key (vLLM takes the smallest) times a rope-scaling factor over 1,
     a multimodal model's ``text_config`` too; nothing usable: None."""
-    from pcr.gateway_tokens import config_max_len
+    from pcr.gateway.tokens import config_max_len
 
     def length(config: object) -> int | None:
         (tmp_path / "config.json").write_text(json.dumps(config))
@@ -300,7 +300,7 @@ def test_the_model_length_comes_from_config_json_never_under_the_engines(tmp_pat
 def test_a_large_body_is_parsed_apart_with_its_token_ids_left_there() -> None:
     """What the helper process answers: the body without its prompt of token ids, and
     their count, first block and block hashes; over the length, ``PromptTooLong``."""
-    from pcr.gateway_tokens import PromptTooLong, _parse_apart
+    from pcr.gateway.tokens import PromptTooLong, _parse_apart
     from registry import block_hashes
 
     ids = list(range(4, 104))

@@ -30,9 +30,9 @@ httpx = pytest.importorskip("httpx")
 
 import uvicorn  # noqa: E402
 
-from pcr.serve import uvicorn_config  # noqa: E402
-from pcr.serve_app import MAX_HASHES, MAX_TOKENS, create_app  # noqa: E402
-from pcr.servers import RedisClusterServers, RedisServer  # noqa: E402
+from pcr.bench.servers import RedisClusterServers, RedisServer  # noqa: E402
+from pcr.serve.app import MAX_HASHES, MAX_TOKENS, create_app  # noqa: E402
+from pcr.web.server import uvicorn_config  # noqa: E402
 from registry import PrefixCacheRegistry, PrefixRouter  # noqa: E402
 from registry.core.hashing import block_hashes  # noqa: E402
 from registry.core.keys import MAX_NAME_LENGTH, validate_namespace  # noqa: E402
@@ -50,7 +50,8 @@ H = block_hashes(TOKENS, 16)  # 12 blocks
 class Served:
     """The app of ``create_app`` on uvicorn in a thread, on a free loopback port, run as
     ``pcr serve`` runs it (``uvicorn_config``: its protocol deadlines). ``options`` are
-    ``create_app``'s (``max_connections``, ``pool_timeout``, ``gateway``) and ``uvicorn_config``'s
+    ``create_app``'s (``max_connections``, ``pool_timeout``, ``view``; with ``gateway``, a
+    ``GatewayConfig``, ``create_gateway_app``'s) and ``uvicorn_config``'s
     (``header_timeout``, ``body_timeout``, ``keep_alive_timeout``)."""
 
     def __init__(
@@ -63,7 +64,15 @@ class Served:
             for k in ("max_connections", "pool_timeout", "gateway", "view")
             if k in options
         }
-        self.app = create_app(url, key_prefix=key_prefix, hybrid=hybrid, **app_options)
+        gateway = app_options.pop("gateway", None)
+        if gateway is None:
+            self.app = create_app(url, key_prefix=key_prefix, hybrid=hybrid, **app_options)
+        else:
+            from pcr.gateway.service import create_gateway_app
+
+            self.app = create_gateway_app(
+                gateway, url, key_prefix=key_prefix, hybrid=hybrid, **app_options
+            )
         config = uvicorn_config(
             self.app, host="127.0.0.1", port=self.port, log_level="error", **options
         )
@@ -415,7 +424,7 @@ def test_create_app_checks_its_limits(options: dict[str, Any], error: type[Excep
 
 
 def test_a_request_waits_its_turn_and_gets_503_only_past_the_deadline() -> None:
-    from pcr.serve_app import Gate
+    from pcr.serve.app import Gate
     from registry.core.errors import RegistryUnavailable
 
     async def scenario(gate: Gate, release_while_waiting: bool) -> None:
@@ -790,7 +799,7 @@ def test_serve_command_serves_and_stops(redis_server: RedisServer, prefix: str) 
 def test_serve_scores_from_a_fleet_view_unless_told_not_to() -> None:
     """``pcr serve`` follows a fleet view by default; ``--no-view`` asks Redis, exactly,
     on every request (``create_app(view=...)``)."""
-    from pcr.main import build_parser
+    from pcr.cli.main import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["serve"]).view is True
@@ -800,7 +809,7 @@ def test_serve_scores_from_a_fleet_view_unless_told_not_to() -> None:
 
 def test_plain_pcr_never_imports_the_service_packages() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", "import sys, pcr.main; pcr.main.build_parser(); "
+        [sys.executable, "-c", "import sys, pcr.cli.main; pcr.cli.main.build_parser(); "
          "print(sorted({'fastapi', 'uvicorn', 'starlette'} & set(sys.modules)))"],
         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
     )  # fmt: skip
@@ -810,7 +819,7 @@ def test_plain_pcr_never_imports_the_service_packages() -> None:
 def test_serve_without_fastapi_is_one_line_exit_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from pcr.main import main
+    from pcr.cli.main import main
 
     monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi now raises ImportError
     assert main(["serve", "--redis-url", "redis://127.0.0.1:9/0"]) == 1

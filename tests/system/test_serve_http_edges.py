@@ -22,7 +22,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from pcr.servers import RedisServer  # noqa: E402
+from pcr.bench.servers import RedisServer  # noqa: E402
 from registry.core.keys import NamespaceKeys  # noqa: E402
 from tests.support.serving import ServeProcess  # noqa: E402
 from tests.system.test_serve import H, Served, fill  # noqa: E402

@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from pcr.servers import RedisServer  # noqa: E402
+from pcr.bench.servers import RedisServer  # noqa: E402
 from registry import PrefixCacheRegistry  # noqa: E402
 from tests.support.serving import ServeProcess  # noqa: E402
 from tests.system.test_serve import H  # noqa: E402

@@ -17,7 +17,7 @@ from typing import Any
 import fakeredis
 import pytest
 
-from pcr.main import main
+from pcr.cli.main import main
 from registry import PrefixCacheRegistry
 from sim import FleetConfig, WorkloadConfig, simulate
 from sim.config import BridgeConfig
@@ -169,7 +169,7 @@ NO_BRIDGE_EXTRA = """
 import sys
 sys.modules["zmq"] = None  # as if pyzmq and msgpack were not installed
 sys.modules["msgpack"] = None
-from pcr.main import main
+from pcr.cli.main import main
 code = main(["simulate", "--nodes", "2", "--requests", "20", "--router", "prefix", *sys.argv[1:]])
 assert "zmq" not in [m for m, v in sys.modules.items() if v is not None], "zmq was imported"
 sys.exit(code)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pcr.main import main
+from pcr.cli.main import main
 
 SMALL = ["--nodes", "3", "--requests", "120", "--kv-blocks", "256", "--mamba-slots", "16"]
 

@@ -28,7 +28,7 @@ from urllib.parse import quote
 import pytest
 import redis
 
-from pcr.main import main
+from pcr.cli.main import main
 from registry import PrefixCacheRegistry
 from registry.core.errors import RegistryError
 from tests.support import REPO_ROOT

@@ -1,4 +1,4 @@
-"""The gateway's balance rule (``pcr.gateway_balance``), without I/O: what it weighs and
+"""The gateway's balance rule (``pcr.gateway.balance``), without I/O: what it weighs and
 what it must never do (pile every request onto one engine while another idles)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pcr.gateway_balance import (
+from pcr.gateway.balance import (
     BackendLoad,
     BalanceRule,
     Decayed,

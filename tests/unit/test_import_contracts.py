@@ -38,7 +38,15 @@ ACYCLIC = (
 ZMQ = "zmq and msgpack only in registry.bridge, sim's engine stand-in (sim.engine_events) and pcr"
 PROMETHEUS = "prometheus_client only in registry.metrics and pcr"
 HTTP_IN_PCR = (
-    "The HTTP services' packages only in pcr's serve and gateway modules (and serve's bench)"
+    "The HTTP services' packages only in the services (pcr.web, pcr.serve, pcr.gateway) "
+    "and serve's bench"
+)
+PCR_LAYERS = (
+    "pcr's packages: cli, then bench, then gateway, then serve (whose scoring app the "
+    "gateway builds on), then web; services never import the command line"
+)
+SERVICES_PURE = (
+    "The services (pcr.web, pcr.serve, pcr.gateway) never import the simulation, gpu or torch"
 )
 TORCH_IN_PCR = "torch only in gpu and sim (pcr reaches it only through them)"
 
@@ -68,8 +76,25 @@ BREAKERS = {
         "def late() -> None:\n    import registry  # deferred: still an import\n",
         SUB_PACKAGES,
     ),
-    "pcr.bench and pcr.main import each other": breaker(
-        "pcr/bench/breaker.py", "from pcr import main\n", ACYCLIC
+    "pcr.bench and pcr.cli import each other": breaker(
+        "pcr/bench/breaker.py", "import pcr.cli.main\n", ACYCLIC, PCR_LAYERS
+    ),
+    "the scoring service imports the command line": breaker(
+        "pcr/serve/breaker.py", "import pcr.cli.common\n", ACYCLIC, PCR_LAYERS
+    ),
+    "the scoring service imports the gateway built on it": breaker(
+        "pcr/serve/breaker.py", "import pcr.gateway.app\n", ACYCLIC, PCR_LAYERS
+    ),
+    "the web server imports the benchmarks (deferred)": breaker(
+        "pcr/web/breaker.py",
+        "def late() -> None:\n    import pcr.bench.servers\n",
+        PCR_LAYERS,
+    ),
+    "the gateway imports the simulation": breaker(
+        "pcr/gateway/breaker.py", "import sim\n", SERVICES_PURE
+    ),
+    "the web server imports torch": breaker(
+        "pcr/web/breaker.py", "import torch\n", SERVICES_PURE, TORCH_IN_PCR
     ),
     "the fleet imports zmq": breaker("registry/fleet/breaker.py", "import zmq\n", ZMQ),
     "a sim module imports msgpack, for typing only": breaker(
@@ -80,7 +105,7 @@ BREAKERS = {
     "gpu imports prometheus_client": breaker(
         "gpu/breaker.py", "import prometheus_client\n", PROMETHEUS
     ),
-    "a pcr command imports aiohttp": breaker("pcr/breaker.py", "import aiohttp\n", HTTP_IN_PCR),
+    "a pcr command imports aiohttp": breaker("pcr/cli/breaker.py", "import aiohttp\n", HTTP_IN_PCR),
     "pcr imports torch itself": breaker("pcr/breaker.py", "import torch\n", TORCH_IN_PCR),
 }
 

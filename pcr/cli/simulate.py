@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 # -- simulate -------------------------------------------------------------------------
-from pcr import common
-from pcr.common import CommandError, UsageError, check_writable, shown_url, talking, write_json
+from pcr.cli import common
+from pcr.cli.common import CommandError, UsageError, check_writable, shown_url, talking, write_json
 from pcr.tables import format_table, percent
 
 

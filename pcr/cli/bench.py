@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pcr.bench.servers import RedisClusterServers, RedisServer
+
 # -- bench ----------------------------------------------------------------------------
-from pcr import common
-from pcr.common import (
+from pcr.cli import common
+from pcr.cli.common import (
     CommandError,
     UsageError,
     check_writable,
@@ -16,7 +18,6 @@ from pcr.common import (
     url_scheme,
     write_json,
 )
-from pcr.servers import RedisClusterServers, RedisServer
 from registry.transport.client import CLUSTER_SCHEMES, client_from_url
 
 BENCH_SCHEMES = ("redis", "rediss", "unix")

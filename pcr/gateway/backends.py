@@ -1,16 +1,16 @@
 """``pcr gateway``'s backends: the engines it sends requests to, and what it knows of them.
 
-Each ``Backend`` carries its load (``pcr.gateway_balance.BackendLoad``) and whether it
+Each ``Backend`` carries its load (``pcr.gateway.balance.BackendLoad``) and whether it
 takes connections: one that refused is passed over for ``REFUSED_FOR`` seconds. The
 table of backends is the configured ones plus those announced in Redis
 (``merge_announced``). An announced backend whose announcement is gone is kept (the
 last known set): Redis restarted empty forgets every announcement until the bridges
 make theirs again, and a gateway that dropped them would have nothing to send
 requests to. It goes only once the node index says its namespace's lease has run out
-(``pcr.gateway_exchange.ended_leases``); while Redis holds no lease for it at all, it
+(``pcr.gateway.exchange.ended_leases``); while Redis holds no lease for it at all, it
 stays, and ``/health`` lists it under ``kept``. ``engine_load`` reads an engine's queue
-and KV-cache usage from its Prometheus text. Nothing here does I/O (``pcr.gateway_app``
-and ``pcr.gateway_exchange`` fetch).
+and KV-cache usage from its Prometheus text. Nothing here does I/O (``pcr.gateway.app``
+and ``pcr.gateway.exchange`` fetch).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from pcr.gateway_balance import BackendLoad
-from pcr.gateway_metrics import BackendMetrics, GatewayMetrics
+from pcr.gateway.balance import BackendLoad
+from pcr.gateway.metrics import BackendMetrics, GatewayMetrics
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
+ERROR_KINDS = {
+    400: "bad request",
+    404: "not found",
+    405: "method not allowed",
+    408: "request timeout",
+    413: "request too large",
+    422: "invalid request",
+    431: "request headers too large",
+    503: "unavailable",
+}
+"""The ``error`` of each status; a 500 is ``registry fault`` (an operator must act) or
+``internal error`` (a fault of the service), a 503 of ``/health`` is ``unhealthy``."""
+
 
 def error_body(kind: str, detail: Any, status: int = 500, *, openai: bool = False) -> bytes:
     """The one error shape, encoded (also for the protocol-level answers of ``pcr serve``

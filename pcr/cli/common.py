@@ -43,17 +43,6 @@ MAX_WATCH_SECONDS = 365 * 24 * 3600.0
 MAX_NOTICES = 2**31 - 1
 """The largest ``pcr watch --count``."""
 
-# pcr serve and pcr gateway (their commands in pcr.serve and pcr.gateway, their app in
-# pcr.serve_app): shared here so the app needs nothing of the commands.
-DEFAULT_MAX_CONNECTIONS = 64
-"""Requests using Redis at once, and connections per Redis node: one event loop's worth
-(each request holds a connection for one loopback round trip; the loop, not Redis, is
-what runs out first)."""
-DEFAULT_POOL_TIMEOUT = 5.0
-"""Seconds a request waits for its turn before 503: past Redis' own bounds (1 s connect,
-2 s read, one retry), so only a Redis that hangs or a service overloaded for seconds
-reaches it."""
-
 EVICTING_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 """``maxmemory-policy`` values under which Redis may evict the registry's keys (they
 have no TTL, so the ``volatile-*`` policies never pick them)."""

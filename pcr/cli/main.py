@@ -38,9 +38,9 @@ from urllib.parse import urlsplit
 from redis.exceptions import RedisClusterException, RedisError
 
 # -- the parser -----------------------------------------------------------------------
-from pcr.bench.command import command_bench
-from pcr.bridge import add_parser as add_bridge_parser
-from pcr.common import (
+from pcr.cli.bench import command_bench
+from pcr.cli.bridge import add_parser as add_bridge_parser
+from pcr.cli.common import (
     DEFAULT_URL,
     EXIT_INTERRUPTED,
     EXIT_RUNTIME,
@@ -69,16 +69,16 @@ from pcr.common import (
     token_arg,
     url_arg,
 )
-from pcr.gateway import add_parser as add_gateway_parser
-from pcr.inspection import (
+from pcr.cli.gateway import add_parser as add_gateway_parser
+from pcr.cli.inspection import (
     command_gc,
     command_inspect,
     command_match,
     command_stats,
     command_watch,
 )
-from pcr.serve import add_parser as add_serve_parser
-from pcr.simulate import command_simulate
+from pcr.cli.serve import add_parser as add_serve_parser
+from pcr.cli.simulate import command_simulate
 from registry.core.errors import (
     RegistryError,
     translate,

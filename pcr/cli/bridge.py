@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pcr import common
-from pcr.common import CommandError, UsageError, shown_url, talking
+from pcr.cli import common
+from pcr.cli.common import CommandError, UsageError, shown_url, talking
 from registry.bridge.source import ENGINES, EngineSource
 
 STATUS_FIELDS = (
@@ -69,7 +69,7 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
 
 def _add_engine_options(bridge: Any) -> None:
     """The options that say which engines are followed, and into which namespaces."""
-    from pcr.common import block_size_arg
+    from pcr.cli.common import block_size_arg
 
     bridge.add_argument("--engine", choices=ENGINES, default="vllm", help="default: vllm")
     bridge.add_argument(
@@ -110,7 +110,7 @@ def _add_engine_options(bridge: Any) -> None:
 
 def _add_run_options(bridge: Any) -> None:
     """The options that say how the bridge runs: the lease, silence, counts, duration."""
-    from pcr.common import seconds_arg
+    from pcr.cli.common import seconds_arg
 
     bridge.add_argument(
         "--lease-ttl", type=seconds_arg, default=10.0, help="lease length in seconds (default 10)"

@@ -13,8 +13,8 @@ from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 # -- inspection -----------------------------------------------------------------------
-from pcr import common
-from pcr.common import (
+from pcr.cli import common
+from pcr.cli.common import (
     EVICTING_POLICIES,
     CommandError,
     UsageError,

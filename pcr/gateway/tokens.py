@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pcr.gateway_balance import prompt_root
+from pcr.gateway.balance import prompt_root
 from registry.core.hashing import block_hashes
 
 log = logging.getLogger(__name__)

@@ -1,15 +1,11 @@
-"""``pcr serve``: the HTTP scoring service (``pcr.serve_app``) on uvicorn.
+"""The HTTP server both services run on: uvicorn with deadlines of its own protocol class.
 
-FastAPI and uvicorn (the ``serve`` extra) are imported only when the command runs, so
-the rest of ``pcr`` works without them. The port is bound here, before uvicorn starts,
-so a port in use is the usual one-line error.
-
-uvicorn runs with deadlines of its own protocol class (``uvicorn_config``): a request's
-headers must arrive within ``--header-timeout`` seconds of the connection opening (or of
-the request's first byte on a kept-alive connection), its body within
-``--body-timeout`` seconds of its headers, so a slow client cannot hold a connection;
-malformed HTTP, and a request too slow, get the service's JSON error shape, not
-uvicorn's text.
+A request's headers must arrive within ``header_timeout`` seconds of the connection
+opening (or of the request's first byte on a kept-alive connection), its body within
+``body_timeout`` seconds of its headers, so a slow client cannot hold a connection;
+malformed HTTP, and a request too slow, get the service's JSON error shape
+(``pcr.web.errors``), not uvicorn's text. uvicorn is imported only when a server is built,
+so importing this module costs nothing.
 """
 
 from __future__ import annotations
@@ -17,29 +13,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import signal
 import socket
 from collections.abc import Iterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from pcr.common import (
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_POOL_TIMEOUT,
-    CommandError,
-    UsageError,
-    int_in,
-    port_arg,
-    seconds_in,
-    shown_url,
-    url_scheme,
-)
-from registry.transport.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
-
-SERVE_SCHEMES = (*PLAIN_SCHEMES, *CLUSTER_SCHEMES)
-NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httptools": "httptools"}  # module: package
-
+# Shared by pcr serve and pcr gateway (their apps and their command lines).
+DEFAULT_MAX_CONNECTIONS = 64
+"""Requests using Redis at once, and connections per Redis node: one event loop's worth
+(each request holds a connection for one loopback round trip; the loop, not Redis, is
+what runs out first)."""
+DEFAULT_POOL_TIMEOUT = 5.0
+"""Seconds a request waits for its turn before 503: past Redis' own bounds (1 s connect,
+2 s read, one retry), so only a Redis that hangs or a service overloaded for seconds
+reaches it."""
 HEADER_TIMEOUT = 10.0
 """Seconds for a request's headers, from the connection's start or the request's first byte."""
 BODY_TIMEOUT = 20.0
@@ -53,111 +41,6 @@ on that connection, which then fails unless the client retries it (aiohttp and u
 retry only idempotent methods, never a POST). uvicorn's own default is 5 s."""
 LINGER = 2.0
 """Seconds a connection stays half-open after its last answer, for the answer to arrive."""
-MAX_TIMEOUT = 3600.0
-MAX_CONNECTIONS = 10_000
-"""The largest ``--max-connections`` (Redis' own default ``maxclients``)."""
-
-_connections = int_in(1, MAX_CONNECTIONS, "connection count")
-_keep_alive = int_in(1, int(MAX_TIMEOUT), "keep-alive timeout")
-
-
-_timeout = seconds_in(0, MAX_TIMEOUT, above=True)
-"""An argparse type: a finite number of seconds in (0, MAX_TIMEOUT]."""
-
-
-def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
-    """The ``pcr serve`` subcommand."""
-    serve = commands.add_parser(
-        "serve",
-        help="HTTP scoring service: POST /v1/score, GET /v1/nodes, /health, /docs",
-        description="Serve prefix-aware routing over HTTP (FastAPI on uvicorn; needs the "
-        "serve extra). The OpenAPI page is at /docs.",
-    )
-    redis_options(serve, url_default)
-    listen_options(serve, 8000)
-    serve.add_argument(
-        "--view",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="score from a fleet view this process follows (the default: no Redis round "
-        "trip per request; it may lag a write by the time its change record takes to "
-        "arrive, and asks Redis while it does not follow it); --no-view asks Redis "
-        "(exactly, per namespace) on every request",
-    )
-    limit_options(serve)
-    serve.set_defaults(handler=command_serve, command_parser=serve)
-
-
-def listen_options(parser: argparse.ArgumentParser, port: int) -> None:
-    """What ``pcr serve`` and ``pcr gateway`` share first: where to listen and how to
-    rank (their limits, ``limit_options``, come last)."""
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
-    )
-    parser.add_argument("--port", type=port_arg, default=port, help=f"TCP port (default {port})")
-    parser.add_argument(
-        "--hybrid",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="rank every node by the Mamba-usable prefix (--hybrid) or by the KV prefix "
-        "(--no-hybrid); default: each by what its engine reuses (the Mamba-usable prefix "
-        "where the namespace held Mamba state, else the KV prefix)",
-    )
-
-
-def limit_options(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument(
-        "--max-connections",
-        type=_connections,
-        default=DEFAULT_MAX_CONNECTIONS,
-        help="requests using Redis at once, and Redis connections (per node of a cluster); "
-        f"the others wait their turn (default {DEFAULT_MAX_CONNECTIONS})",
-    )
-    serve.add_argument(
-        "--pool-timeout",
-        type=_timeout,
-        default=DEFAULT_POOL_TIMEOUT,
-        help="seconds a request waits for a free connection before 503 "
-        f"(default {DEFAULT_POOL_TIMEOUT:g})",
-    )
-    serve.add_argument(
-        "--header-timeout",
-        type=_timeout,
-        default=HEADER_TIMEOUT,
-        help="seconds for a request's headers to arrive; then 408 and the connection "
-        f"closes (default {HEADER_TIMEOUT:g})",
-    )
-    serve.add_argument(
-        "--body-timeout",
-        type=_timeout,
-        default=BODY_TIMEOUT,
-        help="seconds for a request's body to arrive after its headers; then 408 and the "
-        f"connection closes (default {BODY_TIMEOUT:g})",
-    )
-    serve.add_argument(
-        "--keep-alive-timeout",
-        type=_keep_alive,
-        default=KEEP_ALIVE_TIMEOUT,
-        help="seconds an idle keep-alive connection stays open; keep it longer than the "
-        "clients' pools keep idle connections, or a request sent as it closes fails "
-        f"(default {KEEP_ALIVE_TIMEOUT})",
-    )
-
-
-def bind(host: str, port: int) -> socket.socket:
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (OSError, UnicodeError) as exc:
-        raise UsageError(f"argument --host: cannot use {host!r:.80}: {exc}") from None
-    family, kind, proto, _name, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
 
 
 def listen_url(host: str, port: int) -> str:
@@ -425,8 +308,7 @@ def _answer(protocol: Any, status: int, detail: str) -> None:
     """Answer ``status`` in the service's JSON shape and close the connection. Only where
     no answer to the request has begun (else closing is all that is left); the app's
     request, if one runs, reads a disconnect."""
-    from pcr.http_errors import error_body
-    from pcr.serve_app import ERROR_KINDS
+    from pcr.web.errors import ERROR_KINDS, error_body
 
     if getattr(protocol, "_lingering", False):
         return  # already answered and ending: a second answer would follow the FIN
@@ -486,31 +368,6 @@ def enable_metrics() -> None:
         metrics.enable_metrics()
 
 
-def check_url(command: str, url: str) -> None:
-    """Refuse (usage error) a ``--redis-url`` that ``pcr serve`` and ``pcr gateway``
-    cannot use: Sentinel's, or another scheme."""
-    if url_scheme(url) not in SERVE_SCHEMES:
-        raise UsageError(
-            f"argument --redis-url: pcr {command} takes redis://, rediss://, unix://, "
-            "redis+cluster:// or rediss+cluster:// URLs"
-        )
-
-
-def require(command: str, needed: dict[str, str], extra: str) -> None:
-    """Fail in one line unless every module of ``needed`` (module: package) imports."""
-    missing = []
-    for module, package in needed.items():
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            missing.append(package)
-    if missing:
-        raise CommandError(
-            f"pcr {command} needs {' and '.join(missing)}: "
-            f"pip install 'prefix-cache-registry[{extra}]'"
-        )
-
-
 def run_app(
     app: Any, sock: socket.socket, args: argparse.Namespace, name: str, **options: Any
 ) -> int:
@@ -531,28 +388,3 @@ def run_app(
     finally:
         sock.close()
     return 0
-
-
-def command_serve(args: argparse.Namespace) -> int:
-    """``pcr serve``: check, build the app, bind, then serve until a signal."""
-    check_url("serve", args.redis_url)
-    require("serve", NEEDED, "serve")
-    from pcr.serve_app import create_app
-
-    enable_metrics()
-    app = create_app(
-        args.redis_url,
-        key_prefix=args.key_prefix,
-        hybrid=args.hybrid,
-        max_connections=args.max_connections,
-        pool_timeout=args.pool_timeout,
-        view=args.view,
-    )
-    sock = bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    print(
-        f"pcr serve: scoring on {listen_url(host, port)} (docs at /docs) for Redis at "
-        f"{shown_url(args.redis_url)}",
-        flush=True,
-    )
-    return run_app(app, sock, args, "serve")

@@ -39,8 +39,8 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
-from pcr.common import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
-from pcr.http_errors import error_body, error_content
+from pcr.web.errors import ERROR_KINDS, error_body, error_content
+from pcr.web.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
 from registry.core import observe
 from registry.core.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
 from registry.core.hashing import block_hashes
@@ -273,19 +273,6 @@ class ErrorReply(BaseModel):
     error: str = Field(description="the kind of error")
     detail: Any = Field(default=None, description="what was wrong; never the request's data")
 
-
-ERROR_KINDS = {
-    400: "bad request",
-    404: "not found",
-    405: "method not allowed",
-    408: "request timeout",
-    413: "request too large",
-    422: "invalid request",
-    431: "request headers too large",
-    503: "unavailable",
-}
-"""The ``error`` of each status; a 500 is ``registry fault`` (an operator must act) or
-``internal error`` (a fault of the service), a 503 of ``/health`` is ``unhealthy``."""
 
 ERROR_MEANINGS = {
     400: "a malformed HTTP request",
@@ -782,7 +769,7 @@ class ScoringApp(FastAPI):
     and, for the gateway, its proxied requests taken before FastAPI's own layers."""
 
     proxied: Any = None
-    """The gateway's ``POST`` routes in plain ASGI (``pcr.gateway_app.Proxy`` inside
+    """The gateway's ``POST`` routes in plain ASGI (``pcr.gateway.app.Proxy`` inside
     ``_Faults``), or None: they skip routing and every middleware but ``_Faults`` (the
     proxy applies the body limit itself); every other request goes through the app,
     whose router has the same endpoint and answers 405 for other methods on its paths."""
@@ -818,15 +805,42 @@ def create_app(
     hybrid: bool | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     pool_timeout: float = DEFAULT_POOL_TIMEOUT,
-    gateway: Any = None,
     view: bool = False,
 ) -> FastAPI:
     """The scoring service for the registry at ``url``: at most ``max_connections``
     requests use Redis at once, the others wait up to ``pool_timeout`` seconds. With
-    ``gateway`` (a ``pcr.gateway_app.GatewayConfig``) also the OpenAI-compatible router
-    in front of the engines (``pcr gateway``), whose errors take the OpenAI shape. With
     ``view`` (``pcr serve``'s default), ``/v1/score`` scores from a fleet view the app
-    follows while it follows Redis, and exactly from Redis otherwise."""
+    follows while it follows Redis, and exactly from Redis otherwise. (``pcr gateway``
+    builds on the same pieces: ``pcr.gateway.service.create_gateway_app``.)"""
+    state = scoring_state(
+        url,
+        key_prefix=key_prefix,
+        hybrid=hybrid,
+        max_connections=max_connections,
+        pool_timeout=pool_timeout,
+        view=view,
+    )
+    app = assemble(
+        state,
+        title="prefix-cache-registry scoring",
+        description="Which live serving node holds the longest cached prefix of a prompt.",
+        lifespan=state.lifespan,
+        openai=False,
+    )
+    return finish(app, openai=False)
+
+
+def scoring_state(
+    url: str,
+    *,
+    key_prefix: str = DEFAULT_KEY_PREFIX,
+    hybrid: bool | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    pool_timeout: float = DEFAULT_POOL_TIMEOUT,
+    view: bool = False,
+) -> State:
+    """The scoring service's state (its Redis clients, opened by its lifespan), the
+    arguments checked first."""
     if not isinstance(view, bool):
         raise TypeError("view must be True or False")
     if not is_number(max_connections, integer=True):
@@ -835,36 +849,43 @@ def create_app(
         raise ValueError("max_connections must be at least 1")
     if not is_number(pool_timeout) or not 0 < pool_timeout < math.inf:
         raise ValueError("pool_timeout must be a positive finite number of seconds")
-    state = State(url, key_prefix, hybrid, max_connections, float(pool_timeout), view)
-    lifespan = state.lifespan
-    routing = None
-    if gateway is not None:
-        from pcr.gateway_app import GatewayState
+    return State(url, key_prefix, hybrid, max_connections, float(pool_timeout), view)
 
-        routing = GatewayState(gateway, state)
-        lifespan = functools.partial(_both, state, routing)
+
+def assemble(
+    state: State, *, title: str, description: str, lifespan: Any, openai: bool
+) -> ScoringApp:
+    """The scoring app over ``state``: its routes, error handlers and body limit. With
+    ``openai`` (the gateway) its errors take the OpenAI shape and ``/health`` is left to
+    the caller; ``finish`` adds the outermost layer once the caller's routes are in."""
     app = ScoringApp(
-        title="prefix-cache-registry " + ("gateway" if gateway is not None else "scoring"),
-        description="Which live serving node holds the longest cached prefix of a prompt"
-        + ("; and an OpenAI-compatible router sending each request there." if gateway else "."),
-        lifespan=lifespan,
-        exception_handlers=HANDLERS,
+        title=title, description=description, lifespan=lifespan, exception_handlers=HANDLERS
     )
     app.state.registry = state
-    app.state.gateway = routing
+    app.state.gateway = None
     app.router.route_class = ExactRoute
-    _add_routes(app, health_check=routing is None)
-    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES, openai=routing is not None)
-    if routing is not None:
-        from pcr.gateway_app import add_gateway_routes
-
-        too_large = error_body(
-            ERROR_KINDS[413], f"bodies are limited to {MAX_BODY_BYTES:,} bytes", 413, openai=True
-        )
-        proxy = add_gateway_routes(app, MAX_BODY_BYTES, too_large)
-        app.proxied = _Faults(proxy, openai=True)
-    app.add_middleware(_Faults, openai=routing is not None)  # the outermost of all ours
+    _add_routes(app, health_check=not openai)
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES, openai=openai)
     return app
+
+
+def finish(app: FastAPI, *, openai: bool) -> FastAPI:
+    """The outermost layer of all ours: no fault of the app leaves as a traceback."""
+    app.add_middleware(_Faults, openai=openai)
+    return app
+
+
+def too_large_body(*, openai: bool) -> bytes:
+    """The 413 a body over ``MAX_BODY_BYTES`` gets, encoded."""
+    return error_body(
+        ERROR_KINDS[413], f"bodies are limited to {MAX_BODY_BYTES:,} bytes", 413, openai=openai
+    )
+
+
+def guarded(app: Any, *, openai: bool) -> Any:
+    """``app`` (an ASGI callable) behind the layer that turns its faults into the one
+    error shape."""
+    return _Faults(app, openai=openai)
 
 
 def settle_heap() -> None:
@@ -875,18 +896,3 @@ def settle_heap() -> None:
     collected."""
     gc.collect()
     gc.freeze()
-
-
-@contextlib.asynccontextmanager
-async def _both(state: State, routing: Any, _app: FastAPI) -> AsyncIterator[None]:
-    """The gateway's lifespan: Redis first, then the backends and background tasks."""
-    await state.open()
-    try:
-        await routing.open()
-        settle_heap()
-        try:
-            yield
-        finally:
-            await routing.close()
-    finally:
-        await state.close()

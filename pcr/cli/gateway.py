@@ -1,5 +1,5 @@
 """``pcr gateway``: the OpenAI-compatible router in front of the engines
-(``pcr.gateway_app``), on uvicorn with ``pcr serve``'s deadlines.
+(``pcr.gateway.app``), on uvicorn with ``pcr serve``'s deadlines.
 
 FastAPI, uvicorn, httptools, aiohttp (and transformers for ``--tokenizer``) are imported
 only when the command runs, and torch never (``without_torch``). Backends come from
@@ -18,18 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pcr.common import UsageError, block_size_arg, number_in, shown_url
-from pcr.gateway_balance import POLICIES, REPLICA_ID
-from pcr.serve import (
-    bind,
-    check_url,
-    enable_metrics,
-    limit_options,
-    listen_options,
-    listen_url,
-    require,
-    run_app,
-)
+from pcr.cli.common import UsageError, block_size_arg, number_in, shown_url
+from pcr.cli.service_options import bind, check_url, limit_options, listen_options, require
+from pcr.gateway.balance import POLICIES, REPLICA_ID
+from pcr.web.server import enable_metrics, listen_url, run_app
 from registry.core.keys import validate_namespace
 from registry.fleet.membership import validate_engine_url
 
@@ -272,9 +264,9 @@ def _backends(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
-    """The ``pcr.gateway_app.GatewayConfig`` of the command line."""
-    from pcr.gateway_app import GatewayConfig
-    from pcr.gateway_balance import BalanceRule
+    """The ``pcr.gateway.app.GatewayConfig`` of the command line."""
+    from pcr.gateway.app import GatewayConfig
+    from pcr.gateway.balance import BalanceRule
 
     rule = BalanceRule(
         queue_weight=args.queue_weight,
@@ -316,19 +308,19 @@ def command_gateway(args: argparse.Namespace) -> int:
     backends = _backends(args)
     without_torch()
     require("gateway", NEEDED, "gateway")
-    from pcr.gateway_tokens import TokenizerError
-    from pcr.serve_app import create_app
+    from pcr.gateway.service import create_gateway_app
+    from pcr.gateway.tokens import TokenizerError
 
     config = _gateway_config(args, backends)
     enable_metrics()
     try:
-        app = create_app(
+        app = create_gateway_app(
+            config,
             args.redis_url,
             key_prefix=args.key_prefix,
             hybrid=args.hybrid,
             max_connections=args.max_connections,
             pool_timeout=args.pool_timeout,
-            gateway=config,
         )
     except TokenizerError as exc:
         raise UsageError(f"argument --tokenizer: {exc}") from None

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pcr.gateway_backends import Backend, gone_from, merge_announced
-from pcr.gateway_metrics import GatewayMetrics
+from pcr.gateway.backends import Backend, gone_from, merge_announced
+from pcr.gateway.metrics import GatewayMetrics
 from registry.core.errors import REDIS_ERRORS, RegistryError, translate
 from registry.core.keys import gateway_load_channel, node_index_key
 from registry.core.validation import is_number, text
@@ -109,7 +109,7 @@ def _peer(payload: str, received: float) -> _Peer | None:
 class LoadExchange:
     """This replica's load told to the others, and theirs summed into ``backends``.
 
-    ``registry`` is the scoring service's state (``pcr.serve_app.State``: its Redis
+    ``registry`` is the scoring service's state (``pcr.serve.app.State``: its Redis
     client, router and gate). One exchange at a time; ``stop`` ends them.
     """
 

@@ -1,6 +1,6 @@
 """``pcr gateway``: an OpenAI-compatible router in front of the engines (FastAPI, aiohttp).
 
-``create_app(url, gateway=GatewayConfig(...))`` (``pcr.serve_app``) builds it: the
+``create_gateway_app(GatewayConfig(...), url)`` (``pcr.gateway.service``) builds it: the
 scoring service's ``/v1/score``, ``/v1/nodes``, ``/live`` and ``/metrics``, plus
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (server-sent events passed
 through chunk by chunk when ``stream`` is true), ``GET /v1/models`` and a ``/health`` that
@@ -9,8 +9,8 @@ shape ``{"error": {"message", "type", "param", "code"}}``; a backend's own answe
 (its 4xx, its errors) is passed through as it is.
 
 Per request: the prompt's tokens as the engine will compute them
-(``pcr.gateway_tokens``), their block hashes, ``AsyncPrefixRouter.score`` for the
-backends' cached prefixes, and the balance rule (``pcr.gateway_balance``) against the
+(``pcr.gateway.tokens``), their block hashes, ``AsyncPrefixRouter.score`` for the
+backends' cached prefixes, and the balance rule (``pcr.gateway.balance``) against the
 load every replica has in flight (exchanged through Redis, ``lua/gateway_load.lua``)
 and the engines' own queue and KV-cache usage (their ``/metrics``, scraped in the
 background). Redis away, or slower than ``registry_timeout``: the choice is by load
@@ -39,8 +39,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pcr.gateway_backends import Backend, engine_load, kept_backends
-from pcr.gateway_balance import (
+from pcr.gateway.backends import Backend, engine_load, kept_backends
+from pcr.gateway.balance import (
     POLICIES,
     REPLICA_ID,
     BalanceRule,
@@ -49,9 +49,9 @@ from pcr.gateway_balance import (
     cached_tokens,
     ranked,
 )
-from pcr.gateway_exchange import LoadExchange, RegistryHealth, discover
-from pcr.gateway_metrics import GatewayMetrics
-from pcr.gateway_tokens import (
+from pcr.gateway.exchange import LoadExchange, RegistryHealth, discover
+from pcr.gateway.metrics import GatewayMetrics
+from pcr.gateway.tokens import (
     BadBody,
     BodyParser,
     PromptIds,
@@ -59,7 +59,7 @@ from pcr.gateway_tokens import (
     prompt_ids,
     prompt_tokens,
 )
-from pcr.http_errors import error_content
+from pcr.web.errors import error_content
 from registry.core.errors import RegistryError
 from registry.core.validation import checked_number, is_number, prefix_hashes
 from registry.fleet.membership import validate_engine_url
@@ -107,7 +107,7 @@ class GatewayConfig:
     max_model_len: int | None = None
     """The longest prompt in tokens the engines take (else the model's ``config.json``
     beside the tokenizer, else none): longer ones are refused (400) before they are
-    tokenized (``pcr.gateway_tokens``)."""
+    tokenized (``pcr.gateway.tokens``)."""
     block_size: int = 16
     policy: str = "prefix"
     rule: BalanceRule = field(default_factory=BalanceRule)
@@ -192,7 +192,7 @@ class GatewayState:
 
     def __init__(self, config: GatewayConfig, registry: Any) -> None:
         self.config = config
-        self.registry = registry  # pcr.serve_app.State: the Redis client, router and gate
+        self.registry = registry  # pcr.serve.app.State: the Redis client, router and gate
         self.replica = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self.backends: dict[str, Backend] = {
             ns: Backend(ns, url.rstrip("/"), "config") for ns, url in config.backends.items()
@@ -303,7 +303,7 @@ class GatewayState:
 
     async def _discover(self) -> None:
         """Backends announced in Redis (``pcr bridge --engine-url``); one no longer
-        announced is kept until its lease has run out (``pcr.gateway_exchange``)."""
+        announced is kept until its lease has run out (``pcr.gateway.exchange``)."""
         router, gate = self.registry.ready()
         async with asyncio.timeout(max(1.0, self.config.registry_timeout)), gate.turn():
             await discover(router, self.registry.client, self.registry.key_prefix, self.backends)
@@ -843,7 +843,7 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> JSONResponse:
     """200 while some backend is up; says whether the registry answers (when it does
     not, requests are routed by load alone). Answered from state on the event loop,
-    which no request's parsing or tokenizing holds (``pcr.gateway_tokens``)."""
+    which no request's parsing or tokenizing holds (``pcr.gateway.tokens``)."""
     state = gateway_state(request)
     now = time.monotonic()
     backends = {
@@ -873,7 +873,7 @@ async def health(request: Request) -> JSONResponse:
 def add_gateway_routes(app: FastAPI, limit: int, too_large: bytes) -> Proxy:
     """The gateway's routes: the proxied ones as a plain ASGI endpoint (the body passes
     through as bytes: no FastAPI parsing or validation on the way), returned for the app
-    to call before its own layers (``pcr.serve_app.ScoringApp.proxied``); ``too_large``
+    to call before its own layers (``pcr.serve.app.ScoringApp.proxied``); ``too_large``
     is the 413 answer to a body over ``limit`` bytes."""
     endpoint = Proxy(app.state.gateway, limit, too_large)
     for path in PROXIED:
