@@ -116,3 +116,23 @@ def test_the_accepted_options_come_from_redis_py_itself() -> None:
         assert known in names
     for unknown in ("mirror", "key_prefx", "self", "kwargs"):
         assert unknown not in names
+
+
+def test_pcr_main_is_pcr_cli_main_with_a_warning_naming_it() -> None:
+    """The command line's entry point moved to ``pcr.cli.main`` (issue 40); code that
+    imports ``pcr.main`` keeps working for one minor release, warned."""
+    code = (
+        "import warnings; warnings.simplefilter('error')\n"
+        "try:\n    import pcr.main\n"
+        "except DeprecationWarning as e:\n    print('warned:', e)\n"
+        "warnings.simplefilter('ignore')\n"
+        "import pcr.main, pcr.cli.main\n"
+        "print('same:', pcr.main.main is pcr.cli.main.main)\n"
+        "print('parser:', pcr.main.build_parser().prog)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert "warned: pcr.main is deprecated: use pcr.cli.main" in out
+    assert "same: True" in out
+    assert "parser: pcr" in out
