@@ -10,9 +10,10 @@
 -- its last block again under the same hash, and each copy gets its own BlockRemoved),
 -- "<slot>=<copies>" for each such slot, comma-separated. A slot holds the block until
 -- its last copy is removed. The KV map lists a block while any attention slot holds
--- it; the Mamba map while a Mamba slot holds it and the KV map lists it (Mamba state
--- is usable only with its KV prefix). The block id stored is the block's position in
--- its prefix (0 for the first block).
+-- it; the Mamba map while the KV map lists it (Mamba state is usable only with its KV
+-- prefix) and every Mamba group named by a "G" operation holds it in one of its slots
+-- (any Mamba slot, without one). The block id stored is the block's position in its
+-- prefix (0 for the first block).
 --
 -- Exactly once: a call whose last engine seq (ARGV[4]) is not above meta's bridge_seq
 -- was applied already (a resend after a lost reply) and changes nothing; a claim
@@ -32,12 +33,14 @@
 -- ARGV[5]  "vllm"                               engine kind      (meta bridge_engine)
 -- ARGV[6]  "tcp://10.0.0.7:5557"                engine endpoint  (meta bridge_endpoint)
 -- ARGV[7]  "16"                                 block size, or "" (meta bridge_block_size)
--- ARGV[8..] operations, one per event, in order:
+-- ARGV[8..] operations, in order: one per event, after a "G" when the engine has Mamba groups
 --   "S", slot, 'k'|'m', first block id, n, engine hashes, own hashes, digests
 --        n blocks stored; the hashes packed at 20 and 19 zero-padded digits each, the
 --        32-byte digests as 64 hex characters each
 --   "R", slot, n, engine hashes                 n blocks removed (20 digits each)
 --   "C"                                         all cleared
+--   "G", "1,2 5,6"                              the engine's Mamba groups, each as its
+--        slots (comma-separated), for the operations after it
 --   (slot: 1..64, the holder character of the event's (group, medium))
 --
 -- Returns: { blocks newly listed in KV, blocks unlisted from KV, removals of blocks
@@ -73,10 +76,28 @@ local kv, mamba, blocks = KEYS[2], KEYS[3], KEYS[5]
 local stored, removed, unknown, cleared = 0, 0, 0, 0
 local in_kv, in_mamba = {}, {}  -- own hash -> listed (true) or unlisted (false) at the end
 
+-- The Mamba groups ("G"): per group, its slots; nil: any Mamba slot will do.
+local mamba_groups = nil
+
 -- Which maps list a block with these holders: kv, mamba.
 local function listed(holders)
   local k = string.find(holders, 'k', 1, true) ~= nil
-  return k, k and string.find(holders, 'm', 1, true) ~= nil
+  if not k or not string.find(holders, 'm', 1, true) then
+    return k, false
+  end
+  for _, slots in ipairs(mamba_groups or {}) do
+    local held_here = false
+    for _, slot in ipairs(slots) do
+      if string.sub(holders, slot, slot) == 'm' then
+        held_here = true
+        break
+      end
+    end
+    if not held_here then
+      return true, false
+    end
+  end
+  return true, true
 end
 
 -- The j-th number of a packed argument, without its zero padding.
@@ -273,6 +294,16 @@ while i <= n_args do
     redis.call('UNLINK', kv, mamba, blocks)
     cleared = cleared + 1
     i = i + 1
+  elseif op == 'G' then
+    mamba_groups = {}
+    for group in string.gmatch(ARGV[i + 1], '%S+') do
+      local slots = {}
+      for slot in string.gmatch(group, '%d+') do
+        slots[#slots + 1] = tonumber(slot)
+      end
+      mamba_groups[#mamba_groups + 1] = slots
+    end
+    i = i + 2
   else
     return redis.error_reply('BAD_OPERATION bridge_apply: unknown operation ' .. tostring(op))
   end

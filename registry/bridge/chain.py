@@ -1,11 +1,19 @@
 """The bridge's own hash chain of one engine's blocks (:class:`HashChain`): each stored
 block's ``token_ids`` hashed with this project's Megatron-compatible chain
 (``registry.core.hashing``), continued from the parent block's digest, and a decoded
-batch turned into the ``bridge_apply`` operations that list and unlist its blocks."""
+batch turned into the ``bridge_apply`` operations that list and unlist its blocks.
+
+Hybrid engines (vLLM 0.32, Mamba groups in ``align`` mode) publish one ``BlockStored``
+per group and step whose ``token_ids`` span every block the step filled while a Mamba
+group's ``block_hashes`` list only the blocks that hold a state (the step's last full
+block, the prompt's last block boundary; none at all on other steps). Such a hash is
+placed by the position its engine hash has in the chain (the attention group lists the
+same hash for the same block, in this batch or before), never guessed.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -39,6 +47,7 @@ DEFAULT_MEDIUM = "GPU"
 # from the picture, which writes stores of its own.
 REMOVE: Final = "R"
 CLEAR: Final = "C"
+MAMBA_GROUPS: Final = "G"
 KV_MAP: Final = "k"
 MAMBA_MAP: Final = "m"
 
@@ -78,10 +87,35 @@ class HashChain:
         self.block_size = source.block_size
         self.digests: dict[int, tuple[bytes, int]] = {}
         self.picture = EnginePicture()
+        self.mamba_groups: set[int] = set()
+        """The engine's Mamba groups (``group_idx``), learnt from its stored events and
+        from what Redis held at a resume: a block is usable only while every one of
+        them holds its state."""
 
     def forget(self) -> None:
-        """Drop every digest held in memory (the namespace restarts, or was cleared)."""
+        """Drop every digest held in memory (the namespace restarts, or was cleared);
+        the Mamba groups are those the picture still shows (none after a restart)."""
         self.digests.clear()
+        self.mamba_groups.clear()
+        self.learn_slots(self.picture.mamba_slots())
+
+    def learn_slots(self, slots: Iterable[int]) -> None:
+        """Learn Mamba groups from holder slots that hold Mamba state."""
+        media = len(self.source.media)
+        self.mamba_groups.update((slot - 1) // media for slot in slots)
+
+    def mamba_slots(self) -> str:
+        """The operation that tells ``bridge_apply`` the Mamba groups: each group's
+        holder slots (one per followed medium) comma-separated, groups space-separated;
+        empty while none is known (then any Mamba slot makes a block usable)."""
+        media = len(self.source.media)
+        groups = [[g * media + i + 1 for i in range(media)] for g in sorted(self.mamba_groups)]
+        return " ".join(",".join(map(str, s)) for s in groups if s[-1] <= MAX_SLOTS)
+
+    def group_operation(self) -> list[Any]:
+        """``["G", slots]`` to send before a write's operations, or nothing."""
+        slots = self.mamba_slots()
+        return [MAMBA_GROUPS, slots] if slots else []
 
     def trim(self) -> None:
         """After a write (Redis holds every digest now): empty an oversized cache."""
@@ -92,12 +126,14 @@ class HashChain:
         """The ``bridge_apply`` operations of one decoded batch, and how many blocks
         they carry. Raises a registry error while fetching parent digests."""
         self.counts.unknown_events += batch.unknown
+        self._learn_groups(batch)
         self._fetch_parents(batch)
+        positions = self._sparse_positions(batch)
         ops: list[Any] = []
         blocks = 0
         for event in batch.events:
             if isinstance(event, BlockStored):
-                stored = self._stored(event)
+                stored = self._stored(event, positions)
                 ops.extend(stored)
                 blocks += len(event.block_hashes) if stored else 0
             elif isinstance(event, BlockRemoved):
@@ -152,6 +188,9 @@ class HashChain:
             map_name = KV_MAP
         elif kind in MAMBA_KINDS:
             map_name = MAMBA_MAP
+            if not n:  # a step that left no checkpoint
+                self.counts.empty_mamba_events += 1
+                return None
         else:
             self.counts.other_groups += n
             self.note(f"kind:{kind}", f"blocks of {kind!r} groups are not bridged")
@@ -164,7 +203,12 @@ class HashChain:
             self.block_size = size
         if size is None:
             size = self.block_size
-        if size is None or size != self.block_size or len(event.token_ids) != n * size:
+        tokens = len(event.token_ids)
+        if (
+            size is None
+            or size != self.block_size
+            or not (tokens == n * size or (map_name == MAMBA_MAP and _spans(tokens, n, size)))
+        ):
             self.counts.block_size_mismatch += n
             self.note(
                 "block_size",
@@ -175,7 +219,7 @@ class HashChain:
         slot = self._slot(event.group_idx, medium)
         return None if slot is None else _Placement(slot, map_name, size)
 
-    def _stored(self, event: BlockStored) -> list[Any]:
+    def _stored(self, event: BlockStored, positions: dict[int, int]) -> list[Any]:
         placement = self._placement(event)
         if placement is None:
             return []
@@ -193,9 +237,47 @@ class HashChain:
         if not n:
             return []
         digests = chain_digests(parent, event.token_ids, placement.block_size)
+        if len(digests) == n:
+            return self._store(event.block_hashes, digests, depth + 1, placement)
+        return self._store_states(event.block_hashes, digests, depth + 1, placement, positions)
+
+    def _store_states(
+        self,
+        hashes: Sequence[int],
+        digests: list[bytes],
+        first: int,
+        placement: _Placement,
+        positions: dict[int, int],
+    ) -> list[Any]:
+        """A Mamba event listing fewer blocks than its tokens span: each hash stored at
+        the position its engine hash has (``first`` is the position of the tokens'
+        first block), in runs of consecutive positions; a hash at no known position
+        inside the span, or out of order, is counted and left out."""
+        ops: list[Any] = []
+        run: list[int] = []
+        start = last = first - 1
+        for h in hashes:
+            at = self._depth(h, positions)
+            if at is None or not last < at < first + len(digests):
+                self.counts.unplaced_mamba_blocks += 1
+                continue
+            if run and at != last + 1:
+                ops += self._store(run, digests[start - first : last - first + 1], start, placement)
+                run = []
+            if not run:
+                start = at
+            run.append(h)
+            last = at
+        if run:
+            ops += self._store(run, digests[start - first : last - first + 1], start, placement)
+        return ops
+
+    def _store(
+        self, hashes: Sequence[int], digests: list[bytes], first: int, placement: _Placement
+    ) -> list[Any]:
+        """The ``STORE`` of blocks at consecutive positions from ``first``."""
         picture, slot, map_name = self.picture, placement.slot, placement.map_name
-        for h, digest in zip(event.block_hashes, digests, strict=True):
-            depth += 1
+        for depth, (h, digest) in enumerate(zip(hashes, digests, strict=True), first):
             self.digests[h] = (digest, depth)
             if not picture.stored(h, digest, depth, slot, map_name):
                 self.counts.unpictured += 1
@@ -203,14 +285,65 @@ class HashChain:
         # (lua/bridge_apply.lua): far cheaper to send and to hand to Lua than 7 per block.
         return [
             STORE,
-            placement.slot,
-            placement.map_name,
-            depth - n + 1,
-            n,
-            b"".join(b"%020d" % h for h in event.block_hashes),
+            slot,
+            map_name,
+            first,
+            len(hashes),
+            b"".join(b"%020d" % h for h in hashes),
             b"".join(b"%019d" % digest_hash(d) for d in digests),
             b"".join(digests).hex(),
         ]
+
+    def _depth(self, engine_hash: int, positions: dict[int, int]) -> int | None:
+        """The position of a block this process knows, or None."""
+        known = self.digests.get(engine_hash)
+        if known is None:
+            known = self.picture.digest(engine_hash)
+        if known is not None:
+            return known[1]
+        return positions.get(engine_hash)
+
+    def _learn_groups(self, batch: EventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, BlockStored) and event.kv_cache_spec_kind in MAMBA_KINDS:
+                self.mamba_groups.add(event.group_idx or 0)
+
+    def _sparse(self, event: BlockStored) -> bool:
+        """Whether a stored event lists fewer blocks than its tokens span."""
+        size = event.block_size or self.block_size
+        return bool(event.block_hashes) and (
+            size is None or len(event.token_ids) != len(event.block_hashes) * size
+        )
+
+    def _sparse_positions(self, batch: EventBatch) -> dict[int, int]:
+        """The positions of the hashes that Mamba events of fewer blocks than tokens
+        list and that this process does not know: from the batch's other stored events
+        (each listing a hash per block, chained from a parent of known position), then
+        from ``engine-blocks``. Raises a registry error while reading Redis."""
+        wanted = {
+            h
+            for event in batch.events
+            if isinstance(event, BlockStored)
+            and event.kv_cache_spec_kind in MAMBA_KINDS
+            and self._sparse(event)
+            for h in event.block_hashes
+            if self._depth(h, {}) is None
+        }
+        if not wanted:
+            return {}
+        depths: dict[int, int] = {}
+        for event in batch.events:
+            if not isinstance(event, BlockStored) or not event.block_hashes or self._sparse(event):
+                continue
+            p = event.parent_block_hash
+            parent = -1 if p is None else depths.get(p, self._depth(p, {}))
+            if parent is None:
+                continue
+            for depth, h in enumerate(event.block_hashes, parent + 1):
+                depths[h] = depth
+        found: dict[int, int] = {h: depths[h] for h in wanted if h in depths}
+        self._fetch([h for h in wanted if h not in found])
+        return found
 
     def _fetch_parents(self, batch: EventBatch) -> None:
         """Read the digests of parents this process has not seen (after a resume) in
@@ -228,6 +361,11 @@ class HashChain:
                 ):
                     wanted.append(p)
                 produced.update(event.block_hashes)
+        self._fetch(wanted)
+
+    def _fetch(self, wanted: list[int]) -> None:
+        """Read the digests and positions of these engine hashes from
+        ``engine-blocks`` into memory (those it holds), in one HMGET."""
         if not wanted:
             return
         try:
@@ -245,3 +383,9 @@ class HashChain:
                 self.digests[h] = (bytes.fromhex(parts[2]), int(parts[1]))
             except (IndexError, ValueError):
                 self.note("engine-blocks", f"engine-blocks holds a malformed entry for {h}")
+
+
+def _spans(tokens: int, n: int, size: int) -> bool:
+    """Whether ``tokens`` are whole blocks, at least ``n`` of them (a Mamba event lists
+    a hash only for the blocks holding a state)."""
+    return tokens % size == 0 and tokens >= n * size

@@ -25,6 +25,8 @@ class FollowerCounts:
     other_medium: int = 0
     other_groups: int = 0
     block_size_mismatch: int = 0
+    empty_mamba_events: int = 0  # Mamba stores of a step without a checkpoint (no hash)
+    unplaced_mamba_blocks: int = 0  # Mamba states whose position no known block gives
     unknown_removals: int = 0
     duplicates: int = 0
     gaps: int = 0

@@ -168,7 +168,8 @@ class Follower:
 
     def _picture_from_redis(self) -> None:
         """A resumed namespace's ``engine-blocks`` as the picture of the engine: what the
-        previous bridge wrote is what the engine held at the seq it resumes after."""
+        previous bridge wrote is what the engine held at the seq it resumes after; the
+        slots holding Mamba state there name the engine's Mamba groups."""
         picture = self.chain.picture
         picture.clear()
         key = self.registry.keys.engine_blocks
@@ -176,6 +177,7 @@ class Follower:
             for field, value in self.registry.client.hscan_iter(key, count=1000):
                 if not picture.load_entry(int(field), text(value)):
                     self.counts.unpictured += 1
+            self.chain.learn_slots(picture.mamba_slots())
         except ValueError:
             picture.clear()
             self.log.once("picture", "engine-blocks holds a malformed entry; no picture kept")
@@ -349,8 +351,9 @@ class Follower:
         waiting to be written are dropped, their effect being in the picture already
         (their seq stays, for the next write to record). Raises registry errors."""
         blocks = 0
-        for ops, n in self.chain.picture.rewrite():
-            self.pending.apply(ops, None, self.chain.block_size)
+        chain = self.chain
+        for ops, n in chain.picture.rewrite():
+            self.pending.apply(ops, None, chain.block_size, chain.group_operation())
             blocks += n
         self.pending.ops, self.pending.blocks = [], 0
         self.counts.rewrites += 1
@@ -379,7 +382,7 @@ class Follower:
     def _write(self, ops: Sequence[Any], seq: int | None) -> None:
         """One ``bridge_apply`` call; Redis faults block, a lost namespace restarts it."""
         try:
-            self.pending.apply(ops, seq, self.chain.block_size)
+            self.pending.apply(ops, seq, self.chain.block_size, self.chain.group_operation())
         except StaleEpochError as exc:
             self._lost(exc)
             # The namespace was written again from the picture, which holds what these

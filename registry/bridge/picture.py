@@ -123,6 +123,14 @@ class EnginePicture:
             self.blocks[engine_hash] = held
         return True
 
+    def mamba_slots(self) -> set[int]:
+        """The holder slots that hold Mamba state of some pictured block."""
+        slots: set[int] = set()
+        for held in self.blocks.values():
+            if "m" in held.holders:
+                slots.update(i for i, c in enumerate(held.holders, 1) if c == "m")
+        return slots
+
     def clear(self) -> None:
         """The engine dropped everything (``AllBlocksCleared``), or restarted."""
         self.blocks.clear()

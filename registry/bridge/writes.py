@@ -51,14 +51,22 @@ class PendingWrite:
         self.blocks = 0
         self.seq = None
 
-    def apply(self, ops: Sequence[Any], seq: int | None, block_size: int | None) -> None:
+    def apply(
+        self,
+        ops: Sequence[Any],
+        seq: int | None,
+        block_size: int | None,
+        groups: Sequence[Any] = (),
+    ) -> None:
         """One ``bridge_apply`` call: ``ops`` up to engine seq ``seq`` (None: none, the
-        call records the engine, endpoint and block size only)."""
+        call records the engine, endpoint and block size only), after ``groups`` (the
+        operation naming the engine's Mamba groups, or nothing)."""
         data = (
             "" if seq is None else str(seq),
             self.source.engine,
             self.source.endpoint,
             "" if block_size is None else str(block_size),
+            *(groups if ops else ()),
             *ops,
         )
         stored, removed, unknown, cleared = self.registry.run_write(
