@@ -32,6 +32,18 @@ redis-server:
 	    echo "WARNING: redis-server not found and cannot be installed; real-server tests will skip"; \
 	  fi; }
 
+# A real Prometheus for the dashboard's gateway row (tests/system/test_dashboard_gateway.py
+# runs every query of the row against it, and skips that test, saying so, without it):
+# Debian's package, installed when we are root.
+.PHONY: prometheus
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else \
+	    echo "WARNING: prometheus not found and cannot be installed; the dashboard's Prometheus test will skip"; \
+	  fi; }
+
 test: $(STAMP) redis-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
