@@ -12,16 +12,10 @@ from typing import Any
 from fastapi import FastAPI
 
 from pcr.gateway.app import GatewayConfig, GatewayState, add_gateway_routes
-from pcr.serve.app import (
-    MAX_BODY_BYTES,
-    State,
-    assemble,
-    finish,
-    guarded,
-    scoring_state,
-    settle_heap,
-    too_large_body,
-)
+from pcr.serve.app import assemble, finish, guarded, scoring_state
+from pcr.serve.errors import too_large_body
+from pcr.serve.schema import MAX_BODY_BYTES
+from pcr.serve.state import State, settle_heap
 from pcr.web.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
 from registry.core.keys import DEFAULT_KEY_PREFIX
 

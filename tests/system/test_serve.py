@@ -31,7 +31,8 @@ httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
 from pcr.bench.servers import RedisClusterServers, RedisServer  # noqa: E402
-from pcr.serve.app import MAX_HASHES, MAX_TOKENS, create_app  # noqa: E402
+from pcr.serve.app import create_app  # noqa: E402
+from pcr.serve.schema import MAX_HASHES, MAX_TOKENS  # noqa: E402
 from pcr.web.server import uvicorn_config  # noqa: E402
 from registry import PrefixCacheRegistry, PrefixRouter  # noqa: E402
 from registry.core.hashing import block_hashes  # noqa: E402
@@ -424,7 +425,7 @@ def test_create_app_checks_its_limits(options: dict[str, Any], error: type[Excep
 
 
 def test_a_request_waits_its_turn_and_gets_503_only_past_the_deadline() -> None:
-    from pcr.serve.app import Gate
+    from pcr.serve.state import Gate
     from registry.core.errors import RegistryUnavailable
 
     async def scenario(gate: Gate, release_while_waiting: bool) -> None:
