@@ -1,5 +1,5 @@
 """``pcr gateway``: the OpenAI-compatible router in front of the engines
-(``pcr.gateway.app``), on uvicorn with ``pcr serve``'s deadlines.
+(``pcr.gateway``), on uvicorn with ``pcr serve``'s deadlines.
 
 FastAPI, uvicorn, httptools, aiohttp (and transformers for ``--tokenizer``) are imported
 only when the command runs, and torch never (``without_torch``). Backends come from
@@ -264,9 +264,9 @@ def _backends(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
-    """The ``pcr.gateway.app.GatewayConfig`` of the command line."""
-    from pcr.gateway.app import GatewayConfig
+    """The ``pcr.gateway.config.GatewayConfig`` of the command line."""
     from pcr.gateway.balance import BalanceRule
+    from pcr.gateway.config import GatewayConfig
 
     rule = BalanceRule(
         queue_weight=args.queue_weight,

@@ -9,7 +9,7 @@ make theirs again, and a gateway that dropped them would have nothing to send
 requests to. It goes only once the node index says its namespace's lease has run out
 (``pcr.gateway.exchange.ended_leases``); while Redis holds no lease for it at all, it
 stays, and ``/health`` lists it under ``kept``. ``engine_load`` reads an engine's queue
-and KV-cache usage from its Prometheus text. Nothing here does I/O (``pcr.gateway.app``
+and KV-cache usage from its Prometheus text. Nothing here does I/O (``pcr.gateway.state``
 and ``pcr.gateway.exchange`` fetch).
 """
 

@@ -109,7 +109,7 @@ def _peer(payload: str, received: float) -> _Peer | None:
 class LoadExchange:
     """This replica's load told to the others, and theirs summed into ``backends``.
 
-    ``registry`` is the scoring service's state (``pcr.serve.app.State``: its Redis
+    ``registry`` is the scoring service's state (``pcr.serve.state.State``: its Redis
     client, router and gate). One exchange at a time; ``stop`` ends them.
     """
 

@@ -11,7 +11,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from pcr.gateway.app import GatewayConfig, GatewayState, add_gateway_routes
+from pcr.gateway.config import GatewayConfig
+from pcr.gateway.routes import add_gateway_routes
+from pcr.gateway.state import GatewayState
 from pcr.serve.app import assemble, finish, guarded, scoring_state
 from pcr.serve.errors import too_large_body
 from pcr.serve.schema import MAX_BODY_BYTES

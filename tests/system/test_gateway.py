@@ -201,7 +201,7 @@ def test_a_replica_sees_another_replicas_request_as_it_starts_and_ends(
     """Two replicas in-process whose periodic exchange is a minute apart: a request held
     in flight through replica one is counted by replica two, and its end too, before any
     periodic exchange could say so: each start and end is pushed on the load channel."""
-    from pcr.gateway.app import GatewayConfig
+    from pcr.gateway.config import GatewayConfig
     from tests.system.test_serve import Served
 
     prefix = f"gr{uuid.uuid4().hex[:6]}"
@@ -252,7 +252,7 @@ def test_a_lone_replica_exchanges_no_load_per_request_and_replicas_hear_each_end
     a second replica has announced itself, each reply through the first leaves only after
     Redis holds the first's load without that request, so the next request, sent to
     either replica, is chosen knowing it ended."""
-    from pcr.gateway.app import GatewayConfig
+    from pcr.gateway.config import GatewayConfig
     from registry.core.keys import gateway_load_channel, gateway_load_key
     from tests.system.test_serve import Served
 

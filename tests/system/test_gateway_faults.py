@@ -873,7 +873,7 @@ def test_a_fault_inside_the_gateway_is_500_in_the_openai_shape(redis_server: Red
     """A bug in the gateway's own code (here: its choice raises, with the request's
     marker in the message) while proxying, in-process: 500 in the OpenAI shape naming
     only the exception's type, no traceback, no marker; the next request is served."""
-    from pcr.gateway.app import GatewayConfig
+    from pcr.gateway.config import GatewayConfig
     from tests.system.test_serve import Served
 
     engine = FakeEngine("e0").start()

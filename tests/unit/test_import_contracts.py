@@ -83,7 +83,7 @@ BREAKERS = {
         "pcr/serve/breaker.py", "import pcr.cli.common\n", ACYCLIC, PCR_LAYERS
     ),
     "the scoring service imports the gateway built on it": breaker(
-        "pcr/serve/breaker.py", "import pcr.gateway.app\n", ACYCLIC, PCR_LAYERS
+        "pcr/serve/breaker.py", "import pcr.gateway.service\n", ACYCLIC, PCR_LAYERS
     ),
     "the web server imports the benchmarks (deferred)": breaker(
         "pcr/web/breaker.py",

@@ -1,0 +1,96 @@
+"""One proxied request's bookkeeping: its start and end in the backend's load (and so in
+what the load exchange tells the other replicas), and its outcome in the metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pcr.gateway.backends import Backend
+from pcr.gateway.balance import Choice
+from pcr.gateway.state import GatewayState
+
+
+def started(
+    state: GatewayState, backend: Backend, prefill: int, choice: Choice, prompt: int, root: Any
+) -> None:
+    """The request sent to ``backend``: its load, the prompt root's kin and the mean
+    prefill count it; the exchange is nudged; the metrics count its prompt."""
+    load = backend.load
+    load.in_flight += 1
+    load.pending += prefill
+    rule = state.config.rule
+    now = time.monotonic()
+    load.recent.add(float(prefill or 1), now, rule.half_life)
+    state.kin.record(root, backend.namespace, now, rule.half_life)
+    if prompt:
+        state.mean_prefill += (prefill - state.mean_prefill) * 0.05
+    state.exchange.nudge()
+    if state.metrics.on:
+        counted = backend.metrics(state.metrics)
+        counted.in_flight.inc()
+        if prompt:
+            counted.prompt_tokens.inc(prompt)
+            counted.predicted.inc(choice.cached)
+
+
+def ended(state: GatewayState, backend: Backend, prefill: int, nudge: bool = True) -> None:
+    """The request over at ``backend``: its load no longer counts it."""
+    load = backend.load
+    load.in_flight = max(0, load.in_flight - 1)
+    load.pending = max(0.0, load.pending - prefill)
+    if nudge:
+        state.exchange.nudge()
+    if state.metrics.on:
+        backend.metrics(state.metrics).in_flight.dec()
+
+
+class Ending:
+    """``ended`` once: awaited (``told``) before a reply's last bytes go to the client,
+    so the other replicas hear of the end before the client can send its next request
+    to one of them; called again, as a no-op, when the exchange is over whatever
+    happened (then the others are told in the background)."""
+
+    def __init__(self, state: GatewayState, backend: Backend, prefill: int) -> None:
+        self.state = state
+        self.backend = backend
+        self.prefill = prefill
+        self.done = False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            ended(self.state, self.backend, self.prefill)
+
+    async def told(self) -> None:
+        if not self.done:
+            self.done = True
+            ended(self.state, self.backend, self.prefill, nudge=False)
+            await self.state.exchange.tell_peers()
+
+
+def count_error(state: GatewayState, backend: Backend, kind: str) -> None:
+    """A failed request of ``backend``, by ``kind`` (connect, timeout, protocol, ...)."""
+    if state.metrics.on:
+        counted = backend.metrics(state.metrics)
+        counted.errors[kind].inc()
+        counted.failed.inc()
+
+
+def answered(
+    state: GatewayState, backend: Backend, status: int, arrived: float, *, first_byte: bool
+) -> None:
+    """A reply passed on whole (``first_byte``: its time is also the first byte's): its
+    duration, and ok or failed by its status."""
+    if not state.metrics.on:
+        return
+    took = time.perf_counter() - arrived
+    counted = backend.metrics(state.metrics)
+    if first_byte:
+        counted.first_byte.observe(took)
+    counted.latency.observe(took)
+    if status >= 500:
+        counted.errors["status"].inc()
+        counted.failed.inc()
+    else:
+        counted.ok.inc()

@@ -1,0 +1,332 @@
+"""The gateway's proxied routes (``POST /v1/completions``, ``POST /v1/chat/completions``)
+as one plain ASGI endpoint: the body passes through as bytes, with no FastAPI parsing or
+validation on the way.
+
+Per request: the prompt's tokens as the engine will compute them
+(``pcr.gateway.tokens``), then the backends in the order to try them
+(``GatewayState.choose``, ``pcr.gateway.state``), then the request forwarded to the best
+one and its reply passed on, whole or, when ``stream`` is true, chunk by chunk
+(server-sent events as they come). A failure before the backend's first byte (refused,
+reset, timed out connecting) is retried once on the next best backend; a client that
+disconnects cancels the upstream request (the engine aborts it). A backend's own answer
+(its 4xx, its errors) is passed through as it is; what the gateway answers itself has
+the OpenAI shape (``pcr.gateway.replies``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+
+from pcr.gateway.backends import Backend
+from pcr.gateway.balance import Choice
+from pcr.gateway.outcomes import Ending, answered, count_error, ended, started
+from pcr.gateway.replies import (
+    Message,
+    Receive,
+    Send,
+    answer_error,
+    error_body,
+    forwarded_headers,
+    raw_reply_headers,
+    respond,
+)
+from pcr.gateway.state import GatewayState
+from pcr.gateway.tokens import BadBody, PromptIds, prompt_ids, prompt_tokens
+
+PROXIED = {"/v1/completions": False, "/v1/chat/completions": True}
+"""The proxied paths, and whether each takes chat messages."""
+
+
+class Proxy:
+    """The proxied routes' ASGI endpoint: ``proxy`` with the gateway's state and body
+    limit."""
+
+    paths = PROXIED
+
+    def __init__(self, gateway: GatewayState, limit: int, too_large: bytes) -> None:
+        self.gateway = gateway
+        self.limit = limit
+        self.too_large = too_large
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        await proxy(self, scope, receive, send, PROXIED[scope["path"]])
+
+
+async def _read_body(scope: Message, receive: Receive, limit: int) -> bytes | int | None:
+    """The request's body; None when the client left first; 413 when it is over
+    ``limit`` bytes (by its Content-Length, or counted as it arrives)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if value.isdigit() and int(value) > limit:
+                return 413
+            break
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return 413
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat: bool) -> None:
+    """One proxied request: read, tokenize, choose, forward, answer."""
+    arrived = time.perf_counter()
+    state = front.gateway
+    raw = await _read_body(scope, receive, front.limit)
+    if raw is None:  # gone mid-body, or stopped by the body deadline (answered 408)
+        return
+    if raw == 413:
+        await respond(send, 413, front.too_large)
+        return
+    assert isinstance(raw, bytes)
+    size = state.config.block_size
+    routed = state.config.policy != "round-robin"
+    hashed = state.config.policy == "prefix"
+    try:  # a large body in the helper process: never parsed on the loop
+        body, ids = await state.parser.parse(
+            raw, chat, state.max_tokens, size if routed else None, hashed
+        )
+        if not state.backends:
+            await answer_error(send, 503, "no backend is configured or announced")
+            return
+        if routed and ids is None:
+            tokens = await prompt_tokens(state.tokenizer, body, chat)
+            ids = None if tokens is None else await prompt_ids(tokens, size, hashed)
+    except BadBody as refused:  # not JSON, or a prompt over the model's length
+        await answer_error(send, 400, str(refused))
+        return
+    order, outcome = await state.choose(ids)
+    if state.metrics.on:
+        state.metrics.routed_as[outcome].inc()
+    watch = _ClientWatch(receive)
+    try:
+        await _forward(state, scope, send, body, raw, order, ids, arrived, watch)
+    except asyncio.CancelledError:
+        if not watch.left:
+            raise  # the server is stopping
+        watch.uncancel()  # the client left: nobody to answer
+    finally:
+        watch.stop()
+
+
+class _ClientWatch:
+    """Cancels the request's task when its client disconnects (until ``stop``): while
+    the gateway waits for a backend's reply, nothing else would notice (vLLM sends
+    nothing, not even headers, until a non-streamed completion is done), and while it
+    streams, a chunk sent to a client that left is dropped without a word."""
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.left = False
+        self.stopped = False
+        self.gone = asyncio.ensure_future(_disconnected(receive))
+        self.gone.add_done_callback(self._left)
+
+    def _left(self, gone: asyncio.Future[None]) -> None:
+        if not self.stopped and not gone.cancelled() and gone.exception() is None:
+            self.left = True
+            self.task.cancel()
+
+    def uncancel(self) -> None:
+        self.task.uncancel()
+
+    def stop(self) -> None:
+        """Before the response's last message (after it the server reads a disconnect)."""
+        if not self.stopped:
+            self.stopped = True
+            self.gone.remove_done_callback(self._left)
+            self.gone.cancel()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _forward(
+    state: GatewayState,
+    scope: Message,
+    send: Send,
+    body: dict[str, Any],
+    raw: bytes,
+    order: list[Choice],
+    ids: PromptIds | None,
+    arrived: float,
+    watch: _ClientWatch,
+) -> None:
+    """Send to the best backend, once more to the next best on a failure before its
+    first byte; answer with the reply, or the error."""
+    stream = body.get("stream") is True
+    prompt = ids.count if ids else 0
+    root = ids.root if ids else None
+    headers = forwarded_headers(scope["headers"])
+    query = scope.get("query_string", b"")
+    path = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
+    tried = 0
+    for choice in order[:2]:  # the best, and once more on the next best
+        backend = state.backends.get(choice.namespace)
+        if backend is None:
+            continue
+        tried += 1
+        prefill = max(0, prompt - choice.cached)
+        started(state, backend, prefill, choice, prompt, root)
+        try:
+            if state.metrics.on:
+                state.metrics.overhead.observe(time.perf_counter() - arrived)
+            upstream = await _send(state, scope["method"], backend, path, raw, headers)
+        except _Failed as failed:
+            ended(state, backend, prefill)
+            count_error(state, backend, failed.kind)
+            if failed.kind == "connect":
+                backend.mark(state.metrics, up=False)
+            if tried == 1 and len(order) > 1:
+                if state.metrics.on:
+                    backend.metrics(state.metrics).retries.inc()
+                continue
+            watch.stop()
+            await answer_error(send, 502, f"backend {backend.namespace!r} failed: {failed.kind}")
+            return
+        except asyncio.CancelledError:
+            ended(state, backend, prefill)
+            if watch.left:
+                count_error(state, backend, "cancelled")
+            raise
+        end = Ending(state, backend, prefill)
+        try:
+            if stream:
+                await _streamed(state, backend, upstream, send, arrived, watch, end)
+            else:
+                await _whole(state, backend, upstream, send, arrived, watch, end)
+        finally:
+            end()
+        return
+    watch.stop()
+    await answer_error(send, 503, "no backend could take the request")
+
+
+class _Failed(Exception):
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+async def _send(
+    state: GatewayState,
+    method: str,
+    backend: Backend,
+    path: str,
+    raw: bytes,
+    headers: dict[str, str],
+) -> aiohttp.ClientResponse:
+    """The backend's reply, its headers read (the body not yet); ``_Failed`` before."""
+    assert state.http is not None
+    try:
+        return await state.http.request(
+            method, backend.url + path, data=raw, headers=headers, allow_redirects=False
+        )
+    except aiohttp.ClientConnectorError:
+        raise _Failed("connect") from None
+    except TimeoutError:
+        raise _Failed("timeout") from None
+    except aiohttp.ClientError:
+        raise _Failed("protocol") from None
+
+
+async def _whole(
+    state: GatewayState,
+    backend: Backend,
+    upstream: aiohttp.ClientResponse,
+    send: Send,
+    arrived: float,
+    watch: _ClientWatch,
+    end: Ending,
+) -> None:
+    """A reply read whole; a client that leaves meanwhile cancels it (``_ClientWatch``)."""
+    try:
+        content = await upstream.read()
+    except asyncio.CancelledError:
+        upstream.close()  # drops the connection: the engine aborts the request
+        if watch.left:
+            count_error(state, backend, "cancelled")
+        raise
+    except (aiohttp.ClientError, TimeoutError):
+        upstream.close()
+        count_error(state, backend, "protocol")
+        watch.stop()
+        await answer_error(send, 502, f"backend {backend.namespace!r} broke off its reply")
+        return
+    upstream.release()
+    watch.stop()
+    await end.told()
+    answered(state, backend, upstream.status, arrived, first_byte=True)
+    await respond(send, upstream.status, content, raw_reply_headers(upstream))
+
+
+async def _streamed(
+    state: GatewayState,
+    backend: Backend,
+    upstream: aiohttp.ClientResponse,
+    send: Send,
+    arrived: float,
+    watch: _ClientWatch,
+    end: Ending,
+) -> None:
+    """The backend's chunks as they come; a client that leaves closes the upstream
+    (``_ClientWatch`` cancels this task); a reply broken off ends with an error event."""
+    events = upstream.headers.get("content-type", "").startswith("text/event-stream")
+    complete = broken = False
+    try:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": upstream.status,
+                "headers": raw_reply_headers(upstream),
+            }
+        )
+        first = True
+        try:
+            async for chunk in upstream.content.iter_any():
+                if first and chunk:
+                    first = False
+                    if state.metrics.on:
+                        backend.metrics(state.metrics).first_byte.observe(
+                            time.perf_counter() - arrived
+                        )
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            complete = True
+        except (aiohttp.ClientError, TimeoutError):
+            broken = True
+            count_error(state, backend, "protocol")
+        watch.stop()
+        await end.told()
+        last = _stream_error(backend) if broken and events else b""
+        await send({"type": "http.response.body", "body": last})  # say so, as engines do
+    finally:
+        if complete:
+            upstream.release()
+        else:
+            upstream.close()
+        if complete:
+            answered(state, backend, upstream.status, arrived, first_byte=False)
+        elif not broken and state.metrics.on:
+            backend.metrics(state.metrics).errors["cancelled"].inc()
+
+
+def _stream_error(backend: Backend) -> bytes:
+    """A server-sent event saying the backend broke off (OpenAI's error shape)."""
+    return b"data: " + error_body(502, f"backend {backend.namespace!r} broke off") + b"\n\n"

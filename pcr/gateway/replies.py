@@ -1,0 +1,94 @@
+"""What the gateway itself answers, in plain ASGI: whole responses, its errors in the
+OpenAI shape ``{"error": {"message", "type", "param", "code"}}``, and the headers that
+pass between client and backend (hop-by-hop ones dropped both ways)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import aiohttp
+from fastapi.responses import JSONResponse
+
+from pcr.web.errors import error_content
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+ERROR_KIND = {
+    400: "bad request",
+    499: "client closed request",
+    502: "bad gateway",
+    503: "unavailable",
+}
+VIEW_START_S = 5.0
+"""Seconds the gateway waits at start for its fleet view's first load."""
+SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+UPSTREAM_KEEP_ALIVE_S = 4.0
+"""Seconds the gateway keeps an idle connection to an engine: below the 5 s after which
+vLLM's and SGLang's servers (uvicorn's default) close one, so the gateway closes first and
+never sends a request into a connection the engine is closing."""
+HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+
+HOP_BYTES = frozenset(name.encode() for name in HOP_HEADERS)
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+async def respond(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """A whole response: its head (with the body's length) and its body."""
+    head = list(JSON_HEADERS if headers is None else headers)
+    head.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+def error_body(status: int, message: str) -> bytes:
+    """The OpenAI error shape, for what the gateway itself answers."""
+    content = error_content(status, ERROR_KIND[status], message, True)
+    return json.dumps(content, separators=(",", ":")).encode()
+
+
+async def answer_error(send: Send, status: int, message: str) -> None:
+    await respond(send, status, error_body(status, message))
+
+
+def openai_error(status: int, message: str) -> JSONResponse:
+    """The OpenAI error shape, for what the gateway itself answers (FastAPI's routes)."""
+    return JSONResponse(error_content(status, ERROR_KIND[status], message, True), status)
+
+
+def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's headers for the backend (ASGI gives names in lower case)."""
+    return {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in raw
+        if name not in HOP_BYTES
+    }
+
+
+def reply_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    """A backend's reply headers for a FastAPI response."""
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+
+
+def raw_reply_headers(upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    """A backend's reply headers for an ASGI response start."""
+    return [(k.lower(), v) for k, v in upstream.raw_headers if k.lower() not in HOP_BYTES]

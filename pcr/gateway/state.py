@@ -1,0 +1,278 @@
+"""What the gateway holds while it runs (``GatewayState``): its backends and their load,
+the HTTP client to the engines, the fleet view, the load exchange with other replicas and
+the background loops; and how it chooses a backend for a request. ``EngineScraper`` reads
+the engines' own queue and KV-cache usage from their ``/metrics`` in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import aiohttp
+
+from pcr.gateway.backends import Backend, engine_load
+from pcr.gateway.balance import Choice, Kin, cached_tokens, ranked
+from pcr.gateway.config import GatewayConfig
+from pcr.gateway.exchange import LoadExchange, RegistryHealth, discover
+from pcr.gateway.metrics import GatewayMetrics
+from pcr.gateway.tokens import BodyParser, PromptIds, PromptTokenizer
+from registry.core.errors import RegistryError
+from registry.core.validation import prefix_hashes
+from registry.fleet.view import FleetView
+
+log = logging.getLogger(__name__)
+
+VIEW_START_S = 5.0
+"""Seconds the gateway waits at start for its fleet view's first load."""
+SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+UPSTREAM_KEEP_ALIVE_S = 4.0
+"""Seconds the gateway keeps an idle connection to an engine: below the 5 s after which
+vLLM's and SGLang's servers (uvicorn's default) close one, so the gateway closes first and
+never sends a request into a connection the engine is closing."""
+
+
+class EngineScraper:
+    """Reads each engine's own queue and KV-cache usage from its ``/metrics``, and
+    whether it answers (``Backend.mark``)."""
+
+    def __init__(self, http: aiohttp.ClientSession, metrics: GatewayMetrics) -> None:
+        self.http = http
+        self.metrics = metrics
+
+    async def scrape(self, backends: Mapping[str, Backend]) -> None:
+        """Every backend at once."""
+        await asyncio.gather(*(self.scrape_one(b) for b in list(backends.values())))
+
+    async def scrape_one(self, backend: Backend) -> None:
+        """One backend: its load from its /metrics; refusing while it does not answer."""
+        try:
+            async with self.http.get(f"{backend.url}/metrics", timeout=SCRAPE_TIMEOUT) as reply:
+                status = reply.status
+                text = await reply.text(errors="replace") if status == 200 else ""
+        except (aiohttp.ClientError, TimeoutError):
+            backend.mark(self.metrics, up=False)
+            return
+        backend.mark(self.metrics, up=True)
+        running, waiting, usage = engine_load(text)
+        # Only its queue: a running request seen a moment ago is often this gateway's own,
+        # just finished (requests one at a time would then look like load).
+        backend.load.engine_requests = waiting
+        backend.load.engine_running = running
+        backend.load.kv_usage = usage
+
+
+class GatewayState:
+    """What the gateway holds: backends, their load, the HTTP client, background tasks;
+    and how it chooses a backend for a request."""
+
+    def __init__(self, config: GatewayConfig, registry: Any) -> None:
+        self.config = config
+        self.registry = registry  # pcr.serve.state.State: the Redis client, router and gate
+        self.replica = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.backends: dict[str, Backend] = {
+            ns: Backend(ns, url.rstrip("/"), "config") for ns, url in config.backends.items()
+        }
+        self.tokenizer = (
+            PromptTokenizer(config.tokenizer, config.max_model_len) if config.tokenizer else None
+        )
+        self.max_tokens = config.max_model_len or (
+            self.tokenizer.max_tokens if self.tokenizer is not None else None
+        )
+        self.parser = BodyParser()
+        self.metrics = GatewayMetrics.get()
+        self.http: aiohttp.ClientSession | None = None
+        self.health = RegistryHealth(self.metrics)
+        self.exchange = LoadExchange(
+            self.replica,
+            self.backends,
+            registry,
+            self.health,
+            share_interval=config.share_interval,
+            registry_timeout=config.registry_timeout,
+            half_life=config.rule.half_life,
+        )
+        self.turn = 0  # round-robin position
+        self.kin = Kin()  # per prompt root, the requests sent to each backend lately
+        self.mean_prefill = 0.0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self.view: FleetView | None = None
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open the HTTP client and the fleet view, learn the announced backends, tell
+        the other replicas of this one, and start the background loops."""
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=self.config.upstream_timeout,  # waiting for a pooled connection too
+            sock_connect=self.config.connect_timeout,
+            sock_read=self.config.upstream_timeout,
+        )
+        connector = aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=UPSTREAM_KEEP_ALIVE_S, ttl_dns_cache=60
+        )
+        self.http = aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            trust_env=False,
+            auto_decompress=False,  # bytes pass through as the engine sent them
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        if self.config.view and self.config.policy == "prefix":
+            client = await asyncio.to_thread(self.registry.sync)
+            self.view = FleetView(client, self.registry.key_prefix).start(timeout=None)
+            # Its first load before the first request (at most VIEW_START_S: with Redis
+            # away the gateway starts anyway, routing by load until the view follows).
+            await asyncio.to_thread(self.view.ready.wait, VIEW_START_S)
+        if self.config.announced:
+            with contextlib.suppress(RegistryError, TimeoutError):
+                await self._discover()
+        # Announce this replica at once: the others learn of it from the push, it of
+        # them from the reply (a replica tells its peers of each request's start and end
+        # only once it knows of some).
+        await self.exchange.share_quietly()
+        loops = [self._every(self.config.share_interval, self._tick)]
+        if self.config.announced:
+            loops.append(self._every(self.config.discover_interval, self._discover))
+        loops.append(self.exchange.listen())
+        if self.config.scrape_interval > 0:
+            scraper = EngineScraper(self.http, self.metrics)
+            loops.append(
+                self._every(self.config.scrape_interval, lambda: scraper.scrape(self.backends))
+            )
+        self._tasks = [asyncio.ensure_future(loop) for loop in loops]
+
+    async def close(self) -> None:
+        """Stop the background tasks (a cancellation can be lost inside redis-py's
+        ``asyncio.wait_for`` on Python 3.11, so each is cancelled again until it ends, and
+        the loops also stop at their flag), then the HTTP client."""
+        self._stopping = True
+        tasks = [*self._tasks, *self.exchange.stop()]
+        pending = {t for t in tasks if not t.done()}
+        for _ in range(20):
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            _done, pending = await asyncio.wait(pending, timeout=0.25)
+        for task in pending:
+            log.warning("a background task did not stop: %s", task.get_coro())
+        if self.view is not None:
+            await asyncio.to_thread(self.view.close)
+        self.parser.close()
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+        if self.http is not None:
+            await self.http.close()
+
+    async def _every(self, interval: float, step: Callable[[], Awaitable[None]]) -> None:
+        while not self._stopping:
+            await asyncio.sleep(interval)
+            try:
+                await step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a background step never ends the loop
+                log.debug("gateway background step failed: %s", type(exc).__name__)
+
+    async def _discover(self) -> None:
+        """Backends announced in Redis (``pcr bridge --engine-url``); one no longer
+        announced is kept until its lease has run out (``pcr.gateway.exchange``)."""
+        router, gate = self.registry.ready()
+        async with asyncio.timeout(max(1.0, self.config.registry_timeout)), gate.turn():
+            await discover(router, self.registry.client, self.registry.key_prefix, self.backends)
+
+    async def _tick(self) -> None:
+        """The periodic exchange (``LoadExchange.tick``), after asking the fleet view
+        whether it still follows Redis."""
+        self.registry_reachable()
+        await self.exchange.tick()
+
+    # -- choosing ------------------------------------------------------------------------
+
+    def candidates(self) -> list[Backend]:
+        """Backends not known to refuse connections; all of them when every one is."""
+        now = time.monotonic()
+        ready = [b for b in self.backends.values() if b.refused_until <= now]
+        return ready or list(self.backends.values())
+
+    async def cached(self, names: list[str], ids: PromptIds) -> dict[str, int] | None:
+        """Each backend's cached prefix of the prompt in tokens, from the registry; None
+        when Redis is away (or slower than ``registry_timeout``)."""
+        now = time.monotonic()
+        if not self.health.up and now < self.health.retry_at:
+            return None
+        size = self.config.block_size
+        if self.view is not None:
+            return self._viewed(names, ids)
+        assert ids.hashes is not None
+        try:
+            wanted = prefix_hashes(ids.hashes)
+            router, gate = self.registry.ready()
+            async with asyncio.timeout(self.config.registry_timeout), gate.turn():
+                scores = await router.score(wanted, namespaces=names)
+        except (RegistryError, TimeoutError) as exc:
+            self.health.mark(False, exc)
+            return None
+        self.health.mark(True)
+        return {n: cached_tokens(s.usable, size, ids.count) for n, s in scores.items()}
+
+    def _viewed(self, names: list[str], ids: PromptIds) -> dict[str, int] | None:
+        """``cached`` from the fleet view: memory work, no Redis round trip. None while
+        the view is not ``fresh`` (it has not heard from Redis for ``STALE_S`` seconds and
+        may hold what the engines no longer do)."""
+        view = self.view
+        assert view is not None
+        if not self.registry_reachable():
+            return None
+        size = self.config.block_size
+        assert ids.hashes is not None
+        usable = view.match(ids.hashes, names, hybrid=self.registry.hybrid)
+        self.health.mark(True)
+        return {n: cached_tokens(blocks, size, ids.count) for n, blocks in usable.items()}
+
+    def registry_reachable(self) -> bool:
+        """Whether routing can use the registry now (with the fleet view: whether it is
+        following Redis; else: whether the last routing call reached it)."""
+        if self.view is not None:
+            fresh = self.view.fresh()
+            if fresh != self.health.up:
+                self.health.mark(fresh, RegistryError("the fleet view is not following Redis"))
+        return self.health.up
+
+    async def choose(self, ids: PromptIds | None) -> tuple[list[Choice], str]:
+        """The backends in the order to try them, and the routing outcome."""
+        backends = self.candidates()
+        names = [b.namespace for b in backends]
+        if not names:
+            return [], "load"
+        if self.config.policy == "round-robin":
+            self.turn += 1
+            start = self.turn % len(names)
+            turns = sorted(names)
+            turns = turns[start:] + turns[:start]
+            return [Choice(n, 0.0, 0, 0.0, 0.0) for n in turns], "load"
+        prompt = ids.count if ids else max(1, round(self.mean_prefill))
+        root = ids.root if ids else None
+        cached: dict[str, int] = {}
+        outcome = "load"
+        if self.config.policy == "prefix" and ids:
+            found = await self.cached(names, ids)
+            if found is None:
+                outcome = "registry_away"
+            else:
+                cached = found
+                if any(cached.values()):
+                    outcome = "prefix"
+        loads = {b.namespace: b.load for b in backends}
+        now = time.monotonic()
+        kin = self.kin.counts(root, now, self.config.rule.half_life)
+        order = ranked(names, prompt, cached, loads, self.config.rule, now, kin)
+        return order, outcome
