@@ -38,6 +38,7 @@ from typing import Any
 from registry import PrefixCacheRegistry, block_hashes, metrics
 from registry.bridge.bridge import Bridge, EngineSource
 from sim.audit import audit_bridged
+from sim.checkpoints import hit_limit, prefill
 from sim.config import BridgeConfig, BridgeStalled, FleetConfig
 from sim.driver import drive, figures, router_tag
 from sim.engine_events import EnginePublisher, engine_chain, removed, shared_context, stored
@@ -152,7 +153,8 @@ class EngineNode:
 
     def _serve(self, request: Request, totals: Totals, events: list[Any]) -> None:
         """Match the prompt against the engine's blocks, allocate the rest, restore the
-        farthest Mamba checkpoint, checkpoint the last block (``events``: what changed)."""
+        farthest Mamba checkpoint, checkpoint where the rule says (``sim.checkpoints``;
+        ``events``: what changed)."""
         size = self.config.block_size
         tokens = list(request.tokens)
         hashes = engine_chain(tokens, size, self.seed)
@@ -167,7 +169,8 @@ class EngineNode:
         if self.duplicate_blocks and matched == n and len(tokens) == n * size:
             self._copy_last(hashes, tokens, cached, events)
             recomputed = 1
-        hits = matched - recomputed
+        rule = self.config.mamba_checkpoints
+        hits = min(matched - recomputed, hit_limit(rule, len(tokens), size))
         usable = next((i + 1 for i in range(hits - 1, -1, -1) if self.mamba.holds(cached[i])), 0)
         allocated = self._allocate(hashes, tokens, cached, totals, events)
         if allocated is None:
@@ -176,12 +179,14 @@ class EngineNode:
         if usable:
             self.mamba.restore(cached[usable - 1])
             totals.mamba_restores += 1
+        plan = prefill(rule, len(tokens), size, hits, usable)
         totals.prompt_blocks += n
         totals.kv_hit_blocks += hits
         totals.usable_hit_blocks += usable
         totals.prefill_tokens_saved += usable * size
-        # Checkpoint the Mamba state at the prompt's last block (a later turn restores it).
-        self._checkpoint(hashes, tokens, (cached + allocated)[-1], events)
+        blocks = cached + allocated
+        for i in plan.checkpoints[-self.config.mamba_slots :]:  # where the rule keeps state
+            self._checkpoint(hashes, tokens, i, blocks[i], events)
 
     def _allocate(
         self,
@@ -226,21 +231,21 @@ class EngineNode:
         return allocated
 
     def _checkpoint(
-        self, hashes: list[int], tokens: list[int], last: int, events: list[Any]
+        self, hashes: list[int], tokens: list[int], i: int, block: int, events: list[Any]
     ) -> None:
-        """The Mamba state at the prompt's ``last`` block, stored unless held (a victim's
-        removal announced first)."""
-        if self.mamba.holds(last):
+        """The Mamba state at the prompt's block ``i`` (``block``), stored unless held (a
+        victim's removal announced first)."""
+        if self.mamba.holds(block):
             return
-        size, n = self.config.block_size, len(hashes)
-        victim = self.mamba.store(last)
+        size = self.config.block_size
+        victim = self.mamba.store(block)
         if victim is not None:
             events.append(removed([self.kv.hash_of[victim]], group_idx=MAMBA))
         events.append(
             stored(
-                [hashes[-1]],
-                hashes[-2] if n > 1 else None,
-                tokens[(n - 1) * size : n * size],
+                [hashes[i]],
+                hashes[i - 1] if i else None,
+                tokens[i * size : (i + 1) * size],
                 size,
                 group_idx=MAMBA,
                 kind="mamba",

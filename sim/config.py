@@ -11,6 +11,7 @@ import torch
 from registry.core.keys import validate_key_prefix
 from registry.core.validation import is_number
 from registry.namespace.ownership import DEFAULT_LEASE_TTL, lease_seconds
+from sim.checkpoints import MAMBA_CHECKPOINTS
 from sim.workload import WorkloadConfig
 
 ROUTERS = ("round-robin", "prefix")
@@ -42,6 +43,10 @@ class FleetConfig:
     mirror: bool = False
     """Each node owns its namespace through a ``registry.MirroredRegistry``: its own
     calls are answered locally and written behind to Redis (``pcr simulate --mirror``)."""
+    mamba_checkpoints: str = "vllm"
+    """Where a node keeps Mamba state (``sim.checkpoints``): ``"vllm"`` at the prompt's
+    replay boundary and shared-prefix junctions, as vLLM 0.32 does, or ``"last-block"``
+    at its last full block only (``pcr simulate --mamba-checkpoints``)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,12 @@ def check_fleet_config(config: FleetConfig) -> None:
     if not isinstance(config.workload, WorkloadConfig):
         raise TypeError(f"workload must be a WorkloadConfig, not {type(config.workload).__name__}")
     _size(config.workload.requests, "requests")
+    if config.mamba_checkpoints not in MAMBA_CHECKPOINTS:
+        raise FleetConfigError(
+            "mamba_checkpoints",
+            f"mamba_checkpoints = {config.mamba_checkpoints!r} must be one of "
+            f"{', '.join(MAMBA_CHECKPOINTS)}",
+        )
     limit = _bytes(MAX_SIMULATION_BYTES)
     kv_bytes = nodes * kv_blocks * KV_BLOCK_BYTES
     if kv_bytes > MAX_SIMULATION_BYTES:

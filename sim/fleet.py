@@ -5,10 +5,11 @@ and leaf-first LRU eviction (a block whose descendants are cached is never evict
 and a Mamba slot pool (small CPU tensors) with its eviction listener. Every request is
 served the way a hybrid engine would: match the KV prefix, find the farthest Mamba
 checkpoint inside it and restore it, evict to make room, register the new blocks, and
-checkpoint the Mamba state of the prompt's last block. A router sends each request to a
-node, round-robin or by prefix (``PrefixRouter.best`` from a fleet view kept in
-lockstep with the writes). At the end the run checks that
-the pools and the registry agree (``sim.audit``).
+keep the Mamba state where the engine would (``sim.checkpoints``: as vLLM, at the
+prompt's replay boundary and shared-prefix junctions, or at its last block). A router
+sends each request to a node, round-robin or by prefix (``PrefixRouter.best`` from a
+fleet view kept in lockstep with the writes). At the end the run checks that the pools
+and the registry agree (``sim.audit``).
 """
 
 from __future__ import annotations

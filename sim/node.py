@@ -20,6 +20,7 @@ from registry import (
     metrics,
 )
 from sim.audit import audit
+from sim.checkpoints import hit_limit, prefill
 from sim.config import FleetConfig
 from sim.kv_pool import KVBlockPool
 from sim.timings import Timings
@@ -122,10 +123,12 @@ class Node:
         with timed("match_kv_prefix"):
             cached, _ = reg.match_kv_prefix(hashes)
         matched = len(cached)
+        rule = self.config.mamba_checkpoints
+        reach = min(matched, hit_limit(rule, len(request.tokens), size))
         usable = 0
-        if matched:
+        if reach:
             with timed("match_mamba_farthest"):
-                usable = reg.match_mamba_farthest(hashes[:matched])
+                usable = reg.match_mamba_farthest(hashes[:reach])
         acquired: list[int] = []
         allocated: list[int] = []
         try:
@@ -160,16 +163,26 @@ class Node:
         elif usable:
             totals.mamba_restore_misses += 1
             usable = 0
+        plan = prefill(rule, len(request.tokens), size, matched, usable)
         totals.prompt_blocks += len(hashes)
-        totals.kv_hit_blocks += matched
+        totals.kv_hit_blocks += plan.kv_hit
         totals.usable_hit_blocks += usable
         totals.prefill_tokens_saved += usable * size
-        # Checkpoint the Mamba state at the prompt's last block (a later turn restores it).
-        if not self.mamba.holds(blocks[-1], hashes[-1]):
-            conv = torch.randn((self.config.layers, 1, *self.config.conv_shape))
-            ssm = torch.randn((self.config.layers, 1, *self.config.ssm_shape))
-            with timed("store_mamba (register_mamba)"):
-                self.mamba.store([blocks[-1]], [hashes[-1]], conv, ssm)
+        self._checkpoint([(blocks[i], hashes[i]) for i in plan.checkpoints])
+
+    def _checkpoint(self, points: list[tuple[int, int]]) -> None:
+        """Keep the Mamba state at ``points`` (block, hash) not held yet, where the rule
+        puts them (``sim.checkpoints``): a later request restores it. A pool smaller than
+        the points keeps the farthest ones."""
+        wanted = [(b, h) for b, h in points if not self.mamba.holds(b, h)]
+        wanted = wanted[-self.config.mamba_slots :]
+        if not wanted:
+            return
+        layers, count = self.config.layers, len(wanted)
+        conv = torch.randn((layers, count, *self.config.conv_shape))
+        ssm = torch.randn((layers, count, *self.config.ssm_shape))
+        with self.timings.timed("store_mamba (register_mamba)"):
+            self.mamba.store([b for b, _ in wanted], [h for _, h in wanted], conv, ssm)
 
     def _resync(self, totals: Totals) -> None:
         """After a fault: keep only what the registry and this node agree on."""

@@ -78,7 +78,7 @@ from pcr.cli.inspection import (
     command_watch,
 )
 from pcr.cli.serve import add_parser as add_serve_parser
-from pcr.cli.simulate import command_simulate
+from pcr.cli.simulate import MAMBA_CHECKPOINTS, command_simulate
 from registry.core.errors import (
     RegistryError,
     translate,
@@ -160,6 +160,14 @@ def _add_simulate(commands: Any, url_default: str | None) -> None:
         "--block-size", type=positive_arg, default=16, help="tokens per block (default 16)"
     )
     sim.add_argument("--seed", type=seed_arg, default=0, help="workload seed (default 0)")
+    sim.add_argument(
+        "--mamba-checkpoints",
+        choices=MAMBA_CHECKPOINTS,
+        default=MAMBA_CHECKPOINTS[0],
+        help="where a node keeps Mamba state: vllm (default) at each prompt's last block "
+        "boundary before its last token and where it shares a prefix with a cached one, as "
+        "vLLM does; last-block at its last full block only",
+    )
     sim.add_argument(
         "--json", metavar="FILE", help="also write the figures to FILE (checked before the run)"
     )

@@ -18,6 +18,10 @@ from pcr.cli import common
 from pcr.cli.common import CommandError, UsageError, check_writable, shown_url, talking, write_json
 from pcr.tables import format_table, percent
 
+MAMBA_CHECKPOINTS = ("vllm", "last-block")
+"""``--mamba-checkpoints``' choices, the default first: ``sim.checkpoints.MAMBA_CHECKPOINTS``,
+spelled out so that building the parser needs no torch."""
+
 
 def _progress_bar(label: str) -> Callable[[int, int], None]:
     last = [-1]
@@ -141,6 +145,7 @@ def command_simulate(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         key_prefix=args.key_prefix,
         workload=WorkloadConfig(requests=args.requests, seed=args.seed),
+        mamba_checkpoints=args.mamba_checkpoints,
     )
     _check_simulate_sizes(config)
     bridge = _bridge_config(args)
@@ -160,8 +165,8 @@ def command_simulate(args: argparse.Namespace) -> int:
             stack.enter_context(_expected_gaps(bridge.drop_every > 0))
         print(
             f"pcr simulate: {config.nodes} nodes x {config.kv_blocks} KV blocks, "
-            f"{config.mamba_slots} Mamba slots, {args.requests} requests, seed {args.seed}, "
-            f"on {where}{_fed(bridge)}",
+            f"{config.mamba_slots} Mamba slots ({config.mamba_checkpoints} checkpoints), "
+            f"{args.requests} requests, seed {args.seed}, on {where}{_fed(bridge)}",
             flush=True,
         )
         results = _runs(args, client, config, bridge, where, simulate)
