@@ -6,12 +6,13 @@ Python method that calls it (reads of one key are plain HMGET/HGET and need none
 each loaded script is still one self-contained, atomic unit on the server.
 
 :class:`ScriptRunner` is the only way the project executes a script: EVALSHA of the
-locally computed SHA1, SCRIPT LOAD and one retry on NOSCRIPT (a restart, a failover,
-``SCRIPT FLUSH``), pipelines included, and every Redis fault translated once through
-``registry.core.errors.translate``. :class:`AsyncScriptRunner` is its twin on
-``redis.asyncio``: the NOSCRIPT rule (``needs_reload``, one reload and one retry in
-``with_reload`` / ``with_reload_async``), the errors and the batches are shared, only
-the round trips are awaited.
+locally computed SHA1, SCRIPT LOAD and a retry on NOSCRIPT (a restart, a failover,
+``SCRIPT FLUSH``; at most ``RELOAD_ROUNDS`` times), pipelines included, and every Redis
+fault translated once through ``registry.core.errors.translate``.
+:class:`AsyncScriptRunner` is its twin on ``redis.asyncio``: the NOSCRIPT rule
+(``needs_reload``, a load and a retry per NOSCRIPT in ``with_reload`` /
+``with_reload_async``), the errors and the batches are shared, only the round trips are
+awaited.
 """
 
 from __future__ import annotations
@@ -332,7 +333,7 @@ class ScriptRunner:
     def reloading(self, send: Callable[[], list[Any]]) -> list[Any]:
         """The replies of ``send()``, a batch of EVALSHA commands its caller built and
         sends its own way (the mirror's flusher); when one is NOSCRIPT, every script is
-        loaded and the whole batch sent once more, so each command must tolerate a
+        loaded and the whole batch sent again (``with_reload``), so each command must tolerate a
         re-sent copy (a write's request id makes it a no-op). Redis faults propagate."""
         return with_reload(send, self.load)
 
@@ -364,13 +365,21 @@ def needs_reload(replies: Sequence[Any]) -> bool:
     return any(isinstance(reply, NoScriptError) for reply in replies)
 
 
+RELOAD_ROUNDS = 2
+"""Loads one call may need: a NOSCRIPT, then another when the resend went elsewhere
+(a Cluster failover between the two: the slot's new primary was a replica when the
+scripts were loaded on every primary, and SCRIPT LOAD does not replicate)."""
+
+
 def with_reload(send: Callable[[], list[Any]], load: Callable[[], object]) -> list[Any]:
-    """``send()``'s replies (error replies as exception objects); when they carry a
-    NOSCRIPT, ``load()`` the scripts and ``send()`` once more (every script call here
-    tolerates a re-sent copy). The one NOSCRIPT path of ``ScriptRunner``, one call or a
-    batch."""
+    """``send()``'s replies (error replies as exception objects); while they carry a
+    NOSCRIPT, ``load()`` the scripts and ``send()`` again, at most ``RELOAD_ROUNDS``
+    times (every script call here tolerates a re-sent copy). The one NOSCRIPT path of
+    ``ScriptRunner``, one call or a batch."""
     replies = send()
-    if needs_reload(replies):
+    for _ in range(RELOAD_ROUNDS):
+        if not needs_reload(replies):
+            break
         load()
         replies = send()
     return replies
@@ -381,7 +390,9 @@ async def with_reload_async(
 ) -> list[Any]:
     """``with_reload`` for ``redis.asyncio``: the same rule, awaited."""
     replies = await send()
-    if needs_reload(replies):
+    for _ in range(RELOAD_ROUNDS):
+        if not needs_reload(replies):
+            break
         await load()
         replies = await send()
     return replies
