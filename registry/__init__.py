@@ -30,7 +30,7 @@ from registry.core.errors import (
     RegistryWrongType,
     StaleEpochError,
 )
-from registry.core.hashing import block_hashes
+from registry.core.hashing import ChainKeys, block_hashes, chain_root, request_chain_keys
 from registry.core.keys import NamespaceKeys
 from registry.core.local import LocalPrefixCacheRegistry
 from registry.core.notices import EvictionNotice, parse_notice, parse_stream_entry
@@ -46,6 +46,7 @@ from registry.routing.routing import PrefixRouter
 
 __all__ = [
     "AsyncPrefixRouter",
+    "ChainKeys",
     "EvictionHook",
     "EvictionNotice",
     "FleetView",
@@ -71,10 +72,12 @@ __all__ = [
     "RegistryWrongType",
     "StaleEpochError",
     "block_hashes",
+    "chain_root",
     "collect_dead",
     "live_nodes",
     "parse_notice",
     "parse_stream_entry",
+    "request_chain_keys",
 ]
 __version__ = "0.1.0"
 

@@ -88,9 +88,13 @@ class BlockStored:
     group_idx: int | None
     kv_cache_spec_kind: str | None
     lora_name: str | None = None
+    salt: str | None = None
+    """The cache salt the first block's extra keys carry (vLLM publishes it only for a
+    prompt's first block, so only an event without a parent has one)."""
     keyed: bool = False
-    """Whether any block carries extra keys (multimodal inputs, a LoRA name, a cache
-    salt): then the engine's hash covers more than the tokens."""
+    """Whether a block carries extra keys the registry's chain cannot fold in (multimodal
+    inputs, prompt embeddings, keys in no known place): then the engine's hash covers
+    more than the tokens, the salt and the LoRA name."""
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,8 @@ def _block_stored(raw: list[Any] | Mapping[Any, Any], where: str) -> BlockStored
             f"block_size {block_size}"
         )
     parent = f.get("parent_block_hash")
+    lora_name = _optional_str(f.get("lora_name"), f"{tag} lora_name")
+    salt, keyed = _extra_keys(f.get("extra_keys"), lora_name, parent is None, f"{tag} extra_keys")
     return BlockStored(
         block_hashes=_hashes(f["block_hashes"], f"{tag} block_hashes"),
         parent_block_hash=None
@@ -221,16 +227,39 @@ def _block_stored(raw: list[Any] | Mapping[Any, Any], where: str) -> BlockStored
         medium=_optional_str(f.get("medium"), f"{tag} medium"),
         group_idx=_optional_int(f.get("group_idx"), f"{tag} group_idx", minimum=0),
         kv_cache_spec_kind=_optional_str(f.get("kv_cache_spec_kind"), f"{tag} kv_cache_spec_kind"),
-        lora_name=_optional_str(f.get("lora_name"), f"{tag} lora_name"),
-        keyed=_keyed(f.get("extra_keys"), f"{tag} extra_keys"),
+        lora_name=lora_name,
+        salt=salt,
+        keyed=keyed,
     )
 
 
-def _keyed(value: object, field: str) -> bool:
-    """``extra_keys`` is nil or one entry per block (nil, or that block's extra keys)."""
+def _extra_keys(
+    value: object, lora_name: str | None, at_start: bool, field: str
+) -> tuple[str | None, bool]:
+    """(the cache salt, whether other keys are present) from ``extra_keys``: nil, or one
+    entry per listed block, nil or that block's keys untagged in vLLM's order (the LoRA
+    name when ``lora_name`` is set, ``(mm_identifier, offset)`` pairs, the cache salt on
+    a prompt's first block, prompt-embedding digests). Keys that do not start with
+    ``lora_name`` (when set), or anything past it but one string in the first entry of
+    an event that starts a prompt (``at_start``), count as other keys."""
     if value is None:
-        return False
-    return any(item is not None for item in _list(value, field))
+        return None, False
+    salt = None
+    for i, entry in enumerate(_list(value, field)):
+        keys: object = [] if entry is None else entry
+        if not isinstance(keys, list):
+            return None, True
+        if lora_name is not None and keys:
+            if keys[0] != lora_name:
+                return None, True
+            keys = keys[1:]
+        if not keys:
+            continue
+        if i == 0 and at_start and len(keys) == 1 and isinstance(keys[0], str):
+            salt = keys[0]
+            continue
+        return None, True
+    return salt, False
 
 
 def _block_removed(raw: list[Any] | Mapping[Any, Any], where: str) -> BlockRemoved:

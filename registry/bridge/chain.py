@@ -9,6 +9,11 @@ group's ``block_hashes`` list only the blocks that hold a state (the step's last
 block, the prompt's last block boundary; none at all on other steps). Such a hash is
 placed by the position its engine hash has in the chain (the attention group lists the
 same hash for the same block, in this batch or before), never guessed.
+
+A prompt's chain starts where ``block_hashes`` starts it for the event's cache salt
+(the first block's extra keys) and LoRA name (``lora_name``): ``chain_root``. A Mamba
+event that does not list a prompt's first block shows no salt; its blocks take the
+digests the attention group's blocks have (known, or started in the same batch).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from registry.bridge.counts import FollowerCounts
 from registry.bridge.picture import STORE, EnginePicture
 from registry.bridge.source import EngineSource
 from registry.core.errors import translate
-from registry.core.hashing import ZERO_PARENT, chain_digests, digest_hash
+from registry.core.hashing import chain_digests, chain_root, digest_hash
 from registry.core.validation import text
 from registry.namespace.redis_registry import PrefixCacheRegistry
 
@@ -129,11 +134,12 @@ class HashChain:
         self._learn_groups(batch)
         self._fetch_parents(batch)
         positions = self._sparse_positions(batch)
+        roots = self._batch_roots(batch)
         ops: list[Any] = []
         blocks = 0
         for event in batch.events:
             if isinstance(event, BlockStored):
-                stored = self._stored(event, positions)
+                stored = self._stored(event, positions, roots)
                 ops.extend(stored)
                 blocks += len(event.block_hashes) if stored else 0
             elif isinstance(event, BlockRemoved):
@@ -178,7 +184,8 @@ class HashChain:
 
     def _placement(self, event: BlockStored) -> _Placement | None:
         """Where a stored event's blocks go, or None (counted) when they are not
-        bridged: another medium or group kind, extra keys or a LoRA, another size."""
+        bridged: another medium or group kind, extra keys the chain cannot fold in (or
+        a LoRA known only by its id), another size."""
         n = len(event.block_hashes)
         medium = self._medium(event.medium, n)
         if medium is None:
@@ -195,7 +202,7 @@ class HashChain:
             self.counts.other_groups += n
             self.note(f"kind:{kind}", f"blocks of {kind!r} groups are not bridged")
             return None
-        if event.keyed or event.lora_name is not None or event.lora_id:
+        if event.keyed or (event.lora_id and event.lora_name is None):
             self.counts.keyed_blocks += n
             return None
         size = event.block_size
@@ -219,13 +226,18 @@ class HashChain:
         slot = self._slot(event.group_idx, medium)
         return None if slot is None else _Placement(slot, map_name, size)
 
-    def _stored(self, event: BlockStored, positions: dict[int, int]) -> list[Any]:
+    def _stored(
+        self, event: BlockStored, positions: dict[int, int], roots: dict[int, bytes]
+    ) -> list[Any]:
         placement = self._placement(event)
         if placement is None:
             return []
         n = len(event.block_hashes)
         if event.parent_block_hash is None:
-            parent, depth = ZERO_PARENT, -1
+            root = self._start(event, roots)
+            if root is None:
+                return []
+            parent, depth = root, -1
         else:
             known = self.digests.get(event.parent_block_hash)
             if known is None:
@@ -241,6 +253,51 @@ class HashChain:
             return self._store(event.block_hashes, digests, depth + 1, placement)
         return self._store_states(event.block_hashes, digests, depth + 1, placement, positions)
 
+    def _root(self, event: BlockStored) -> bytes | None:
+        """Where a prompt's chain starts for the event's salt and LoRA name; None (the
+        blocks counted as keyed) for a salt or name ``chain_root`` refuses."""
+        try:
+            return chain_root(event.salt, event.lora_name)
+        except (TypeError, ValueError) as exc:
+            self.counts.keyed_blocks += len(event.block_hashes)
+            self.note("chain_root", f"blocks whose chain cannot start: {exc}")
+            return None
+
+    def _start(self, event: BlockStored, roots: dict[int, bytes]) -> bytes | None:
+        """The chain start of an event without a parent: its own salt's and LoRA's, or,
+        for a Mamba event listing no salt, the start the batch's attention blocks of the
+        same hashes have (a salt shows only on a prompt's first block)."""
+        if event.salt is None:
+            for h in event.block_hashes:
+                if h in roots:
+                    return roots[h]
+        return self._root(event)
+
+    def _batch_roots(self, batch: EventBatch) -> dict[int, bytes]:
+        """Engine hash -> chain start of the blocks that the batch's events listing every
+        block chain from a prompt's start; empty unless a Mamba event without a parent
+        lists fewer blocks than it spans (the only events that may hide their salt)."""
+        if not any(
+            isinstance(e, BlockStored) and e.parent_block_hash is None and self._sparse(e)
+            for e in batch.events
+        ):
+            return {}
+        roots: dict[int, bytes] = {}
+        for event in batch.events:
+            if not isinstance(event, BlockStored) or event.keyed or self._sparse(event):
+                continue
+            p = event.parent_block_hash
+            if p is None:
+                try:
+                    root: bytes | None = chain_root(event.salt, event.lora_name)
+                except (TypeError, ValueError):
+                    continue
+            else:
+                root = roots.get(p)
+            if root is not None:
+                roots.update(dict.fromkeys(event.block_hashes, root))
+        return roots
+
     def _store_states(
         self,
         hashes: Sequence[int],
@@ -252,7 +309,10 @@ class HashChain:
         """A Mamba event listing fewer blocks than its tokens span: each hash stored at
         the position its engine hash has (``first`` is the position of the tokens'
         first block), in runs of consecutive positions; a hash at no known position
-        inside the span, or out of order, is counted and left out."""
+        inside the span, or out of order, is counted and left out. A hash whose digest
+        this process knows keeps it (the chain start a Mamba event shows may lack the
+        salt of the prompt's first block)."""
+        digests = list(digests)
         ops: list[Any] = []
         run: list[int] = []
         start = last = first - 1
@@ -266,6 +326,9 @@ class HashChain:
                 run = []
             if not run:
                 start = at
+            known = self.digests.get(h) or self.picture.digest(h)
+            if known is not None and known[1] == at:
+                digests[at - first] = known[0]
             run.append(h)
             last = at
         if run:

@@ -7,6 +7,10 @@ and the whole 32-byte digest chains into the next block. The block's hash is the
 never occur). A salt replaces the zero start with
 ``sha256(b"megatron-prefix-cache-salt-v1\\0" + salt)``, Megatron-Core's derivation,
 so salted hashes also match the engines' and tenants cannot share or probe blocks.
+A LoRA adapter's name starts the chain from
+``sha256(b"prefix-cache-registry-lora-v1\\0" + len(name) + name + start)`` instead
+(``start``: the salted or zero start, ``len`` 4 bytes big-endian), so blocks an engine
+keys by adapter (vLLM) are listed apart from the base model's (:func:`chain_root`).
 Torch is not imported: tensors are read through ``.tolist()``.
 """
 
@@ -16,7 +20,8 @@ import hashlib
 import operator
 import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from registry.core.types import MAX_HASH
@@ -24,7 +29,17 @@ from registry.core.validation import is_number
 
 ZERO_PARENT = bytes(32)
 SALT_DOMAIN = b"megatron-prefix-cache-salt-v1\0"
+LORA_DOMAIN = b"prefix-cache-registry-lora-v1\0"
 HASH_MODULUS = MAX_HASH
+MAX_SALT_BYTES = 4096
+"""The longest salt (UTF-8 bytes) a chain takes: a cache salt is a tenant's tag, not data
+(vLLM accepts 128 characters, ``pcr serve`` 1,024)."""
+MAX_LORA_BYTES = 1024
+"""The longest LoRA adapter name (UTF-8 bytes) a chain takes."""
+MAX_REQUEST_SALT = 128
+"""The longest ``cache_salt`` vLLM accepts on a request, in characters."""
+FORBIDDEN_SALT_CHARS = frozenset("@/\\\0")
+"""Characters vLLM refuses in a request's ``cache_salt``."""
 
 
 def _int64_bytes(tokens: Any) -> bytes:
@@ -66,21 +81,100 @@ def _int64_bytes(tokens: Any) -> bytes:
     return packed.tobytes()
 
 
-def block_hashes(tokens: Any, block_size: int, *, salt: str | bytes | None = None) -> list[int]:
-    """Hashes in [1, 2^63-1] of every complete ``block_size``-token block of ``tokens``."""
+@dataclass(frozen=True)
+class ChainKeys:
+    """What an engine's block hashes cover besides the tokens: a tenant's cache salt and
+    the LoRA adapter a request runs on (both None: the base model, unsalted). Pass them
+    to :func:`block_hashes` as ``salt=keys.salt, lora=keys.lora``."""
+
+    salt: str | None = None
+    lora: str | None = None
+
+
+def _utf8(value: str, what: str, limit: int) -> bytes:
+    """``value`` as UTF-8, at most ``limit`` bytes long, else ``ValueError``."""
+    try:
+        data = value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate
+        raise ValueError(f"{what} is not valid Unicode text: {exc.reason}") from None
+    if len(data) > limit:
+        raise ValueError(f"{what} is {len(data)} bytes long in UTF-8; at most {limit} are allowed")
+    return data
+
+
+def chain_root(salt: str | bytes | None = None, lora: str | None = None) -> bytes:
+    """The 32-byte digest a prompt's first block chains from: zero bytes for the base
+    model unsalted, Megatron-Core's salt derivation for a salt, and over that the LoRA
+    adapter's name (length-prefixed, so no two (salt, lora) pairs share a start).
+    ``TypeError``/``ValueError`` for a salt that is not str/bytes of at most
+    ``MAX_SALT_BYTES``, or a LoRA name that is not a non-empty str of at most
+    ``MAX_LORA_BYTES``."""
+    if salt is None:
+        root = ZERO_PARENT
+    elif isinstance(salt, str):
+        root = hashlib.sha256(SALT_DOMAIN + _utf8(salt, "salt", MAX_SALT_BYTES)).digest()
+    elif isinstance(salt, bytes):
+        if len(salt) > MAX_SALT_BYTES:
+            raise ValueError(
+                f"salt is {len(salt)} bytes long; at most {MAX_SALT_BYTES} are allowed"
+            )
+        root = hashlib.sha256(SALT_DOMAIN + salt).digest()
+    else:
+        raise TypeError(f"salt must be str, bytes or None, not {type(salt).__name__}")
+    if lora is None:
+        return root
+    if not isinstance(lora, str):
+        raise TypeError(f"lora must be an adapter name (str) or None, not {type(lora).__name__}")
+    if not lora:
+        raise ValueError("lora must be a non-empty adapter name")
+    name = _utf8(lora, "lora", MAX_LORA_BYTES)
+    return hashlib.sha256(LORA_DOMAIN + len(name).to_bytes(4, "big") + name + root).digest()
+
+
+def block_hashes(
+    tokens: Any,
+    block_size: int,
+    *,
+    salt: str | bytes | None = None,
+    lora: str | None = None,
+) -> list[int]:
+    """Hashes in [1, 2^63-1] of every complete ``block_size``-token block of ``tokens``,
+    chained from :func:`chain_root` of ``salt`` (a tenant's cache salt) and ``lora``
+    (the name of the LoRA adapter the request runs on); without either, the plain
+    Megatron-Core chain."""
     if not is_number(block_size, integer=True):
         raise TypeError(f"block_size must be an int, not {type(block_size).__name__}")
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")
-    if salt is None:
-        parent = ZERO_PARENT
-    elif isinstance(salt, str):
-        parent = hashlib.sha256(SALT_DOMAIN + salt.encode("utf-8")).digest()
-    elif isinstance(salt, bytes):
-        parent = hashlib.sha256(SALT_DOMAIN + salt).digest()
-    else:
-        raise TypeError(f"salt must be str, bytes or None, not {type(salt).__name__}")
+    parent = chain_root(salt, lora)
     return [digest_hash(d) for d in chain_digests(parent, tokens, block_size)]
+
+
+def request_chain_keys(
+    cache_salt: object = None, *, model: object = None, adapters: Collection[str] = ()
+) -> ChainKeys:
+    """The keys an engine (vLLM) hashes a request's blocks under: its ``cache_salt``
+    (checked as vLLM checks it: a non-empty string of at most 128 characters without
+    ``@``, ``/``, ``\\`` or NUL; vLLM refuses any other) and, when the request's
+    ``model`` is one of the LoRA ``adapters`` the engine serves, that adapter's name
+    (a base model's name keys nothing). ``TypeError``/``ValueError`` for a salt the
+    engine would refuse, before anything is hashed or sent."""
+    if cache_salt is not None:
+        if not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string, not {type(cache_salt).__name__}")
+        if not cache_salt:
+            raise ValueError("cache_salt must be a non-empty string if given")
+        if len(cache_salt) > MAX_REQUEST_SALT:
+            raise ValueError(f"cache_salt must be at most {MAX_REQUEST_SALT} characters")
+        if not FORBIDDEN_SALT_CHARS.isdisjoint(cache_salt):
+            raise ValueError("cache_salt must not contain '@', '/', '\\' or NUL")
+        _utf8(cache_salt, "cache_salt", MAX_SALT_BYTES)
+    if isinstance(adapters, (str, bytes)):
+        raise TypeError("adapters must be a collection of adapter names, not one string")
+    lora = model if isinstance(model, str) and model and model in adapters else None
+    if lora is not None:
+        _utf8(lora, "model", MAX_LORA_BYTES)
+    return ChainKeys(cache_salt, lora)
 
 
 def chain_digests(parent: bytes, tokens: Any, block_size: int) -> list[bytes]:

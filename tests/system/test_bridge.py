@@ -670,24 +670,25 @@ def test_keyed_blocks_and_orphans_are_skipped_never_rerooted(rig: Rig, client: A
             # A multimodal block in the middle: the whole event is keyed.
             stored(ha[:2], None, a[: 2 * BS], BS, extra_keys=[None, ["mm-hash", 0]]),
             stored(ha[2:], ha[1], a[2 * BS :], BS),  # its child: an orphan
-            stored(hb, None, b, BS, lora_name="adapter-1"),  # a LoRA
+            stored(hb, None, b, BS, lora_name="adapter-1"),  # a LoRA: its own chain
             stored(hc, None, c_, BS, extra_keys=[None, None, None]),  # no keys at all
             # An unknown parent: never re-rooted at position 0.
             stored(hd[1:], 987654321, d[BS:], BS),
         ]
     )
     wait_applied(client, ns, seq, bridge)
-    assert kv(client, ns) == listed((c_, 3))
+    adapter = block_hashes(b, BS, lora="adapter-1")
+    assert kv(client, ns) == listed((c_, 3)) | {h: i for i, h in enumerate(adapter)}
     for tokens in (a, b, d, d[BS:]):
         assert match(client, ns, tokens) == []
     got = counts(bridge, ns)
-    assert (got["keyed_blocks"], got["orphans"], got["blocks_stored"]) == (5, 3, 3)
-    # A LoRA id alone keys the block too.
+    assert (got["keyed_blocks"], got["orphans"], got["blocks_stored"]) == (2, 3, 6)
+    # A LoRA id without a name keys the block: no router can name its chain.
     payload = msgpack.packb({"ts": 1.0, "events": [["BlockStored", hd[:1], None, d[:BS], BS, 7]]})
     seq = engine.publish_raw(payload)
     wait_applied(client, ns, seq, bridge)
     assert match(client, ns, d) == []
-    assert counts(bridge, ns)["keyed_blocks"] == 6
+    assert counts(bridge, ns)["keyed_blocks"] == 3
     assert_quiet(bridge, ns, "orphans")
 
 
