@@ -23,6 +23,7 @@ import aiohttp
 
 from pcr.gateway.backends import Backend
 from pcr.gateway.balance import Choice
+from pcr.gateway.models import unknown_model
 from pcr.gateway.outcomes import Ending, answered, count_error, ended, started
 from pcr.gateway.replies import (
     Message,
@@ -35,7 +36,7 @@ from pcr.gateway.replies import (
     respond,
 )
 from pcr.gateway.state import GatewayState
-from pcr.gateway.tokens import BadBody, PromptIds, prompt_ids, prompt_tokens
+from pcr.gateway.tokens import BadBody, PromptIds, chain_keys, prompt_ids, prompt_tokens
 
 PROXIED = {"/v1/completions": False, "/v1/chat/completions": True}
 """The proxied paths, and whether each takes chat messages."""
@@ -93,20 +94,26 @@ async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat
     size = state.config.block_size
     routed = state.config.policy != "round-robin"
     hashed = state.config.policy == "prefix"
+    adapters = state.models.adapters  # a salt, an adapter: hashed as the engine does
     try:  # a large body in the helper process: never parsed on the loop
         body, ids = await state.parser.parse(
-            raw, chat, state.max_tokens, size if routed else None, hashed
+            raw, chat, state.max_tokens, size if routed else None, hashed, adapters
         )
         if not state.backends:
             await answer_error(send, 503, "no backend is configured or announced")
             return
+        serving = state.models.serving(body.get("model"), state.backends)
+        if not serving:  # no backend lists the model (pcr.gateway.models)
+            await answer_error(send, 404, unknown_model(body.get("model")))
+            return
         if routed and ids is None:
             tokens = await prompt_tokens(state.tokenizer, body, chat)
-            ids = None if tokens is None else await prompt_ids(tokens, size, hashed)
+            keys = chain_keys(body, adapters)
+            ids = None if tokens is None else await prompt_ids(tokens, size, hashed, keys)
     except BadBody as refused:  # not JSON, or a prompt over the model's length
         await answer_error(send, 400, str(refused))
         return
-    order, outcome = await state.choose(ids)
+    order, outcome = await state.choose(ids, serving)  # those serving its model
     if state.metrics.on:
         state.metrics.routed_as[outcome].inc()
     watch = _ClientWatch(receive)

@@ -19,6 +19,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 ERROR_KIND = {
     400: "bad request",
+    404: "not found",
     499: "client closed request",
     502: "bad gateway",
     503: "unavailable",

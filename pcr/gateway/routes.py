@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
-import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pcr.gateway.backends import kept_backends
 from pcr.gateway.proxy import PROXIED, Proxy
-from pcr.gateway.replies import openai_error, reply_headers
-from pcr.gateway.state import SCRAPE_TIMEOUT, GatewayState
+from pcr.gateway.replies import openai_error
+from pcr.gateway.state import GatewayState
 
 
 def gateway_state(request: Request) -> GatewayState:
@@ -23,17 +23,17 @@ def gateway_state(request: Request) -> GatewayState:
 
 
 async def models(request: Request) -> Response:
-    """The first reachable backend's ``/v1/models`` (they serve the same model)."""
+    """Every model the backends serve (``pcr.gateway.models``), each once, read from
+    them now."""
     state = gateway_state(request)
     assert state.http is not None
-    for backend in state.candidates():
-        try:
-            async with state.http.get(f"{backend.url}/v1/models", timeout=SCRAPE_TIMEOUT) as reply:
-                content = await reply.read()
-                return Response(content, status_code=reply.status, headers=reply_headers(reply))
-        except (aiohttp.ClientError, TimeoutError):
-            backend.mark(state.metrics, up=False)
-    return openai_error(503, "no backend answered")
+    backends = list(state.backends.values())
+    await state.models.read(state.http, backends)
+    listing = state.models.listing(b.namespace for b in backends)
+    if not listing:
+        return openai_error(503, "no backend answered")
+    content = json.dumps({"object": "list", "data": listing}, separators=(",", ":")).encode()
+    return Response(content, media_type="application/json")
 
 
 async def health(request: Request) -> JSONResponse:

@@ -21,6 +21,7 @@ from pcr.gateway.balance import Choice, Kin, cached_tokens, ranked
 from pcr.gateway.config import GatewayConfig
 from pcr.gateway.exchange import LoadExchange, RegistryHealth, discover
 from pcr.gateway.metrics import GatewayMetrics
+from pcr.gateway.models import REFRESH_S, ModelCatalog
 from pcr.gateway.tokens import BodyParser, PromptIds, PromptTokenizer
 from registry.core.errors import RegistryError
 from registry.core.validation import prefix_hashes
@@ -85,6 +86,7 @@ class GatewayState:
             self.tokenizer.max_tokens if self.tokenizer is not None else None
         )
         self.parser = BodyParser()
+        self.models = ModelCatalog()  # what each backend serves (pcr.gateway.models)
         self.metrics = GatewayMetrics.get()
         self.http: aiohttp.ClientSession | None = None
         self.health = RegistryHealth(self.metrics)
@@ -138,7 +140,9 @@ class GatewayState:
         # them from the reply (a replica tells its peers of each request's start and end
         # only once it knows of some).
         await self.exchange.share_quietly()
+        await self.models.refresh(self.http, self.backends)
         loops = [self._every(self.config.share_interval, self._tick)]
+        loops.append(self._every(REFRESH_S, self._read_models))
         if self.config.announced:
             loops.append(self._every(self.config.discover_interval, self._discover))
         loops.append(self.exchange.listen())
@@ -189,6 +193,10 @@ class GatewayState:
         async with asyncio.timeout(max(1.0, self.config.registry_timeout)), gate.turn():
             await discover(router, self.registry.client, self.registry.key_prefix, self.backends)
 
+    async def _read_models(self) -> None:
+        assert self.http is not None
+        await self.models.refresh(self.http, self.backends)
+
     async def _tick(self) -> None:
         """The periodic exchange (``LoadExchange.tick``), after asking the fleet view
         whether it still follows Redis."""
@@ -197,11 +205,16 @@ class GatewayState:
 
     # -- choosing ------------------------------------------------------------------------
 
-    def candidates(self) -> list[Backend]:
-        """Backends not known to refuse connections; all of them when every one is."""
+    def candidates(self, allowed: frozenset[str] | None = None) -> list[Backend]:
+        """Backends not known to refuse connections; all of them when every one is.
+        ``allowed``: only the backends of these namespaces (those serving the request's
+        model, of a tenant's own)."""
         now = time.monotonic()
-        ready = [b for b in self.backends.values() if b.refused_until <= now]
-        return ready or list(self.backends.values())
+        backends = list(self.backends.values())
+        if allowed is not None:
+            backends = [b for b in backends if b.namespace in allowed]
+        ready = [b for b in backends if b.refused_until <= now]
+        return ready or backends
 
     async def cached(self, names: list[str], ids: PromptIds) -> dict[str, int] | None:
         """Each backend's cached prefix of the prompt in tokens, from the registry; None
@@ -247,9 +260,12 @@ class GatewayState:
                 self.health.mark(fresh, RegistryError("the fleet view is not following Redis"))
         return self.health.up
 
-    async def choose(self, ids: PromptIds | None) -> tuple[list[Choice], str]:
-        """The backends in the order to try them, and the routing outcome."""
-        backends = self.candidates()
+    async def choose(
+        self, ids: PromptIds | None, allowed: frozenset[str] | None = None
+    ) -> tuple[list[Choice], str]:
+        """The backends in the order to try them (of ``allowed``' namespaces alone, when
+        given: no other backend is scored), and the routing outcome."""
+        backends = self.candidates(allowed)
         names = [b.namespace for b in backends]
         if not names:
             return [], "load"

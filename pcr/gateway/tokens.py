@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pcr.gateway.balance import prompt_root
-from registry.core.hashing import block_hashes
+from registry.core.hashing import ChainKeys, block_hashes, request_chain_keys
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +113,60 @@ class PromptIds:
     hashes: list[int] | None
 
 
-def ids_of(tokens: list[int], block_size: int, hashed: bool) -> PromptIds:
-    hashes = block_hashes(tokens, block_size) if hashed else None
-    return PromptIds(len(tokens), prompt_root(tokens, block_size), hashes)
+NO_KEYS = ChainKeys()
+"""An unsalted request on a base model: the plain chain."""
 
 
-async def prompt_ids(tokens: list[int], block_size: int, hashed: bool) -> PromptIds:
+def chain_keys(body: dict[str, Any], adapters: frozenset[str] = frozenset()) -> ChainKeys:
+    """What the engine keys the request's block hashes by besides its tokens: its
+    ``cache_salt`` and, when its ``model`` is one of the backends' LoRA ``adapters``,
+    that adapter (``registry.core.hashing.request_chain_keys``); ``BadBody`` for a salt
+    vLLM would refuse, so it is answered 400 before anything is routed."""
+    salt = body.get("cache_salt")
+    model = body.get("model")
+    if salt is None and not (isinstance(model, str) and model in adapters):
+        return NO_KEYS
+    try:
+        return request_chain_keys(salt, model=model, adapters=adapters)
+    except (TypeError, ValueError) as exc:
+        raise BadBody(str(exc)) from None
+
+
+TENANT_SALT_DOMAIN = b"pcr-tenant-salt-v1\0"
+
+
+def tenant_salt(tenant: str, cache_salt: str | None) -> str:
+    """The ``cache_salt`` to send on for a tenant's request, so that no two tenants can
+    share a salt, whatever they send (none included): ``t-`` and 64 hex digits of
+    sha256 over the tenant and its own salt, a salt vLLM accepts. The hook for tenant
+    salts: with API keys that name tenants (``pcr.web.auth``), the gateway would set the
+    body's ``cache_salt`` to this before hashing (``chain_keys``) and forwarding; not
+    wired yet (see the gateway guide, "Salted and LoRA requests")."""
+    name = tenant.encode("utf-8", "surrogatepass")
+    own = b"\0" if cache_salt is None else b"\1" + cache_salt.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(TENANT_SALT_DOMAIN + len(name).to_bytes(4, "big") + name + own)
+    return "t-" + digest.hexdigest()
+
+
+def ids_of(
+    tokens: list[int], block_size: int, hashed: bool, keys: ChainKeys = NO_KEYS
+) -> PromptIds:
+    """The prompt's ids for routing, its hashes chained from ``keys`` as the engine's are
+    (a salted or adapter prompt's kin are the prompts with the same keys too)."""
+    hashes = block_hashes(tokens, block_size, salt=keys.salt, lora=keys.lora) if hashed else None
+    root = prompt_root(tokens, block_size)
+    if keys != NO_KEYS and root is not None:
+        root = (keys.salt, keys.lora, root)
+    return PromptIds(len(tokens), root, hashes)
+
+
+async def prompt_ids(
+    tokens: list[int], block_size: int, hashed: bool, keys: ChainKeys = NO_KEYS
+) -> PromptIds:
     """``ids_of``, hashed in a worker thread when the prompt is long."""
     if hashed and len(tokens) > HASH_IN_LOOP:
-        return await asyncio.to_thread(ids_of, tokens, block_size, hashed)
-    return ids_of(tokens, block_size, hashed)
+        return await asyncio.to_thread(ids_of, tokens, block_size, hashed, keys)
+    return ids_of(tokens, block_size, hashed, keys)
 
 
 def too_many(count: int, limit: int) -> PromptTooLong:
@@ -131,11 +176,18 @@ def too_many(count: int, limit: int) -> PromptTooLong:
 
 
 def parse_body(
-    raw: bytes, chat: bool, max_tokens: int | None, block_size: int | None, hashed: bool
+    raw: bytes,
+    chat: bool,
+    max_tokens: int | None,
+    block_size: int | None,
+    hashed: bool,
+    adapters: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Any], PromptIds | None]:
     """The body as a JSON object, and for a completion with a prompt of token ids its
-    ``PromptIds`` (``block_size`` None: not wanted); ``BadBody`` for a body that is not
-    a JSON object, ``PromptTooLong`` for a prompt of token ids over ``max_tokens``.
+    ``PromptIds`` (``block_size`` None: not wanted), hashed under the request's
+    ``chain_keys`` (``adapters``: the LoRA adapters the backends serve); ``BadBody`` for
+    a body that is not a JSON object or has a ``cache_salt`` the engine would refuse,
+    ``PromptTooLong`` for a prompt of token ids over ``max_tokens``.
 
     Also run in the helper process: a prompt of token ids is then left out of the body
     it answers (its ids say what routing needs; the raw body is what is forwarded)."""
@@ -145,6 +197,7 @@ def parse_body(
         raise BadBody("the body is not JSON") from None
     if not isinstance(body, dict):
         raise BadBody("the body must be a JSON object")
+    keys = chain_keys(body, adapters)
     if chat:
         return body, None
     prompt = body.get("prompt")
@@ -153,15 +206,20 @@ def parse_body(
             if isinstance(one, list) and len(one) > max_tokens:
                 raise too_many(len(one), max_tokens)
     tokens = token_prompt(body)
-    ids = None if tokens is None or block_size is None else ids_of(tokens, block_size, hashed)
+    ids = None if tokens is None or block_size is None else ids_of(tokens, block_size, hashed, keys)
     return body, ids
 
 
 def _parse_apart(
-    raw: bytes, chat: bool, max_tokens: int | None, block_size: int | None, hashed: bool
+    raw: bytes,
+    chat: bool,
+    max_tokens: int | None,
+    block_size: int | None,
+    hashed: bool,
+    adapters: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Any], PromptIds | None]:
     """``parse_body`` in the helper process: a prompt that is not text stays there."""
-    body, ids = parse_body(raw, chat, max_tokens, block_size, hashed)
+    body, ids = parse_body(raw, chat, max_tokens, block_size, hashed, adapters)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], str)):
         body = {k: v for k, v in body.items() if k != "prompt"}
@@ -178,20 +236,27 @@ class BodyParser:
         self._pool: ProcessPoolExecutor | None = None
 
     async def parse(
-        self, raw: bytes, chat: bool, max_tokens: int | None, block_size: int | None, hashed: bool
+        self,
+        raw: bytes,
+        chat: bool,
+        max_tokens: int | None,
+        block_size: int | None,
+        hashed: bool,
+        adapters: frozenset[str] = frozenset(),
     ) -> tuple[dict[str, Any], PromptIds | None]:
+        args = (raw, chat, max_tokens, block_size, hashed, adapters)
         if len(raw) <= PARSE_IN_LOOP:
-            return parse_body(raw, chat, max_tokens, block_size, hashed)
+            return parse_body(*args)
         if self._pool is None:
             context = multiprocessing.get_context("spawn")  # the gateway runs threads
             self._pool = ProcessPoolExecutor(2, mp_context=context)
         try:
-            future = self._pool.submit(_parse_apart, raw, chat, max_tokens, block_size, hashed)
+            future = self._pool.submit(_parse_apart, *args)
             return await asyncio.wrap_future(future)
         except BrokenProcessPool:  # the helper died (killed, out of memory): a new one
             self._pool = None
             log.warning("the gateway's body parser process died; starting another")
-            return await asyncio.to_thread(_parse_apart, raw, chat, max_tokens, block_size, hashed)
+            return await asyncio.to_thread(_parse_apart, *args)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -3,6 +3,10 @@ in a thread of the test process, on a free loopback port, that answers
 ``/v1/completions`` and ``/v1/chat/completions`` (streamed and not), ``/v1/models`` and
 ``/metrics`` like vLLM, and records what it was sent.
 
+``models`` is what its ``/v1/models`` lists (``model_list``: a base model and its LoRA
+adapters, each adapter with its ``parent`` as vLLM lists them; None: the 404 an engine
+without that route would answer); ``models_read`` counts the reads.
+
 What a test can make it do: hold every reply until ``release`` is set (requests stay in
 flight), stream chunks one at a time as ``chunk_gate`` is released, report a queue and a
 KV-cache usage on ``/metrics``, answer a status of the test's choosing, and notice a
@@ -41,6 +45,8 @@ class FakeEngine:
     cancelled: int = 0
     completed: int = 0
     in_flight: int = 0
+    models: list[dict[str, Any]] | None = field(default_factory=lambda: model_list("tiny"))
+    models_read: int = 0
 
     def __post_init__(self) -> None:
         self.release = threading.Event()
@@ -113,7 +119,11 @@ class FakeEngine:
             raise
 
     async def _models(self, _request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+        with self._lock:
+            self.models_read += 1
+        if self.models is None:
+            return JSONResponse({"detail": "Not Found"}, 404)
+        return JSONResponse({"object": "list", "data": self.models})
 
     async def _metrics(self, _request: Request) -> Response:
         lines = [
@@ -153,6 +163,15 @@ class FakeEngine:
             for connection in list(server.server_state.connections):
                 connection.loop.call_soon_threadsafe(connection.transport.abort)
         self.stop()
+
+
+def model_list(base: str, *adapters: str) -> list[dict[str, Any]]:
+    """A ``/v1/models`` listing as vLLM writes it: the base model (``parent`` null), then
+    each LoRA adapter (``parent``: the base model)."""
+    entries = [{"id": base, "object": "model", "root": base, "parent": None}]
+    for name in adapters:
+        entries.append({"id": name, "object": "model", "root": f"/loras/{name}", "parent": base})
+    return entries
 
 
 def wait_in_flight(engine: FakeEngine, count: int, timeout: float = 30.0) -> None:

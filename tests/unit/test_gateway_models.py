@@ -1,0 +1,102 @@
+"""What the gateway knows of the backends' models (``pcr.gateway.models``) and how it keys
+a request's hashes by its salt and adapter (``pcr.gateway.tokens.chain_keys``): no I/O."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pcr.gateway.models import ModelCatalog, served_of
+from pcr.gateway.tokens import BadBody, chain_keys, ids_of, parse_body, tenant_salt
+from registry import block_hashes, request_chain_keys
+
+PROMPT = list(range(10, 43))
+
+
+def listing(base: str, *adapters: str) -> dict[str, object]:
+    data = [{"id": base, "object": "model", "parent": None}]
+    data += [{"id": a, "object": "model", "parent": base} for a in adapters]
+    return {"object": "list", "data": data}
+
+
+def test_served_of_reads_adapters_by_their_parent() -> None:
+    served = served_of(listing("tiny", "sql-lora", "chat-lora"))
+    assert served is not None
+    assert served.models == {"tiny", "sql-lora", "chat-lora"}
+    assert served.adapters == {"sql-lora", "chat-lora"}
+    shapes: tuple[object, ...] = (None, [], {"data": "x"}, "text", {"data": None})
+    for shape in shapes:
+        assert served_of(shape) is None
+    odd = served_of({"data": [{"id": ""}, {"id": 5}, "x", {"id": "m", "parent": 3}, {"id": "m"}]})
+    assert odd is not None
+    assert (odd.models, odd.adapters, len(odd.entries)) == (frozenset({"m"}), frozenset(), 1)
+
+
+def test_serving_leaves_out_only_backends_known_not_to_serve() -> None:
+    catalog = ModelCatalog()
+    catalog.learn("a", served_of(listing("tiny", "sql-lora")))
+    catalog.learn("b", served_of(listing("tiny")))
+    names = ["a", "b", "c"]  # c: not known
+    assert catalog.serving("sql-lora", names) == {"a", "c"}
+    assert catalog.serving("tiny", names) == {"a", "b", "c"}
+    assert catalog.serving("nobody", names) == {"c"}
+    assert catalog.serving("nobody", ["a", "b"]) == frozenset()
+    assert catalog.serving(None, ["a", "b"]) == {"a", "b"}  # the engine's default model
+    assert catalog.adapters == {"sql-lora"}
+    catalog.keep_only(["b"])
+    assert catalog.adapters == frozenset()
+    assert [m["id"] for m in catalog.listing()] == ["tiny"]
+
+
+def test_listing_is_the_union_once_each() -> None:
+    catalog = ModelCatalog()
+    catalog.learn("b", served_of(listing("tiny", "y")))
+    catalog.learn("a", served_of(listing("tiny", "x")))
+    assert [m["id"] for m in catalog.listing()] == ["tiny", "x", "y"]
+    assert [m["id"] for m in catalog.listing(["b"])] == ["tiny", "y"]
+    catalog.learn("b", None)
+    assert [m["id"] for m in catalog.listing()] == ["tiny", "x"]
+
+
+def test_chain_keys_match_the_registry_and_refuse_bad_salts() -> None:
+    adapters = frozenset({"sql-lora"})
+    body = {"model": "sql-lora", "cache_salt": "t1", "prompt": PROMPT}
+    keys = chain_keys(body, adapters)
+    assert keys == request_chain_keys("t1", model="sql-lora", adapters=adapters)
+    ids = ids_of(PROMPT, 4, True, keys)
+    assert ids.hashes == block_hashes(PROMPT, 4, salt="t1", lora="sql-lora")
+    assert ids.hashes != block_hashes(PROMPT, 4)
+    assert ids.root != ids_of(PROMPT, 4, True).root  # kin: only the same keys
+    assert chain_keys({"model": "tiny"}, adapters).lora is None
+    assert chain_keys({"model": ["x"]}, adapters).lora is None  # unhashable: not an adapter
+    bad: tuple[object, ...] = ("", "a/b", "@", "\\", "\0", "s" * 129, 5, [], {})
+    for salt in bad:
+        with pytest.raises(BadBody, match="cache_salt"):
+            chain_keys({"cache_salt": salt}, adapters)
+
+
+def test_parse_body_hashes_a_token_prompt_under_its_keys() -> None:
+    raw = json.dumps({"model": "sql-lora", "cache_salt": "t1", "prompt": PROMPT}).encode()
+    _body, ids = parse_body(raw, False, None, 4, True, frozenset({"sql-lora"}))
+    assert ids is not None
+    assert ids.hashes == block_hashes(PROMPT, 4, salt="t1", lora="sql-lora")
+    _body, plain = parse_body(raw, False, None, 4, True)  # the adapter not known
+    assert plain is not None
+    assert plain.hashes == block_hashes(PROMPT, 4, salt="t1")
+    with pytest.raises(BadBody, match="cache_salt"):
+        parse_body(b'{"cache_salt": "a/b", "messages": []}', True, None, 4, True)
+
+
+def test_tenant_salts_never_collide_and_are_salts_vllm_takes() -> None:
+    salts = {
+        tenant_salt(tenant, salt)
+        for tenant in ("a", "b", "a\x01")
+        for salt in (None, "", "x", "\x01x")
+    }
+    assert len(salts) == 12
+    for salt in salts:
+        assert re.fullmatch(r"t-[0-9a-f]{64}", salt)
+        assert request_chain_keys(salt).salt == salt
+    assert tenant_salt("a", "x") == tenant_salt("a", "x")
