@@ -96,3 +96,23 @@ def engines(python: str, model: Path, log_dir: Path) -> Iterator[list[VllmEngine
 def engine(engines: list[VllmEngine]) -> VllmEngine:
     """The first of them (the bridge tests: one engine at a time)."""
     return engines[0]
+
+
+@pytest.fixture(scope="session")
+def hybrid_models(python: str, log_dir: Path) -> Path:
+    """The tiny hybrid models (``make_tiny_hybrid.py``: one directory per architecture),
+    built with the engine venv's python once per run (``PCR_ENGINE_HYBRID_MODELS`` names
+    ready ones)."""
+    given = os.environ.get("PCR_ENGINE_HYBRID_MODELS")
+    if given:
+        return Path(given)
+    out = log_dir / "hybrid-models"
+    built = subprocess.run(
+        [python, str(Path(__file__).with_name("make_tiny_hybrid.py")), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if built.returncode != 0:
+        pytest.fail(f"building the hybrid models failed:\n{built.stderr[-3000:]}")
+    return out

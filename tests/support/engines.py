@@ -73,6 +73,11 @@ class VllmEngine:
     replay_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    options: tuple[str, ...] = ()
+    """More engine flags (``hybrid_options`` for the hybrid models)."""
+    cache_bytes: int | None = None
+    """``--kv-cache-memory-bytes`` (None: ``kv_cache_bytes`` for ``kv_blocks`` blocks of the
+    Llama; a hybrid engine gets room to spare and its count from ``hybrid_options``)."""
     core: int | None = None
     """The core its worker is bound to (``VLLM_CPU_OMP_THREADS_BIND``; None: vLLM's own
     choice). vLLM's automatic binding puts every engine's worker on the same core, and a
@@ -104,17 +109,19 @@ class VllmEngine:
             "buffer_steps": 10_000,
             "topic": "",
         }
+        cache_bytes = self.cache_bytes or kv_cache_bytes(self.model, self.kv_blocks)
         return [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--block-size", str(BLOCK_SIZE),
             "--max-model-len", str(MAX_MODEL_LEN),
-            "--kv-cache-memory-bytes", str(kv_cache_bytes(self.model, self.kv_blocks)),
+            "--kv-cache-memory-bytes", str(cache_bytes),
             "--enable-prefix-caching",
             "--max-num-seqs", "4",
             "--dtype", "float32",
             "--kv-events-config", json.dumps(events),
+            *self.options,
         ]  # fmt: skip
 
     def start(self, timeout: float = START_TIMEOUT) -> VllmEngine:
@@ -240,6 +247,29 @@ class VllmEngine:
     def reset_prefix_cache(self) -> None:
         reply = httpx.post(f"{self.url}/reset_prefix_cache", timeout=30)
         reply.raise_for_status()
+
+
+HYBRID_BLOCKS = 48
+"""The hybrid engines' cache: attention blocks and Mamba states share it (each state takes
+one block of every Mamba group), so evictions come within a few dozen requests."""
+HYBRID_CACHE_BYTES = 8 << 20
+"""Room for more than ``HYBRID_BLOCKS`` blocks of either tiny hybrid model (FalconH1 fits
+61 blocks in 4 MiB): the count itself is set by ``--num-gpu-blocks-override``, since a
+hybrid model's page size (attention and Mamba pages padded to one size) is vLLM's to
+work out."""
+
+
+def hybrid_options(blocks: int = HYBRID_BLOCKS) -> tuple[str, ...]:
+    """The flags vllm-cpu 0.32 needs to serve a hybrid (attention + Mamba2) model with
+    prefix caching: one block per engine step (with more, the CPU Mamba2 scan returns only
+    each sequence's final state and the first prompt fails in ``mamba_mixer2.py`` with an
+    IndexError), no CUDA-graph-style compilation (``--enforce-eager``), and ``blocks``
+    blocks in the cache."""
+    return (
+        "--max-num-batched-tokens", str(BLOCK_SIZE),
+        "--enforce-eager",
+        "--num-gpu-blocks-override", str(blocks),
+    )  # fmt: skip
 
 
 def predicted_hit_tokens(cached_blocks: int, prompt_tokens: int) -> int:
