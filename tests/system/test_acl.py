@@ -20,9 +20,12 @@ as those the Python side sends itself. What the tests establish:
 
 from __future__ import annotations
 
+import asyncio
 import re
+import shlex
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +41,7 @@ from registry import (
 )
 from registry.core.keys import node_index_key
 from registry.transport.scripts import script_source
+from tests.support import REPO_ROOT
 from tests.support.servers import HOST, RedisServer, require_redis_server
 
 pytestmark = pytest.mark.redis_server
@@ -81,23 +85,43 @@ NODE_COMMANDS = (
 # that knows them refuses them with NOPERM under this ACL and logs each refusal.
 HANDSHAKE_EXTRAS = ("client|setinfo", "client|maint_notifications")
 
+OK = (b"OK", "OK", True)
 A1, A2, A3, A4 = 1_000_001, 1_000_002, 1_000_003, 1_000_004
 B1, B2, B3 = 2_000_001, 2_000_002, 2_000_003
 
 
+RECIPES = REPO_ROOT / "docs" / "acl"  # one file per role, in aclfile form (the guide shows them)
+ROLES = ("node", "router", "bridge", "gc")
+ROLE_PASSWORDS = {"router": "router-Pw-3Tz", "bridge": "bridge-Pw-7Lm", "gc": "gc-Pw-2Vw"}
+ALL_PASSWORDS = {**PASSWORDS, **ROLE_PASSWORDS}
+
+
+def recipe(role: str) -> tuple[str, list[str]]:
+    """The user name and ``ACL SETUSER`` rules of ``docs/acl/<role>.acl`` (one ``user``
+    line, the password written ``>PASSWORD``)."""
+    lines = (RECIPES / f"{role}.acl").read_text().splitlines()
+    assert len(lines) == 1, f"{role}.acl: one user line"
+    keyword, user, *rules = lines[0].split()
+    assert keyword == "user"
+    assert rules.count(">PASSWORD") == 1, f"{role}.acl: the password is written >PASSWORD"
+    return user, rules
+
+
 def acl_rules(user: str) -> list[str]:
-    """The ``ACL SETUSER <user>`` arguments for the serving node whose namespace is ``user``."""
+    """The ``ACL SETUSER <user>`` arguments for the serving node whose namespace is
+    ``user``: the node recipe (written for ``node-a``) with its names and password."""
+    _name, rules = recipe("node")
     return [
-        "reset",  # start from nothing: off, no passwords, keys, channels or commands
-        "on",
-        f">{PASSWORDS[user]}",
-        f"~{PREFIX}:{{{user}}}:*",  # the namespace's keys: kv, mamba, meta, mamba-evictions
-        f"~{NODE_INDEX}",  # the shared node index (claim and renew announce the lease)
-        "resetchannels",
-        f"&{PREFIX}:{{{user}}}:*",  # the namespace's channel, mamba-evicted
-        "-@all",
-        *(f"+{command}" for command in NODE_COMMANDS),
+        f">{PASSWORDS[user]}" if rule == ">PASSWORD" else rule.replace("node-a", user)
+        for rule in rules
     ]
+
+
+def role_rules(role: str) -> tuple[str, list[str]]:
+    """A role's user and rules, with the test's password for it."""
+    user, rules = recipe(role)
+    password = ALL_PASSWORDS[user]
+    return user, [f">{password}" if rule == ">PASSWORD" else rule for rule in rules]
 
 
 def command(client: redis.Redis, *args: Any) -> Any:
@@ -117,7 +141,7 @@ def pubsub(client: redis.Redis) -> Any:
 
 
 def url_for(server: RedisServer, user: str) -> str:
-    return f"redis://{user}:{PASSWORDS[user]}@{HOST}:{server.port}/0"
+    return f"redis://{user}:{ALL_PASSWORDS[user]}@{HOST}:{server.port}/0"
 
 
 def text(value: Any) -> str:
@@ -177,17 +201,17 @@ def next_message(pubsub: Any, timeout: float = 5.0) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RedisServer]:
-    """A redis-server of this module's own, with the users node-a and node-b."""
+    """A redis-server of this module's own, with the users node-a and node-b and one
+    user of each other role (router, bridge, gc), all from ``docs/acl``."""
     require_redis_server()
     with RedisServer() as started:
         admin = started.client()
         try:
             for user in PASSWORDS:
-                assert command(admin, "ACL", "SETUSER", user, *acl_rules(user)) in (
-                    b"OK",
-                    "OK",
-                    True,
-                )
+                assert command(admin, "ACL", "SETUSER", user, *acl_rules(user)) in OK
+            for role in ROLES[1:]:
+                user, rules = role_rules(role)
+                assert command(admin, "ACL", "SETUSER", user, *rules) in OK
         finally:
             admin.close()
         yield started
@@ -542,3 +566,361 @@ def test_the_shared_node_index_is_not_isolated(admin: redis.Redis, connect: Conn
     assert "node-b" in live_nodes(node_a.client)
     assert router.score([B1, B2])["node-b"].kv_prefix == 2
     assert node_b.match_kv_prefix([B1, B2]) == ([11, 12], B2)
+
+
+# -- the recipes of the other roles (docs/acl) --------------------------------------------
+
+ADMIN_ONLY = (  # what no role's user may send
+    ("FLUSHALL",),
+    ("CONFIG", "GET", "maxmemory"),
+    ("CONFIG", "SET", "maxmemory", "1"),
+    ("EVAL", "return 1", 0),
+    ("SCRIPT", "FLUSH"),
+    ("SCRIPT", "KILL"),
+    ("ACL", "LIST"),
+    ("KEYS", "*"),
+    ("FLUSHDB",),
+    ("FUNCTION", "FLUSH"),
+    ("SHUTDOWN", "NOSAVE"),
+)
+
+
+def denied(exc: BaseException) -> bool:
+    """Refused by the ACL, at the top level or inside a script (the registry's calls
+    raise RegistryPermissionError with redis-py's error as the cause)."""
+    cause = exc.__cause__ if isinstance(exc, RegistryPermissionError) else exc
+    return cause is not None and refused_in_script(cause)
+
+
+def granted(role: str) -> set[str]:
+    """The commands a role's recipe grants (``+name``), lower case."""
+    _user, rules = recipe(role)
+    return {rule[1:] for rule in rules if rule.startswith("+")}
+
+
+def login(server: RedisServer, user: str, **options: Any) -> redis.Redis:
+    return redis.Redis.from_url(url_for(server, user), **options)
+
+
+def role_used(admin: redis.Redis) -> set[str]:
+    """Commands counted since the last ``CONFIG RESETSTAT``, less the admin's own and the
+    login (which needs no grant)."""
+    return set(used_commands(admin)) - {"info", "config|resetstat", "acl|log", "hello", "auth"}
+
+
+def assert_admin_only_refused(client: redis.Redis) -> None:
+    for args in ADMIN_ONLY:
+        with pytest.raises(ResponseError) as refused:
+            command(client, *args)
+        assert is_noperm(refused.value), f"{args}: {refused.value!r}"
+
+
+def test_the_guide_shows_each_recipe_as_written() -> None:
+    """docs/guides/security.md shows every docs/acl/*.acl line verbatim, and the node
+    lines of its per-node section are the node recipe, quoted for a shell."""
+    guide = (REPO_ROOT / "docs" / "guides" / "security.md").read_text()
+    files = sorted(path.stem for path in RECIPES.glob("*.acl"))
+    assert files == sorted(ROLES)
+    for role in ROLES:
+        line = (RECIPES / f"{role}.acl").read_text().strip()
+        assert f"\n{line}\n" in guide, f"{role}.acl is not shown in the security guide"
+    shown = [
+        shlex.split(found)
+        for found in re.findall(r"^redis-cli ACL SETUSER (node-a .*)$", guide, re.MULTILINE)
+    ]
+    _user, rules = recipe("node")
+    assert shown == [["node-a", *[">PASSWORD_A" if r == ">PASSWORD" else r for r in rules]]]
+
+
+def test_the_recipes_load_as_an_aclfile(tmp_path: Path) -> None:
+    """The four lines, passwords filled in, are a valid ``aclfile`` for redis-server; each
+    user logs in and holds what its line says."""
+    require_redis_server()
+    lines = []
+    for role in ROLES:
+        user, rules = role_rules(role) if role != "node" else ("node-a", acl_rules("node-a"))
+        lines.append(" ".join(["user", user, *rules]))
+    aclfile = tmp_path / "users.acl"
+    aclfile.write_text("\n".join(lines) + "\n")
+    with RedisServer(extra_args=["--aclfile", str(aclfile)]) as loaded:
+        admin = loaded.client()
+        try:
+            for role in ROLES:
+                user = recipe(role)[0]
+                client = login(loaded, user)
+                try:
+                    assert client.ping() is True
+                    users = {text(c["user"]) for c in admin.client_list()}
+                    assert user in users
+                finally:
+                    client.close()
+                info = {text(k): v for k, v in command(admin, "ACL", "GETUSER", user).items()}
+                listed = text(info["commands"]).split()
+                assert listed[0] == "-@all"
+                assert {c.lstrip("+") for c in listed[1:]} == granted(role)
+        finally:
+            admin.close()
+
+
+def make_dead(admin: redis.Redis, namespace: str) -> PrefixCacheRegistry:
+    """A claimed namespace with entries whose lease ended in 1970 (meta and index)."""
+    dead = PrefixCacheRegistry(admin, namespace)
+    dead.claim(lease_ttl=60.0)
+    dead.register_kv([1], [A1])
+    admin.hset(dead.keys.meta, "lease_until", 1)
+    admin.zadd(NODE_INDEX, {namespace: 1})
+    return dead
+
+
+def scores_of(scores: Any) -> dict[str, int]:
+    return {name: score.kv_prefix for name, score in scores.items()}
+
+
+def test_the_router_reads_the_fleet_and_writes_nothing(
+    server: RedisServer, admin: redis.Redis, connect: Connect
+) -> None:
+    """``router.acl``: the per-namespace score (``PrefixRouter``, ``AsyncPrefixRouter``),
+    the live namespaces, the engine table and a ``FleetView`` following the change
+    records all work, with exactly the granted commands; no write of any kind does."""
+    from registry import NodeIndex
+    from registry.fleet.view import FleetView
+    from tests.support.waiting import wait_until
+
+    node_a = connect("node-a")
+    node_a.claim(lease_ttl=60.0)
+    node_a.register_kv([1, 2], [A1, A2])
+    admin.hset("pcr:engines", "node-a", "http://10.0.0.7:8000")
+    admin.script_flush()  # the router loads the scripts it runs itself (SCRIPT LOAD)
+    admin.config_resetstat()
+
+    router = login(server, "router", health_check_interval=0.001)
+    view: FleetView | None = None
+    try:
+        assert scores_of(PrefixRouter(router, live_cache_ttl=0.0).score([A1, A2, A3])) == {
+            **scores_of(PrefixRouter(admin, live_cache_ttl=0.0).score([A1, A2, A3])),
+            "node-a": 2,
+        }
+        assert "node-a" in NodeIndex(router).live()
+        assert NodeIndex(router).engines()["node-a"] == "http://10.0.0.7:8000"
+        asyncio.run(async_router_reads(server))
+        view = FleetView(router).start()
+        view.sync(["node-a"])
+        assert view.score([A1, A2, A3])["node-a"].kv_prefix == 2
+        time.sleep(0.01)  # past the health-check interval: the next call PINGs first
+        assert "node-a" in NodeIndex(router).live()
+
+        assert refusals(admin, "router") == []
+        assert role_used(admin) == granted("router")
+
+        # The view follows node-a's writes (PSUBSCRIBE to every namespace's changes).
+        node_a.register_kv([3], [A3])
+        wait_until(lambda: view.score([A1, A2, A3])["node-a"].kv_prefix == 3, what="A3 seen")
+        dead = make_dead(admin, "dead-r")
+        before = [snapshot(admin, node_a), snapshot(admin, dead)]
+        refused_router_writes(router, node_a)
+        assert [snapshot(admin, node_a), snapshot(admin, dead)] == before
+        assert refusals(admin, "router")  # each refusal was logged
+    finally:
+        if view is not None:
+            view.close()
+        router.close()
+
+
+async def async_router_reads(server: RedisServer) -> None:
+    """``pcr serve`` and ``pcr gateway``'s router: score and the engine table."""
+    import redis.asyncio as aredis
+
+    from registry.routing.aio_routing import AsyncPrefixRouter
+
+    client = aredis.Redis.from_url(url_for(server, "router"))
+    try:
+        scores = await AsyncPrefixRouter(client, live_cache_ttl=0.0).score([A1, A2])
+        assert scores["node-a"].kv_prefix == 2
+        assert (await AsyncPrefixRouter(client).engines())["node-a"] == "http://10.0.0.7:8000"
+    finally:
+        await client.aclose()
+
+
+def refused_router_writes(router: redis.Redis, node_a: PrefixCacheRegistry) -> None:
+    k = node_a.keys
+    as_router = PrefixCacheRegistry(router, "node-a")
+    attempts: dict[str, Callable[[], object]] = {
+        "register_kv": lambda: as_router.register_kv([9], [A4]),
+        "evict_kv": lambda: as_router.evict_kv([A1]),
+        "claim": as_router.claim,
+        "HSET": lambda: router.hset(k.kv, str(A4), "9"),
+        "HDEL": lambda: router.hdel(k.kv, str(A1)),
+        "UNLINK": lambda: router.unlink(k.kv),
+        "ZADD": lambda: router.zadd(NODE_INDEX, {"node-a": 1}),
+        "ZREM": lambda: router.zrem(NODE_INDEX, "node-a"),
+        "PUBLISH": lambda: router.publish(k.changes_channel, "node-a x 1 forged"),
+        "gc": lambda: collect_dead(router),
+    }
+    for name, attempt in attempts.items():
+        with pytest.raises((ResponseError, RegistryPermissionError)) as refused:
+            attempt()
+        assert denied(refused.value), f"{name}: {refused.value!r}"
+    # A script of its own runs only the commands the router holds.
+    sneaky = router.script_load("return redis.call('HSET', KEYS[1], 'x', '1')")
+    with pytest.raises(ResponseError) as refused:
+        router.evalsha(sneaky, 1, k.kv)
+    assert refused_in_script(refused.value)
+    assert_admin_only_refused(router)
+
+
+BRIDGED = ("engine-0", "engine-1")  # the namespaces bridge.acl is written for
+BS = 4
+
+
+def bridge_session(client: redis.Redis, admin: redis.Redis, rounds: list[str]) -> list[int]:
+    """Run ``pcr bridge``'s ``Bridge`` as ``client`` for the two engines of bridge.acl:
+    each round starts a bridge, has each engine store a 4-block prompt and remove its
+    last block, and stops it (a second round resumes the namespaces: ``bridge_resume``,
+    the picture read back with HSCAN). Returns the namespaces' ``resumed`` counts."""
+    zmq = pytest.importorskip("zmq")
+    pytest.importorskip("msgpack")
+    from registry.bridge.bridge import Bridge, EngineSource
+    from registry.core.hashing import block_hashes
+    from sim.engine_events import EnginePublisher, engine_chain, prompt, removed, stored
+    from tests.support.waiting import wait_until
+
+    resumed = []
+    engines = [EnginePublisher() for _ in BRIDGED]
+    try:
+        for engine in engines:
+            engine.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription is passed up
+        sources = [
+            EngineSource(
+                namespace,
+                engine.endpoint,
+                block_size=BS,
+                replay_endpoint=engine.replay_endpoint,
+                engine_url=f"http://10.0.0.{i + 1}:8000",
+            )
+            for i, (namespace, engine) in enumerate(zip(BRIDGED, engines, strict=True))
+        ]
+        for seed, _round in enumerate(rounds, 1):
+            with Bridge(client, sources) as bridge:
+                assert bridge.wait_ready(30.0), (bridge.error, bridge.counts())
+                for engine in engines:
+                    subscribed(engine)
+                for namespace, engine in zip(BRIDGED, engines, strict=True):
+                    tokens = prompt(seed, 4, BS)
+                    chain = engine_chain(tokens, BS)
+                    engine.publish([stored(chain, None, tokens, BS)])
+                    seq = engine.publish([removed(chain[3:])])
+                    meta = PrefixCacheRegistry(admin, namespace).keys.meta
+                    wait_until(
+                        lambda m=meta, s=seq: admin.hget(m, "bridge_seq") == str(s).encode(),
+                        what=f"{namespace} applied through {seq}",
+                    )
+                    own = block_hashes(tokens, BS)
+                    ids, _last = PrefixCacheRegistry(admin, namespace).match_kv_prefix(own)
+                    assert ids == [0, 1, 2]
+                assert bridge.error is None
+                resumed = [bridge.counts()[n]["resumed"] for n in BRIDGED]
+    finally:
+        for engine in engines:
+            engine.close()
+    return resumed
+
+
+def subscribed(engine: Any, timeout: float = 30.0) -> None:
+    """Until a subscription reached the engine's XPUB socket."""
+    zmq = pytest.importorskip("zmq")
+    while True:
+        if not engine.pub.poll(round(timeout * 1000), zmq.POLLIN):
+            raise TimeoutError("no subscriber connected")
+        if engine.pub.recv()[:1] == b"\x01":
+            return
+
+
+def test_the_bridge_writes_its_engines_namespaces_only(
+    server: RedisServer, admin: redis.Redis, connect: Connect
+) -> None:
+    """``bridge.acl``: ``pcr bridge`` for engine-0 and engine-1 claims, writes, renews,
+    announces the engines' URLs and resumes after a restart with exactly the granted
+    commands; it reaches no other namespace and nothing of an admin's."""
+    for namespace in BRIDGED:  # whatever ran before: the first round claims afresh
+        admin.unlink(*PrefixCacheRegistry(admin, namespace).keys.all_keys())
+    admin.script_flush()
+    admin.config_resetstat()
+    client = login(server, "bridge", health_check_interval=0.001)
+    try:
+        assert bridge_session(client, admin, ["claims", "resumes"]) == [1, 1]
+        assert refusals(admin, "bridge") == []
+        assert role_used(admin) == granted("bridge")
+        assert admin.hget("pcr:engines", "engine-1") == b"http://10.0.0.2:8000"
+        live = live_nodes(admin)
+        assert set(BRIDGED) <= set(live)
+
+        node_a = connect("node-a")
+        node_a.claim(lease_ttl=60.0)
+        node_a.register_kv([1], [A1])
+        before = snapshot(admin, node_a)
+        others = PrefixCacheRegistry(client, "node-a")
+        attempts: dict[str, Callable[[], object]] = {
+            "claim node-a": others.claim,
+            "register_kv node-a": lambda: others.register_kv([2], [A2]),
+            "claim engine-2": PrefixCacheRegistry(client, "engine-2").claim,
+            "HGET node-a": lambda: client.hget(node_a.keys.meta, "epoch"),
+            "PUBLISH node-a": lambda: client.publish(node_a.keys.mamba_evicted_channel, "1 clear"),
+            "XREVRANGE": lambda: client.xrevrange(node_a.keys.mamba_evictions),
+        }
+        for name, attempt in attempts.items():
+            with pytest.raises((ResponseError, RegistryPermissionError)) as refused:
+                attempt()
+            assert denied(refused.value), f"{name}: {refused.value!r}"
+        assert_admin_only_refused(client)
+        assert snapshot(admin, node_a) == before
+    finally:
+        client.close()
+
+
+def test_gc_deletes_dead_namespaces_and_writes_nothing(
+    server: RedisServer, admin: redis.Redis, connect: Connect
+) -> None:
+    """``gc.acl``: ``pcr gc`` (the invalid members, then ``collect_dead``) and its dry
+    run work with exactly the granted commands; gc cannot write an entry, announce a
+    lease or send a node an eviction notice."""
+    from registry import NodeIndex
+
+    node_a = connect("node-a")
+    node_a.claim(lease_ttl=60.0)
+    node_a.register_kv([1], [A1])
+    dead = make_dead(admin, "dead-gc")
+    admin.zadd(NODE_INDEX, {"not a namespace": 1})
+    admin.script_flush()
+    admin.config_resetstat()
+    client = login(server, "gc", health_check_interval=0.001)
+    try:
+        index = NodeIndex(client)
+        assert "dead-gc" in index.dead()
+        assert index.invalid() == ["not a namespace"]
+        assert index.remove_invalid() == ["not a namespace"]
+        time.sleep(0.01)  # past the health-check interval: the next call PINGs first
+        assert "dead-gc" in index.collect_dead()
+        assert refusals(admin, "gc") == []
+        assert role_used(admin) == granted("gc")
+        assert [admin.exists(key) for key in dead.keys.all_keys()] == [0] * 5
+        assert admin.zscore(NODE_INDEX, "dead-gc") is None
+        assert node_a.match_kv_prefix([A1]) == ([1], A1)  # the live namespace stays
+
+        before = snapshot(admin, node_a)
+        as_gc = PrefixCacheRegistry(client, "node-a")
+        attempts: dict[str, Callable[[], object]] = {
+            "register_kv": lambda: as_gc.register_kv([2], [A2]),
+            "claim": as_gc.claim,
+            "HSET": lambda: client.hset(node_a.keys.kv, str(A2), "2"),
+            "ZADD": lambda: client.zadd(NODE_INDEX, {"node-a": 1}),
+            "PUBLISH notice": lambda: client.publish(node_a.keys.mamba_evicted_channel, "1 clear"),
+            "SUBSCRIBE": lambda: command(client, "SUBSCRIBE", node_a.keys.changes_channel),
+        }
+        for name, attempt in attempts.items():
+            with pytest.raises((ResponseError, RegistryPermissionError)) as refused:
+                attempt()
+            assert denied(refused.value), f"{name}: {refused.value!r}"
+        assert_admin_only_refused(client)
+        assert snapshot(admin, node_a) == before
+    finally:
+        client.close()
