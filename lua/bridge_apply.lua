@@ -15,9 +15,14 @@
 -- (any Mamba slot, without one). The block id stored is the block's position in its
 -- prefix (0 for the first block).
 --
--- Exactly once: a call whose last engine seq (ARGV[4]) is not above meta's bridge_seq
--- was applied already (a resend after a lost reply) and changes nothing; a claim
--- drops bridge_seq, so an engine that restarted (seq from 0 again) starts afresh.
+-- Exactly once: a call's position is its last engine seq (ARGV[4]) and, for a call that
+-- ends inside that seq's batch (a batch too large for one call is written in parts of
+-- at most a few hundred blocks, so that no call holds the server long), the batch's
+-- blocks written by the end of the call (ARGV[8]). A call whose position is not beyond
+-- meta's (bridge_seq, bridge_part; no bridge_part: that batch is complete) was applied
+-- already (a resend after a lost reply, or a restarted bridge writing again a batch it
+-- had written in part) and changes nothing; a claim drops bridge_seq, so an engine that
+-- restarted (seq from 0 again) starts afresh.
 --
 -- KEYS[1]  pcr:{node-0}:reply:5f1c2a9b03e1-7   this request's reply record
 -- KEYS[2]  pcr:{node-0}:kv                      HASH own hash -> block id
@@ -33,7 +38,10 @@
 -- ARGV[5]  "vllm"                               engine kind      (meta bridge_engine)
 -- ARGV[6]  "tcp://10.0.0.7:5557"                engine endpoint  (meta bridge_endpoint)
 -- ARGV[7]  "16"                                 block size, or "" (meta bridge_block_size)
--- ARGV[8..] operations, in order: one per event, after a "G" when the engine has Mamba groups
+-- ARGV[8]  "512"                                the blocks of seq's batch written by the end
+--                                               of this call when it ends inside the batch
+--                                               (meta bridge_part), or "": the batch is whole
+-- ARGV[9..] operations, in order: one per event, after a "G" when the engine has Mamba groups
 --   "S", slot, 'k'|'m', first block id, n, engine hashes, own hashes, digests
 --        n blocks stored; the hashes packed at 20 and 19 zero-padded digits each, the
 --        32-byte digests as 64 hex characters each
@@ -55,16 +63,33 @@ if early then return early end
 local function not_above(a, b)
   return #a < #b or (#a == #b and a <= b)
 end
-if ARGV[4] ~= '' then
-  local applied = redis.call('HGET', KEYS[4], 'bridge_seq')
-  if applied and not_above(ARGV[4], applied) then
-    return finish_write({0, 0, 0, 0})
+-- Whether the position (seq, part) was reached already (see "Exactly once").
+local function reached(seq, part)
+  local applied = redis.call('HMGET', KEYS[4], 'bridge_seq', 'bridge_part')
+  if not applied[1] then
+    return false
   end
+  if seq ~= applied[1] then
+    return not_above(seq, applied[1])
+  end
+  if not applied[2] then
+    return true  -- that batch was written whole
+  end
+  return part ~= '' and tonumber(part) <= tonumber(applied[2])
+end
+if ARGV[4] ~= '' and reached(ARGV[4], ARGV[8]) then
+  return finish_write({0, 0, 0, 0})
 end
 local meta = {'bridge_engine', ARGV[5], 'bridge_endpoint', ARGV[6]}
 if ARGV[4] ~= '' then
   meta[#meta + 1] = 'bridge_seq'
   meta[#meta + 1] = ARGV[4]
+  if ARGV[8] ~= '' then
+    meta[#meta + 1] = 'bridge_part'
+    meta[#meta + 1] = ARGV[8]
+  else
+    redis.call('HDEL', KEYS[4], 'bridge_part')
+  end
 end
 if ARGV[7] ~= '' then
   meta[#meta + 1] = 'bridge_block_size'
@@ -200,7 +225,7 @@ local function held(holders, slot)
   return holders ~= nil and #holders >= slot and string.sub(holders, slot, slot) ~= '0'
 end
 
-local i, n_args = 8, #ARGV
+local i, n_args = 9, #ARGV
 while i <= n_args do
   local op = ARGV[i]
   if op == 'S' then

@@ -27,6 +27,8 @@ STATUS_FIELDS = (
     "bad_messages",
     "orphans",
     "redis_errors",
+    "refused_events",
+    "dropped_messages",
 )
 
 
@@ -38,6 +40,20 @@ def endpoint(text: str) -> str:
         return checked_endpoint(text, "endpoint")
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size_arg(text: str) -> int:
+    """An argparse type: a positive count of bytes or blocks, ``K``/``M``/``G`` suffixes
+    taken as powers of 1,024 (``64M``)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    body = text.strip().upper().replace("_", "").replace(",", "")
+    scale = units.get(body[-1:], 1)
+    digits = body[:-1] if body[-1:] in units else body
+    if not digits.isdigit() or not 1 <= int(digits) * scale <= 1 << 40:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive whole number such as 262144 or 64M, not {text!r:.40}"
+        )
+    return int(digits) * scale
 
 
 def media(text: str) -> tuple[str, ...]:
@@ -132,6 +148,38 @@ def _add_run_options(bridge: Any) -> None:
         "--duration", type=seconds_arg, help="stop after this many seconds (default: until stopped)"
     )
     bridge.add_argument("--json", action="store_true", help="print counts as JSON lines")
+    _add_bound_options(bridge)
+
+
+def _add_bound_options(bridge: Any) -> None:
+    """The bounds on what one engine can cost the bridge and Redis."""
+    from registry.bridge.bounds import (
+        DEFAULT_MAX_EVENT_BLOCKS,
+        DEFAULT_MAX_MESSAGE_BYTES,
+        DEFAULT_MAX_QUEUE_BYTES,
+    )
+
+    bridge.add_argument(
+        "--max-message-bytes",
+        type=size_arg,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="the largest message read from an engine; ZeroMQ refuses larger ones as they "
+        "arrive (default 64M)",
+    )
+    bridge.add_argument(
+        "--max-queue-bytes",
+        type=size_arg,
+        default=DEFAULT_MAX_QUEUE_BYTES,
+        help="bytes of messages one engine may have waiting; more are dropped, counted, "
+        "and the gap resynced (default 256M)",
+    )
+    bridge.add_argument(
+        "--max-event-blocks",
+        type=size_arg,
+        default=DEFAULT_MAX_EVENT_BLOCKS,
+        help="blocks one event may list; a larger event is refused undecoded and counted "
+        "(default 262144: more than a GPU's prefix cache holds)",
+    )
 
 
 def sources(args: argparse.Namespace) -> list[EngineSource]:
@@ -212,6 +260,9 @@ def command_bridge(args: argparse.Namespace) -> int:
                 key_prefix=args.key_prefix,
                 lease_ttl=args.lease_ttl,
                 silence_timeout=args.silence_timeout,
+                max_message_bytes=args.max_message_bytes,
+                max_queue_bytes=args.max_queue_bytes,
+                max_event_blocks=args.max_event_blocks,
             )
         except ImportError as exc:
             raise CommandError(str(exc)) from None

@@ -50,13 +50,22 @@ atomic, in order, never partial. What a bridged namespace holds:
   skipped; its sequence number still counts as seen when it is the one expected next.
   Out of sequence it moves nothing (no gap, no restart): its seq may be as broken as
   its payload. While Redis is away the bridge keeps the batch and retries it
-  (``bridge_apply`` applies a call once: one whose last engine seq is not above the
-  namespace's ``bridge_seq`` changes nothing), reading nothing more; the engine's socket buffers
-  meanwhile, and what it drops shows up as a gap. A namespace Redis lost (it came back
+  (``bridge_apply`` applies a call once: one whose position, its last engine seq and
+  part, is not beyond the namespace's ``bridge_seq`` and ``bridge_part`` changes
+  nothing), reading on into a queue bounded in bytes; what does not fit is dropped,
+  counted, and shows up as a gap. A namespace Redis lost (it came back
   empty, or from a snapshot older than the bridge's claim) is claimed again and written
   again from the follower's picture of the engine (``registry.bridge.picture``), and the
   engine's URL announced again. An unexpected error in one engine's
   follower (a bug) restarts that namespace only (``internal_errors``).
+
+- **Bounds** (``registry.bridge.bounds``). No call carries more than
+  ``MAX_BLOCKS_PER_WRITE`` blocks (a larger batch is written in parts); a large batch is
+  hashed and written a ``WORK_SLICE`` at a time, the other engines served between;
+  messages over ``max_message_bytes`` are refused by ZeroMQ, events over
+  ``max_event_blocks`` before decoding, and an engine's queue holds at most
+  ``max_queue_bytes``: what is refused or dropped is counted and logged with the
+  engine's namespace.
 
 This module holds the transport: :class:`Bridge`, the ZeroMQ sockets of every engine
 on one thread. Each engine's state machine is a transport-free
@@ -83,6 +92,11 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from registry.bridge.bounds import (
+    DEFAULT_MAX_EVENT_BLOCKS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_QUEUE_BYTES,
+)
 from registry.bridge.bridge_events import BadEvent, split_replay_reply
 from registry.bridge.counts import FollowerCounts as FollowerCounts
 from registry.bridge.follower import DEFAULT_SILENCE_TIMEOUT
@@ -106,6 +120,11 @@ PROBE_TIMEOUT = 0.5
 answers in about a millisecond); unanswered probes back off."""
 
 
+WORK_SLICE = 0.05
+"""Seconds one engine's writes may take before the loop turns to the others (their
+sockets, leases and probes); a large batch is written over many turns."""
+
+
 class Bridge:
     """Follows engines' KV-event streams into their namespaces (see the module text).
 
@@ -127,6 +146,9 @@ class Bridge:
         replay_timeout: float = DEFAULT_REPLAY_TIMEOUT,
         receive_hwm: int = 100_000,
         poll_interval: float = 0.05,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
+        max_event_blocks: int = DEFAULT_MAX_EVENT_BLOCKS,
     ) -> None:
         if isinstance(sources, EngineSource) or not isinstance(sources, Sequence) or not sources:
             raise TypeError("sources must be a non-empty list of EngineSource")
@@ -143,6 +165,15 @@ class Bridge:
         if not is_number(receive_hwm, integer=True) or receive_hwm < 1:
             raise ValueError("receive_hwm must be a positive int")
         self.receive_hwm = receive_hwm
+        for name, value in (
+            ("max_message_bytes", max_message_bytes),
+            ("max_queue_bytes", max_queue_bytes),
+            ("max_event_blocks", max_event_blocks),
+        ):
+            if not is_number(value, integer=True) or not 1 <= value <= 1 << 40:
+                raise ValueError(f"{name} must be an int in [1, 2**40], not {value!r}")
+        self.max_message_bytes = max_message_bytes
+        self.max_queue_bytes = max_queue_bytes
         try:
             self._zmq: Any = importlib.import_module("zmq")
         except ImportError as exc:
@@ -162,6 +193,8 @@ class Bridge:
                 probe=self._replayer(s, timeout=min(self.replay_timeout, PROBE_TIMEOUT)),
                 lease_ttl=lease_ttl,
                 silence_timeout=silence_timeout,
+                max_event_blocks=max_event_blocks,
+                max_queue_bytes=max_queue_bytes,
             )
             for s in sources
         ]
@@ -178,14 +211,17 @@ class Bridge:
         zmq = self._zmq
         self._context = context = zmq.Context()
         sockets: list[Any] = []
+        monitors: list[Any] = []
         try:
             for follower in self.followers:
                 sock = context.socket(zmq.SUB)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, self.receive_hwm)
+                sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
                 sock.setsockopt(zmq.SUBSCRIBE, follower.source.topic.encode())
                 sock.connect(follower.source.endpoint)
                 sockets.append(sock)
+                monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
             next_start = 0.0
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -194,15 +230,23 @@ class Bridge:
                     next_start = now + 1.0
                 if not self.ready.is_set() and all(f.started for f in self.followers):
                     self.ready.set()
+                # Sockets are read while their follower is busy or blocked too: what
+                # waits is bounded in bytes (the follower's backlog), not by ZeroMQ.
                 poller = zmq.Poller()
                 for follower, sock in zip(self.followers, sockets, strict=True):
-                    if follower.started and not follower.blocked:
+                    if follower.started and not follower.stopped:
                         poller.register(sock, zmq.POLLIN)
-                events = dict(poller.poll(round(self.poll_interval * 1000)))
-                for follower, sock in zip(self.followers, sockets, strict=True):
+                for monitor in monitors:
+                    poller.register(monitor, zmq.POLLIN)
+                busy = any(f.busy for f in self.followers)
+                events = dict(poller.poll(0 if busy else round(self.poll_interval * 1000)))
+                for follower, sock, monitor in zip(self.followers, sockets, monitors, strict=True):
+                    if monitor in events:
+                        self._reconnect(follower, sock, monitor)
                     if sock in events:
-                        self._guarded(follower, partial(follower.offer, self._receive(sock)))
+                        self._guarded(follower, partial(follower.receive, self._receive(sock)))
                 for follower in self.followers:
+                    self._guarded(follower, partial(follower.work, WORK_SLICE))
                     self._guarded(follower, follower.tick)
         except BaseException as exc:
             self.error = exc
@@ -210,9 +254,32 @@ class Bridge:
             raise
         finally:
             for sock in sockets:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
                 sock.close(0)
+            for monitor in monitors:
+                monitor.close(0)
             context.term()
             self._context = None
+
+    def _reconnect(self, follower: Follower, sock: Any, monitor: Any) -> None:
+        """The connection to an engine dropped: ZeroMQ refused a message over
+        ``max_message_bytes`` (it does not connect again after that), or the engine went
+        away. Connect again, count it, say so; the engine's next message shows the gap."""
+        zmq = self._zmq
+        while monitor.poll(0, zmq.POLLIN):
+            monitor.recv_multipart()
+        follower.counts.disconnects += 1
+        follower.log.once(
+            "disconnected",
+            "the engine's connection dropped (a message over the maximum message size, "
+            f"{self.max_message_bytes} bytes, or the engine went away): connecting again",
+            warning=True,
+        )
+        endpoint = follower.source.endpoint
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disconnect(endpoint)
+        sock.connect(endpoint)
 
     @staticmethod
     def _guarded(follower: Follower, step: Callable[[], None]) -> None:
@@ -273,11 +340,13 @@ class Bridge:
         zmq = self._zmq
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         try:
             sock.connect(endpoint)
             sock.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
             batches: Replayed = []
-            while len(batches) < limit:
+            size = 0
+            while len(batches) < limit and size <= self.max_queue_bytes:
                 if not sock.poll(round(wait * 1000), zmq.POLLIN):
                     log.info("replay from %s: no answer in %.2f s", endpoint, wait)
                     return None
@@ -291,6 +360,7 @@ class Bridge:
                 if reply is None:
                     return batches
                 batches.append(reply)
+                size += len(reply[1])
             return batches
         except zmq.ZMQError as exc:
             log.warning("replay from %s failed: %s", endpoint, exc)

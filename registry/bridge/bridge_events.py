@@ -116,12 +116,28 @@ Event: TypeAlias = "BlockStored | BlockRemoved | AllBlocksCleared"
 
 @dataclass(frozen=True)
 class EventBatch:
-    """One published batch: its events in order, and how many unknown ones were skipped."""
+    """One published batch: its events in order, how many unknown ones were skipped, and
+    how many were refused for listing more blocks than allowed (with their blocks)."""
 
     ts: float
     events: tuple[Event, ...]
     data_parallel_rank: int | None
     unknown: int
+    refused: int = 0
+    refused_blocks: int = 0
+
+    def blocks(self) -> int:
+        """The blocks its stores and removals list."""
+        return sum(
+            len(e.block_hashes) for e in self.events if isinstance(e, (BlockStored, BlockRemoved))
+        )
+
+
+class _Refused:
+    """An event left undecoded for listing more blocks than allowed."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
 
 
 def engine_hash(value: object, field: str = "block hash") -> EngineHash:
@@ -317,8 +333,12 @@ def _batch(raw: object) -> EventBatch:
     if not math.isfinite(ts):
         raise BadEvent(f"batch ts must be finite, not {ts}")
     decoded: list[Event] = []
-    unknown = 0
+    unknown = refused = refused_blocks = 0
     for i, item in enumerate(_list(events, "batch events")):
+        if isinstance(item, _Refused):
+            refused += 1
+            refused_blocks += item.blocks
+            continue
         event = _event(item, f"events[{i}]")
         if event is None:
             unknown += 1
@@ -329,12 +349,18 @@ def _batch(raw: object) -> EventBatch:
         events=tuple(decoded),
         data_parallel_rank=_optional_int(rank, "batch data_parallel_rank", minimum=0),
         unknown=unknown,
+        refused=refused,
+        refused_blocks=refused_blocks,
     )
 
 
-def decode_batch(payload: bytes) -> EventBatch:
+def decode_batch(payload: bytes, max_event_blocks: int | None = None) -> EventBatch:
     """Decode one msgpack event batch (vLLM's array or map layout, or SGLang's array
-    layout); raise :class:`BadEvent` for anything that does not follow the format."""
+    layout); raise :class:`BadEvent` for anything that does not follow the format.
+
+    With ``max_event_blocks``, an event listing more block hashes than that is refused
+    (counted in ``refused``) before its fields become Python objects: its size is read
+    from the msgpack headers, the event skipped in C (``_unpack_refusing``)."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise BadEvent(f"payload must be bytes, not {type(payload).__name__}")
     try:
@@ -344,8 +370,13 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise BadEvent(
             "decoding engine events needs the msgpack package (pip install msgpack)"
         ) from exc
+    data = bytes(payload)
     try:
-        raw: object = msgpack.unpackb(bytes(payload), raw=False, strict_map_key=False)
+        raw: object
+        if max_event_blocks is not None and len(data) > max_event_blocks:
+            raw = _unpack_refusing(msgpack, data, max_event_blocks)
+        else:  # each listed hash takes a byte at least: no event can be over the limit
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise BadEvent(f"payload is not a msgpack value: {type(exc).__name__}: {exc}") from exc
     try:
@@ -354,6 +385,78 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise
     except Exception as exc:  # e.g. an unhashable map key met by a lookup
         raise BadEvent(f"malformed batch: {type(exc).__name__}: {exc}") from exc
+
+
+def _kind(data: bytes, offset: int) -> str:
+    """The msgpack type at ``offset``: ``"array"``, ``"map"`` or ``"other"``."""
+    if offset >= len(data):
+        return "other"
+    first = data[offset]
+    if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):
+        return "array"
+    if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):
+        return "map"
+    return "other"
+
+
+def _listed_blocks(msgpack: Any, data: bytes) -> int:
+    """How many block hashes one event (``data``, either layout) lists, read from its
+    headers alone (0 when it lists none, or not as an array)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(data) + 1)
+    unpacker.feed(data)
+    kind = _kind(data, 0)
+    if kind == "array":
+        if unpacker.read_array_header() < 2:
+            return 0
+        unpacker.skip()  # the tag; block_hashes comes first in both event types
+        return int(unpacker.read_array_header()) if _kind(data, unpacker.tell()) == "array" else 0
+    if kind == "map":
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "block_hashes" and _kind(data, unpacker.tell()) == "array":
+                return int(unpacker.read_array_header())
+            unpacker.skip()
+    return 0
+
+
+def _unpack_refusing(msgpack: Any, data: bytes, limit: int) -> object:
+    """``msgpack.unpackb(data)``, but every event that lists more than ``limit`` block
+    hashes left undecoded (``_Refused``): the batch and event headers are walked, each
+    event skipped in C to find its end and decoded only when it is within the limit."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(data) + 1)
+    unpacker.feed(data)
+
+    def events() -> object:
+        if _kind(data, unpacker.tell()) != "array":
+            return unpacker.unpack()
+        items: list[object] = []
+        for _ in range(unpacker.read_array_header()):
+            start = unpacker.tell()
+            unpacker.skip()
+            event = data[start : unpacker.tell()]
+            blocks = _listed_blocks(msgpack, event)
+            if blocks > limit:
+                items.append(_Refused(blocks))
+            else:
+                items.append(msgpack.unpackb(event, raw=False, strict_map_key=False))
+        return items
+
+    kind = _kind(data, 0)
+    if kind == "array":
+        raw: list[object] = []
+        for i in range(unpacker.read_array_header()):
+            raw.append(events() if i == 1 else unpacker.unpack())
+        value: object = raw
+    elif kind == "map":
+        fields: dict[object, object] = {}
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            fields[key] = events() if key == "events" else unpacker.unpack()
+        value = fields
+    else:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if unpacker.tell() != len(data):
+        raise BadEvent(f"payload has {len(data) - unpacker.tell()} bytes after the batch")
+    return value
 
 
 def split_frames(frames: Sequence[bytes]) -> tuple[str, int, bytes]:

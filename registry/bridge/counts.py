@@ -44,6 +44,12 @@ class FollowerCounts:
     rewrites: int = 0  # lost namespaces written again from the engine's picture
     rewritten_blocks: int = 0  # blocks those writes stored
     unpictured: int = 0  # stored blocks the picture had no room for
+    refused_events: int = 0  # events over max_event_blocks, left undecoded
+    refused_blocks: int = 0  # the blocks they listed
+    dropped_messages: int = 0  # messages the byte-bounded queue had no room for
+    dropped_bytes: int = 0  # their size
+    split_batches: int = 0  # batches too large for one call, written in parts
+    disconnects: int = 0  # connections to the engine dropped (an oversize message, ...)
     applied_seq: int = -1  # the last engine seq written to Redis (-1: none yet)
     bad_kinds: dict[str, int] = field(default_factory=dict)
 

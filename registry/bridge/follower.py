@@ -23,8 +23,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from registry.bridge.bounds import (
+    DEFAULT_MAX_EVENT_BLOCKS,
+    DEFAULT_MAX_QUEUE_BYTES,
+    Backlog,
+    pieces,
+)
 from registry.bridge.bridge_events import BadEvent, EventBatch, decode_batch, split_frames
 from registry.bridge.chain import HashChain
 from registry.bridge.counts import FollowerCounts, OnceLog
@@ -39,7 +46,7 @@ from registry.bridge.sequence import (
     contiguous,
 )
 from registry.bridge.source import EngineSource
-from registry.bridge.writes import PendingWrite
+from registry.bridge.writes import MAX_BLOCKS_PER_WRITE, PendingWrite
 from registry.core.errors import RegistryError, RegistryUnavailable, StaleEpochError, translate
 from registry.core.validation import text
 from registry.fleet.membership import NodeIndex
@@ -51,6 +58,15 @@ from registry.namespace.redis_registry import PrefixCacheRegistry
 log = logging.getLogger("registry.bridge.bridge")
 
 DEFAULT_SILENCE_TIMEOUT = 30.0
+
+
+@dataclass
+class _InParts:
+    """A batch being hashed and written piece by piece (``registry.bridge.bounds``)."""
+
+    seq: int
+    payload: bytes
+    pieces: deque[EventBatch]
 
 
 class _Blocked(Exception):
@@ -79,6 +95,8 @@ class Follower:
         lease_ttl: float = DEFAULT_LEASE_TTL,
         silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
+        max_event_blocks: int = DEFAULT_MAX_EVENT_BLOCKS,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
     ) -> None:
         self.registry = registry
         self.source = source
@@ -92,7 +110,10 @@ class Follower:
         self.sequence = EngineSequence()
         self.chain = HashChain(registry, source, self.counts, self.log.once)
         self.pending = PendingWrite(registry, source, self.counts)
-        self.backlog: deque[Frames] = deque()
+        self.max_event_blocks = max_event_blocks
+        self.backlog = Backlog(max_queue_bytes)
+        self.in_parts: _InParts | None = None  # a large batch being written piece by piece
+        self.dropping = False  # the backlog is dropping messages (logged once per episode)
         self.blocked_until = 0.0
         self.restart_due: str | None = None
         self.rewrite_due = False  # the restart due writes the picture again
@@ -103,6 +124,12 @@ class Follower:
     def lease_ttl(self) -> float:
         """The lease this follower holds the namespace by, in seconds."""
         return self.liveness.lease_ttl
+
+    @property
+    def busy(self) -> bool:
+        """Whether messages or pieces of a batch wait to be applied (and Redis is not
+        being waited for): the transport gives it another turn at once."""
+        return bool(self.backlog or self.in_parts) and not self.blocked
 
     @property
     def blocked(self) -> bool:
@@ -130,7 +157,7 @@ class Follower:
             except _Blocked:  # a restart is due: tick() retries it
                 self.blocked_until = self.clock() + RETRY_DELAY
                 return
-            self.backlog.extendleft(reversed(replayed))
+            self.backlog.put_back(replayed)
             self._drain()
 
     def _resume(self) -> bool:
@@ -159,12 +186,31 @@ class Follower:
         self.registry.lease_ttl = self.lease_ttl
         self.registry.announce(int(lease_until))  # the lease, in the node index
         self.sequence.last = int(seq) if seq else None
+        self._resume_part(seq)
         if size is None and block_size:
             self.chain.block_size = int(block_size)
         self.counts.resumed += 1
         self._picture_from_redis()
         log.info("%s: resumed after engine seq %s", self.log.name, seq or "(none)")
         return True
+
+    def _resume_part(self, seq: str) -> None:
+        """A batch the previous bridge wrote in part (it stopped in the middle): applied
+        again from the replay, without the blocks written already."""
+        if not seq:
+            return
+        try:
+            part = self.registry.client.hget(self.registry.keys.meta, "bridge_part")
+        except Exception as exc:
+            error = translate(exc, f"namespace {self.source.namespace!r}: bridge_part")
+            if error is None:
+                raise
+            raise error from exc
+        if part is not None and int(seq) > 0:
+            self.sequence.last = int(seq) - 1
+            self.pending.resume_after(int(seq), int(text(part)))
+            log.info("%s: resuming inside engine seq %s (%s blocks written)",
+                     self.log.name, seq, text(part))  # fmt: skip
 
     def _picture_from_redis(self) -> None:
         """A resumed namespace's ``engine-blocks`` as the picture of the engine: what the
@@ -198,34 +244,64 @@ class Follower:
         self.registry.claim(self.lease_ttl)
         self.sequence.last = None  # the window stays: the subscription may still deliver copies
         self.pending.clear()
+        self.pending.skip = None
         self.chain.forget()
 
     # -- messages -------------------------------------------------------------------------
 
     def offer(self, messages: Iterable[Frames]) -> None:
         """Queue published messages and apply what can be applied now."""
-        self.backlog.extend(messages)
-        if self.backlog:
-            self.liveness.heard()
+        self.receive(messages)
         self._drain()
 
-    def _drain(self) -> None:
+    def receive(self, messages: Iterable[Frames]) -> None:
+        """Queue published messages (without applying them). What does not fit in the
+        backlog's bytes is dropped, counted and logged; the engine's next message then
+        shows the gap, which is resynced as any other."""
+        dropped = 0
+        for frames in messages:
+            self.liveness.heard()
+            if self.backlog.put(frames):
+                continue
+            dropped += 1
+            self.counts.dropped_messages += 1
+            self.counts.dropped_bytes += sum(len(f) for f in frames)
+        if dropped and not self.dropping:
+            log.warning(
+                "%s: queue full (%d bytes waiting, max %d): dropping messages; the gap is "
+                "resynced", self.log.name, self.backlog.bytes, self.backlog.max_bytes,
+            )  # fmt: skip
+        self.dropping = bool(dropped) or (self.dropping and bool(self.backlog))
+
+    def work(self, budget: float | None = None) -> None:
+        """Apply what waits, for about ``budget`` seconds at most (None: all of it);
+        what is left waits for the next call. Nothing while blocked (``tick`` retries)."""
+        if not self.blocked:
+            self._drain(budget)
+
+    def _drain(self, budget: float | None = None) -> None:
         if self.stopped:
             return
+        deadline = None if budget is None else self.clock() + budget
         try:
             if self.restart_due is not None:
                 rewrite = self.rewrite_due
                 self._restart(self.restart_due, rewrite=rewrite)
                 if self.replay is not None and not rewrite:  # what the replay still has
-                    self.backlog.extendleft(reversed(self._recover(0, initial=True)))
-            while self.backlog:
+                    self.backlog.put_back(self._recover(0, initial=True))
+            while self.backlog or self.in_parts:
                 if self.pending.full:
                     self._flush()
-                frames = self.backlog.popleft()
+                if deadline is not None and self.clock() >= deadline:
+                    break
+                if self.in_parts is not None:
+                    self._next_piece(self.in_parts)
+                    continue
+                frames = self.backlog.take()
                 try:
                     self._process(frames)
                 except _Blocked:
-                    self.backlog.appendleft(frames)
+                    self.backlog.put_back([frames])
                     raise
             self._flush()
             self.blocked_until = 0.0
@@ -246,7 +322,7 @@ class Follower:
             self.counts.duplicates += 1
             return
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, self.max_event_blocks)
         except BadEvent as exc:
             self.counts.messages += 1
             self._bad("payload", exc)
@@ -257,14 +333,38 @@ class Follower:
             self._flush()
             replayed = self._out_of_sequence(seq, last)
             if replayed:  # apply them first, then this message again
-                self.backlog.appendleft(frames)
-                self.backlog.extendleft(reversed(replayed))
+                self.backlog.put_back([*replayed, frames])
                 return
         sequence.passed(seq)
         self.counts.messages += 1
-        self.pending.ops.extend(self._operations(batch))
+        if batch.refused:
+            self.counts.refused_events += batch.refused
+            self.counts.refused_blocks += batch.refused_blocks
+            log.warning(
+                "%s: engine seq %d: %d events listing more than %d blocks refused "
+                "(%d blocks; see --max-event-blocks)",
+                self.log.name, seq, batch.refused, self.max_event_blocks, batch.refused_blocks,
+            )  # fmt: skip
+        parts = pieces(batch, MAX_BLOCKS_PER_WRITE)
+        if len(parts) > 1:  # hashed and written piece by piece, between other work
+            self.in_parts = _InParts(seq, payload, deque(parts))
+            return
+        ops, blocks = self._operations(batch)
+        self.pending.add(ops, blocks, seq)
         self._advance(seq, payload)
         self.counts.batches += 1
+
+    def _next_piece(self, batch: _InParts) -> None:
+        """Hash and queue the next piece of a batch written in parts (may raise
+        ``_Blocked``; then the piece waits)."""
+        ops, blocks = self._operations(batch.pieces[0])
+        batch.pieces.popleft()
+        whole = not batch.pieces
+        self.pending.add(ops, blocks, batch.seq, whole=whole)
+        if whole:
+            self.in_parts = None
+            self._advance(batch.seq, batch.payload)
+            self.counts.batches += 1
 
     def _out_of_sequence(self, seq: int, last: int) -> list[Frames]:
         """A gap after ``last`` (the replay brings what is missing) or a seq that went
@@ -285,6 +385,7 @@ class Follower:
     def _advance(self, seq: int, payload: bytes) -> None:
         self.sequence.advance(seq, payload)
         self.pending.seq = seq
+        self.pending.part = None
 
     def _recover(self, start: int, *, initial: bool = False) -> list[Frames]:
         """The replayed messages from ``start`` on, to apply before anything newer. A
@@ -356,39 +457,48 @@ class Follower:
             self.pending.apply(ops, None, chain.block_size, chain.group_operation())
             blocks += n
         self.pending.ops, self.pending.blocks = [], 0
+        self.pending.queued.clear()
         self.counts.rewrites += 1
         self.counts.rewritten_blocks += blocks
         return blocks
 
     # -- writes ------------------------------------------------------------------------------
 
-    def _operations(self, batch: EventBatch) -> list[Any]:
-        """The ``bridge_apply`` operations of one decoded batch (may raise ``_Blocked``
-        while fetching parent digests); their blocks count towards the pending write."""
+    def _operations(self, batch: EventBatch) -> tuple[list[Any], int]:
+        """The ``bridge_apply`` operations of one decoded batch and their blocks (may
+        raise ``_Blocked`` while fetching parent digests)."""
         try:
-            ops, blocks = self.chain.operations(batch)
+            return self.chain.operations(batch)
         except RegistryError as exc:
             self._redis_error(exc)
-        self.pending.blocks += blocks
-        return ops
 
     def _flush(self) -> None:
-        if self.pending.empty:
+        """Write every call that waits, oldest first (each one leaves the queue once
+        written: a fault resends only what did not get through)."""
+        pending = self.pending
+        if pending.empty:
             return
-        self._write(self.pending.ops, self.pending.seq)
-        self.pending.clear()
+        while pending.queued:
+            call = pending.queued[0]
+            self._write(call.ops, call.seq, call.part)
+            if pending.queued and pending.queued[0] is call:
+                pending.queued.popleft()
+        if pending.ops or pending.seq is not None:
+            self._write(pending.ops, pending.seq, pending.part)
+        pending.clear()
         self.chain.trim()
 
-    def _write(self, ops: Sequence[Any], seq: int | None) -> None:
+    def _write(self, ops: Sequence[Any], seq: int | None, part: int | None = None) -> None:
         """One ``bridge_apply`` call; Redis faults block, a lost namespace restarts it."""
         try:
-            self.pending.apply(ops, seq, self.chain.block_size, self.chain.group_operation())
+            self.pending.apply(ops, seq, self.chain.block_size, self.chain.group_operation(), part)
         except StaleEpochError as exc:
             self._lost(exc)
             # The namespace was written again from the picture, which holds what these
-            # operations did already: only their seq is left to record.
-            self._write([], seq)
-            if seq is not None:
+            # operations did already (and the calls queued after them, now dropped):
+            # only their seq is left to record.
+            self._write([], seq, part)
+            if seq is not None and part is None:
                 self.sequence.last = seq
         except RegistryError as exc:
             self._redis_error(exc)
@@ -526,6 +636,8 @@ class Follower:
         self.counts.internal_errors += 1
         self.log.exception("internal", "internal error; its namespace restarts")
         self.backlog.clear()
+        self.in_parts = None
+        self.pending.end_batch()
         self.restart_due, self.rewrite_due = "an internal error", False
         self.blocked_until = self.clock() + 1.0
 

@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 
 LOAD_BATCH = 64
 """Namespaces loaded per round trip (``fleet_snapshot``), at a cold start or a resync."""
+PAGED_ABOVE = 20_000
+"""Entries (both maps) above which a namespace is loaded in pages (``HSCAN``) instead of
+one ``fleet_snapshot`` call: one script reading a million entries holds the server for
+seconds, and outlasts the client's read timeout, so the load failed and started again
+for good (issue 43)."""
+PAGE = 1_000
+"""Entries asked for per ``HSCAN`` call of a paged load."""
 
 
 class RecordFollower:
@@ -104,6 +111,12 @@ class RecordFollower:
         exactly that, at the record number it includes."""
         for first in range(0, len(names), LOAD_BATCH):
             part = names[first : first + LOAD_BATCH]
+            large = self._large(part)
+            for name in large:
+                self.table.hold(name, self._paged(name))
+            part = [n for n in part if n not in large]
+            if not part:
+                continue
             calls = []
             for name in part:
                 keys = self._keys_of(name)
@@ -114,6 +127,55 @@ class RecordFollower:
             for name, reply in zip(part, replies, strict=True):
                 self.table.hold(name, reply)
         self._notify()
+
+    def _large(self, names: Sequence[str]) -> set[str]:
+        """Those of ``names`` whose maps hold more than ``PAGED_ABOVE`` entries."""
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            keys = self._keys_of(name)
+            pipe.hlen(keys.kv)
+            pipe.hlen(keys.mamba)
+        sizes = self._read(pipe.execute, "fleet view: the sizes of the namespaces to load")
+        return {
+            name
+            for i, name in enumerate(names)
+            if int(sizes[2 * i]) + int(sizes[2 * i + 1]) > PAGED_ABOVE
+        }
+
+    def _paged(self, name: str) -> list[Any]:
+        """A large namespace read as ``fleet_snapshot`` reads it (its reply's shape), in
+        pages: the record number first, then each map with ``HSCAN``. A scan sees every
+        entry that stays put while it runs; an entry added or removed meanwhile is named
+        in a record numbered after the one read first, which the view applies next (a
+        record gives each hash's state after its write), so the view converges on the
+        maps as a snapshot would. Each call is short: nothing holds the server."""
+        keys = self._keys_of(name)
+        what = f"fleet view: loading {name!r} in pages"
+        meta = self._read(
+            lambda: self.client.hmget(keys.meta, "incarnation", "change_seq", "mamba_seen"), what
+        )
+        if not meta[0]:
+            return [b"", b"0", b"", b"", b""]
+        self.counts.paged_loads += 1
+        maps = [
+            b" ".join(
+                as_bytes(field)
+                for field, _ in self._read(
+                    lambda key=key: list(self.client.hscan_iter(key, count=PAGE)), what
+                )
+            )
+            for key in (keys.kv, keys.mamba)
+        ]
+        return [as_bytes(meta[0]), as_bytes(meta[1]) or b"0", as_bytes(meta[2]), *maps]
+
+    @staticmethod
+    def _read(call: Any, what: str) -> Any:
+        """``call()``, its Redis faults as the registry's errors."""
+        try:
+            return call()
+        except REDIS_ERRORS as exc:
+            error = translate(exc, what)
+            raise (error or exc) from exc
 
     def live(self) -> list[str]:
         """The live namespaces in the node index, read now."""

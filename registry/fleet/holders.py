@@ -64,6 +64,7 @@ class ViewCounts:
 
     records: int = 0  # records applied
     loads: int = 0  # namespaces loaded from their maps
+    paged_loads: int = 0  # of them, loaded in pages (HSCAN): large namespaces
     gaps: int = 0  # records out of order, or of a new incarnation: the namespace loaded
     reconnects: int = 0  # subscriptions (re)made, each followed by loading everything
     errors: int = 0  # Redis faults the follower waited out

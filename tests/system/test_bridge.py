@@ -482,8 +482,8 @@ def test_a_resent_call_applies_once(rig: Rig, client: Any) -> None:
     registry = PrefixCacheRegistry(client, ns)
     data = [k for k in registry.keys.all_keys() if k != registry.keys.meta]  # renewals move meta
     before = {k: client.dump(k) for k in data}
-    ops = follower._operations(decode_batch(batch([stored(hashes, None, tokens, BS)])))
-    args = (str(seq), "vllm", source.endpoint, str(BS), *ops)
+    ops, _ = follower._operations(decode_batch(batch([stored(hashes, None, tokens, BS)])))
+    args = (str(seq), "vllm", source.endpoint, str(BS), "", *ops)
     reply = follower.registry.run_write("bridge_apply", follower.pending.keys, False, args)
     assert [int(x) for x in reply[:4]] == [0, 0, 0, 0]
     assert {k: client.dump(k) for k in data} == before
