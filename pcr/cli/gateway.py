@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from pcr.cli.common import UsageError, block_size_arg, number_in, shown_url
-from pcr.cli.service_options import bind, check_url, limit_options, listen_options, require
+from pcr.cli.service_options import (
+    access_options,
+    access_policy,
+    bind,
+    check_url,
+    limit_options,
+    listen_options,
+    require,
+)
 from pcr.gateway.balance import POLICIES, REPLICA_ID
 from pcr.web.server import enable_metrics, listen_url, run_app
 from registry.core.keys import validate_namespace
@@ -104,6 +112,7 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     _balance_options(gateway)
     _wait_options(gateway)
     limit_options(gateway)
+    access_options(gateway)
     gateway.set_defaults(handler=command_gateway, command_parser=gateway)
 
 
@@ -308,6 +317,7 @@ def command_gateway(args: argparse.Namespace) -> int:
     backends = _backends(args)
     without_torch()
     require("gateway", NEEDED, "gateway")
+    access = access_policy("gateway", args)
     from pcr.gateway.service import create_gateway_app
     from pcr.gateway.tokens import TokenizerError
 
@@ -321,6 +331,7 @@ def command_gateway(args: argparse.Namespace) -> int:
             hybrid=args.hybrid,
             max_connections=args.max_connections,
             pool_timeout=args.pool_timeout,
+            access=access,
         )
     except TokenizerError as exc:
         raise UsageError(f"argument --tokenizer: {exc}") from None

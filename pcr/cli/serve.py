@@ -12,7 +12,15 @@ import argparse
 from typing import Any
 
 from pcr.cli.common import shown_url
-from pcr.cli.service_options import bind, check_url, limit_options, listen_options, require
+from pcr.cli.service_options import (
+    access_options,
+    access_policy,
+    bind,
+    check_url,
+    limit_options,
+    listen_options,
+    require,
+)
 from pcr.web.server import enable_metrics, listen_url, run_app
 
 NEEDED = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httptools": "httptools"}  # module: package
@@ -38,6 +46,7 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         "(exactly, per namespace) on every request",
     )
     limit_options(serve)
+    access_options(serve)
     serve.set_defaults(handler=command_serve, command_parser=serve)
 
 
@@ -45,6 +54,7 @@ def command_serve(args: argparse.Namespace) -> int:
     """``pcr serve``: check, build the app, bind, then serve until a signal."""
     check_url("serve", args.redis_url)
     require("serve", NEEDED, "serve")
+    access = access_policy("serve", args)
     from pcr.serve.app import create_app
 
     enable_metrics()
@@ -55,11 +65,13 @@ def command_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         pool_timeout=args.pool_timeout,
         view=args.view,
+        access=access,
     )
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    docs = "" if access is not None and not access.docs else " (docs at /docs)"
     print(
-        f"pcr serve: scoring on {listen_url(host, port)} (docs at /docs) for Redis at "
+        f"pcr serve: scoring on {listen_url(host, port)}{docs} for Redis at "
         f"{shown_url(args.redis_url)}",
         flush=True,
     )

@@ -6,9 +6,25 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import socket
+import stat
+from pathlib import Path
+from typing import Any
 
-from pcr.cli.common import CommandError, UsageError, int_in, port_arg, seconds_in, url_scheme
+from pcr.cli.common import (
+    CommandError,
+    UsageError,
+    int_in,
+    number_in,
+    one_line,
+    port_arg,
+    seconds_in,
+    url_scheme,
+    warn_user,
+)
+from pcr.web.auth import MAX_RATE, AccessPolicy, check_key, key_file_grants
 from pcr.web.server import (
     BODY_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
@@ -85,6 +101,120 @@ def limit_options(serve: argparse.ArgumentParser) -> None:
         "clients' pools keep idle connections, or a request sent as it closes fails "
         f"(default {KEEP_ALIVE_TIMEOUT})",
     )
+
+
+def access_options(parser: argparse.ArgumentParser) -> None:
+    """API keys, tenants and rate limits (``pcr.web.auth``): what ``pcr serve`` and
+    ``pcr gateway`` share (``access_policy`` reads and checks them)."""
+    parser.add_argument(
+        "--api-key",
+        type=_api_key,
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="an operator's key (repeatable): with any key set, every path but /health and "
+        "/live needs Authorization: Bearer KEY. A command line shows in ps: prefer "
+        '--api-keys with "operator": true',
+    )
+    parser.add_argument(
+        "--api-keys",
+        type=Path,
+        metavar="FILE",
+        help='a JSON file {"keys": {"KEY": {"tenant": NAME, "namespaces": [...], "models": '
+        '[...], "rate": RPS, "burst": N}}} (a key may be given as "sha256:HEX"; '
+        '"operator": true for an operator\'s key): a tenant sees and is routed to its '
+        "namespaces alone",
+    )
+    parser.add_argument(
+        "--rate-limit",
+        type=_rate,
+        default=None,
+        metavar="RPS",
+        help="requests per second a key may make, for keys without a rate of their own "
+        "(default: no limit); past it, 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--rate-burst",
+        type=int_in(1, int(MAX_RATE), "burst"),
+        default=None,
+        metavar="N",
+        help="requests a key may make at once before --rate-limit paces it (default: the "
+        "rate rounded up)",
+    )
+    parser.add_argument(
+        "--docs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve /docs, /redoc and /openapi.json, open to anyone (default: only when no "
+        "key is set)",
+    )
+
+
+_rate = number_in(
+    0,
+    MAX_RATE,
+    above=True,
+    invalid=lambda text: f"--rate-limit must be a number, not {text[:40]!r}",
+    out_of_range=lambda _text: f"--rate-limit must be above 0 and at most {MAX_RATE:g}",
+)
+
+
+def _api_key(text: str) -> str:
+    """An argparse type: an API key (``pcr.web.auth.check_key``)."""
+    try:
+        return check_key(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def access_policy(command: str, args: argparse.Namespace) -> AccessPolicy | None:
+    """The ``AccessPolicy`` of ``args`` (``access_options``), None when none was asked
+    for; a bad key file or combination is a one-line usage error, a key file others
+    may read a warning."""
+    grants: list[Any] = []
+    if args.api_keys is not None:
+        grants = _key_file(command, args.api_keys)
+    if not (args.api_key or grants or args.docs is not None):
+        if args.rate_limit is not None or args.rate_burst is not None:
+            raise UsageError("argument --rate-limit: --rate-limit needs --api-key or --api-keys")
+        return None
+    try:
+        return AccessPolicy.build(
+            args.api_key, grants, docs=args.docs, rate=args.rate_limit, burst=args.rate_burst
+        )
+    except ValueError as exc:
+        raise UsageError(f"argument --api-key: {exc}") from None
+
+
+MAX_KEY_FILE_BYTES = 4 << 20
+
+
+def _key_file(command: str, path: Path) -> list[Any]:
+    """The (digest, grant) pairs of an ``--api-keys`` file."""
+    shown = one_line(str(path))[:200]
+    try:
+        with path.open("rb") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            raw = handle.read(MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"argument --api-keys: cannot read {shown!r}: {exc.strerror}") from None
+    if len(raw) > MAX_KEY_FILE_BYTES:
+        raise UsageError(f"argument --api-keys: {shown!r} is over {MAX_KEY_FILE_BYTES:,} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise UsageError(f"argument --api-keys: {shown!r} is not JSON") from None
+    try:
+        grants = key_file_grants(data)
+    except ValueError as exc:
+        raise UsageError(f"argument --api-keys: {exc}") from None
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        warn_user(
+            command,
+            f"--api-keys {shown!r} is readable by other users (mode {stat.S_IMODE(mode):o}): "
+            "chmod 600 it",
+        )
+    return grants
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -23,7 +23,7 @@ import aiohttp
 
 from pcr.gateway.backends import Backend
 from pcr.gateway.balance import Choice
-from pcr.gateway.models import unknown_model
+from pcr.gateway.models import narrowed, unknown_model
 from pcr.gateway.outcomes import Ending, answered, count_error, ended, started
 from pcr.gateway.replies import (
     Message,
@@ -37,6 +37,7 @@ from pcr.gateway.replies import (
 )
 from pcr.gateway.state import GatewayState
 from pcr.gateway.tokens import BadBody, PromptIds, chain_keys, prompt_ids, prompt_tokens
+from pcr.web.auth import model_allowed, routable
 
 PROXIED = {"/v1/completions": False, "/v1/chat/completions": True}
 """The proxied paths, and whether each takes chat messages."""
@@ -99,6 +100,9 @@ async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat
         body, ids = await state.parser.parse(
             raw, chat, state.max_tokens, size if routed else None, hashed, adapters
         )
+        if not model_allowed(scope, body.get("model")):  # a tenant's key lists its models
+            await answer_error(send, 404, "the model is not available to this key")
+            return
         if not state.backends:
             await answer_error(send, 503, "no backend is configured or announced")
             return
@@ -113,7 +117,8 @@ async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat
     except BadBody as refused:  # not JSON, or a prompt over the model's length
         await answer_error(send, 400, str(refused))
         return
-    order, outcome = await state.choose(ids, serving)  # those serving its model
+    # those serving its model; for a tenant, of its own backends
+    order, outcome = await state.choose(ids, narrowed(serving, routable(scope)))
     if state.metrics.on:
         state.metrics.routed_as[outcome].inc()
     watch = _ClientWatch(receive)

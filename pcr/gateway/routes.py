@@ -15,6 +15,7 @@ from pcr.gateway.backends import kept_backends
 from pcr.gateway.proxy import PROXIED, Proxy
 from pcr.gateway.replies import openai_error
 from pcr.gateway.state import GatewayState
+from pcr.web.auth import model_allowed, routable
 
 
 def gateway_state(request: Request) -> GatewayState:
@@ -24,14 +25,16 @@ def gateway_state(request: Request) -> GatewayState:
 
 async def models(request: Request) -> Response:
     """Every model the backends serve (``pcr.gateway.models``), each once, read from
-    them now."""
+    them now; to a tenant's key, its backends' and only the models its key lists."""
     state = gateway_state(request)
     assert state.http is not None
-    backends = list(state.backends.values())
+    allowed = routable(request.scope)
+    backends = [b for b in state.backends.values() if allowed is None or b.namespace in allowed]
     await state.models.read(state.http, backends)
     listing = state.models.listing(b.namespace for b in backends)
     if not listing:
         return openai_error(503, "no backend answered")
+    listing = [m for m in listing if model_allowed(request.scope, m.get("id"))]
     content = json.dumps({"object": "list", "data": listing}, separators=(",", ":")).encode()
     return Response(content, media_type="application/json")
 

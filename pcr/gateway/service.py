@@ -14,10 +14,11 @@ from fastapi import FastAPI
 from pcr.gateway.config import GatewayConfig
 from pcr.gateway.routes import add_gateway_routes
 from pcr.gateway.state import GatewayState
-from pcr.serve.app import assemble, finish, guarded, scoring_state
+from pcr.serve.app import assemble, finish, guarded, keyed, scoring_state
 from pcr.serve.errors import too_large_body
 from pcr.serve.schema import MAX_BODY_BYTES
 from pcr.serve.state import State, settle_heap
+from pcr.web.auth import AccessPolicy
 from pcr.web.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
 from registry.core.keys import DEFAULT_KEY_PREFIX
 
@@ -30,10 +31,12 @@ def create_gateway_app(
     hybrid: bool | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     pool_timeout: float = DEFAULT_POOL_TIMEOUT,
+    access: AccessPolicy | None = None,
 ) -> FastAPI:
     """``pcr gateway``'s app: the OpenAI-compatible router of ``config`` in front of the
     engines, scoring through the registry at ``url`` (at most ``max_connections``
-    requests use Redis at once, the others wait up to ``pool_timeout`` seconds)."""
+    requests use Redis at once, the others wait up to ``pool_timeout`` seconds);
+    ``access``: its keys, tenants and rate limits (``pcr.web.auth``), None: open."""
     state = scoring_state(
         url,
         key_prefix=key_prefix,
@@ -53,7 +56,7 @@ def create_gateway_app(
     app.state.gateway = routing
     proxy = add_gateway_routes(app, MAX_BODY_BYTES, too_large_body(openai=True))
     app.proxied = guarded(proxy, openai=True)
-    return finish(app, openai=True)
+    return keyed(finish(app, openai=True), access, openai=True)
 
 
 @contextlib.asynccontextmanager

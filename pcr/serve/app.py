@@ -26,6 +26,7 @@ from pcr.serve.errors import HANDLERS, BodyLimit, Faults
 from pcr.serve.routes import ExactRoute, add_routes
 from pcr.serve.schema import MAX_BODY_BYTES, ScoreRequest
 from pcr.serve.state import State
+from pcr.web.auth import Access, AccessPolicy
 from pcr.web.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
 from registry.core.keys import DEFAULT_KEY_PREFIX
 from registry.core.validation import is_number
@@ -42,12 +43,29 @@ class ScoringApp(FastAPI):
     proxy applies the body limit itself); every other request goes through the app,
     whose router has the same endpoint and answers 405 for other methods on its paths."""
 
+    front: Any = None
+    """The access layer over all of the app, the proxied routes included
+    (``pcr.web.auth.Access`` around ``inner``; ``keyed``), or None."""
+
     async def __call__(
         self,
         scope: MutableMapping[str, Any],
         receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
         send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
     ) -> None:
+        front = self.front
+        if front is not None:
+            await front(scope, receive, send)
+            return
+        await self.inner(scope, receive, send)
+
+    async def inner(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        """The app behind its access layer: the proxied routes first, then FastAPI."""
         proxied = self.proxied
         if (
             proxied is not None
@@ -74,12 +92,14 @@ def create_app(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     pool_timeout: float = DEFAULT_POOL_TIMEOUT,
     view: bool = False,
+    access: AccessPolicy | None = None,
 ) -> FastAPI:
     """The scoring service for the registry at ``url``: at most ``max_connections``
     requests use Redis at once, the others wait up to ``pool_timeout`` seconds. With
     ``view`` (``pcr serve``'s default), ``/v1/score`` scores from a fleet view the app
-    follows while it follows Redis, and exactly from Redis otherwise. (``pcr gateway``
-    builds on the same pieces: ``pcr.gateway.service.create_gateway_app``.)"""
+    follows while it follows Redis, and exactly from Redis otherwise. ``access``: its
+    keys, tenants and rate limits (``pcr.web.auth``; None: open, as without keys).
+    (``pcr gateway`` builds on the same pieces: ``pcr.gateway.service.create_gateway_app``.)"""
     state = scoring_state(
         url,
         key_prefix=key_prefix,
@@ -95,7 +115,7 @@ def create_app(
         lifespan=state.lifespan,
         openai=False,
     )
-    return finish(app, openai=False)
+    return keyed(finish(app, openai=False), access, openai=False)
 
 
 def scoring_state(
@@ -140,6 +160,20 @@ def assemble(
 def finish(app: FastAPI, *, openai: bool) -> FastAPI:
     """The outermost layer of all ours: no fault of the app leaves as a traceback."""
     app.add_middleware(Faults, openai=openai)
+    return app
+
+
+def keyed(app: FastAPI, access: AccessPolicy | None, *, openai: bool) -> FastAPI:
+    """``app`` behind ``access`` (``pcr.web.auth.Access``), its docs pages gone unless
+    the policy serves them; ``app`` as it is for None."""
+    if access is None:
+        return app
+    if not access.docs:
+        gone = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
+        app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in gone]
+        app.openapi_url = app.docs_url = app.redoc_url = None
+    assert isinstance(app, ScoringApp)
+    app.front = Access(app.inner, access, openai=openai)
     return app
 
 

@@ -30,6 +30,7 @@ from pcr.serve.schema import (
     documented,
 )
 from pcr.serve.state import State
+from pcr.web.auth import visible
 from pcr.web.errors import ERROR_KINDS
 from registry.core.errors import REDIS_ERRORS, RegistryError, translate
 from registry.core.hashing import block_hashes
@@ -107,7 +108,8 @@ async def score(body: ScoreRequest, request: Request) -> ScoreReply | JSONRespon
     try:
         wanted = prefix_hashes(await _prompt(body))
         async with gate.turn("score"):
-            scores, best = await router.decide(wanted, body.load, body.namespaces)
+            asked = visible(request.scope, body.namespaces)  # a tenant: its own alone
+            scores, best = await router.decide(wanted, body.load, asked)
     except (TypeError, ValueError):  # the schema checks these first: not reached
         return error_response(
             422,
@@ -129,7 +131,7 @@ def nodes(request: Request) -> NodesReply:
     """Live namespaces: lease left and entries (one round trip per Redis node)."""
     state = _state(request)
     client = state.sync()
-    live = NodeIndex(client, state.key_prefix).live()
+    live = visible(request.scope, NodeIndex(client, state.key_prefix).live()) or []
     infos = namespace_infos(client, live, key_prefix=state.key_prefix, memory=False)
     out = []
     for info, _memory in infos:
