@@ -677,18 +677,26 @@ def scores_of(scores: Any) -> dict[str, int]:
 
 
 def test_the_router_reads_the_fleet_and_writes_nothing(
-    server: RedisServer, admin: redis.Redis, connect: Connect
+    server: RedisServer, admin: redis.Redis, connect: Connect, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``router.acl``: the per-namespace score (``PrefixRouter``, ``AsyncPrefixRouter``),
     the live namespaces, the engine table and a ``FleetView`` following the change
-    records all work, with exactly the granted commands; no write of any kind does."""
+    records (a small namespace loaded by the snapshot script, a large one in pages with
+    ``HSCAN``: the threshold lowered here so node-a's two entries count as large) all
+    work, with exactly the granted commands; no write of any kind does."""
     from registry import NodeIndex
+    from registry.fleet import follower
     from registry.fleet.view import FleetView
     from tests.support.waiting import wait_until
+
+    monkeypatch.setattr(follower, "PAGED_ABOVE", 1)
 
     node_a = connect("node-a")
     node_a.claim(lease_ttl=60.0)
     node_a.register_kv([1, 2], [A1, A2])
+    node_b = connect("node-b")
+    node_b.claim(lease_ttl=60.0)
+    node_b.register_kv([1], [A1])
     admin.hset("pcr:engines", "node-a", "http://10.0.0.7:8000")
     admin.script_flush()  # the router loads the scripts it runs itself (SCRIPT LOAD)
     admin.config_resetstat()
@@ -704,8 +712,10 @@ def test_the_router_reads_the_fleet_and_writes_nothing(
         assert NodeIndex(router).engines()["node-a"] == "http://10.0.0.7:8000"
         asyncio.run(async_router_reads(server))
         view = FleetView(router).start()
-        view.sync(["node-a"])
+        view.sync(["node-a", "node-b"])
+        assert view.counts.paged_loads == 1  # node-a's; node-b's by the script
         assert view.score([A1, A2, A3])["node-a"].kv_prefix == 2
+        assert view.score([A1, A2, A3])["node-b"].kv_prefix == 1
         time.sleep(0.01)  # past the health-check interval: the next call PINGs first
         assert "node-a" in NodeIndex(router).live()
 
