@@ -27,6 +27,8 @@ from pcr.cli.service_options import (
     limit_options,
     listen_options,
     require,
+    tls_settings,
+    transport_options,
 )
 from pcr.gateway.balance import POLICIES, REPLICA_ID
 from pcr.web.server import enable_metrics, listen_url, run_app
@@ -112,6 +114,7 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     _balance_options(gateway)
     _wait_options(gateway)
     limit_options(gateway)
+    transport_options(gateway)
     access_options(gateway)
     gateway.set_defaults(handler=command_gateway, command_parser=gateway)
 
@@ -132,6 +135,7 @@ def _backend_options(gateway: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help='a JSON file {"backends": {"NAMESPACE": "URL", ...}}',
     )
+    _backend_tls_options(gateway)
     gateway.add_argument(
         "--no-announced",
         action="store_true",
@@ -160,6 +164,37 @@ def _backend_options(gateway: argparse.ArgumentParser) -> None:
         default=16,
         help="tokens per block, as the engines and the bridge use (default 16)",
     )
+
+
+def _backend_tls_options(gateway: argparse.ArgumentParser) -> None:
+    """How the gateway verifies https:// engines, and the certificate it shows them."""
+    gateway.add_argument(
+        "--backend-ca-certs",
+        metavar="FILE",
+        help="PEM CA certificates that https:// engines' certificates must be signed by "
+        "(default: the system's CAs)",
+    )
+    gateway.add_argument(
+        "--backend-certfile",
+        metavar="FILE",
+        help="a PEM client certificate (chain) to present to https:// engines that ask for "
+        "one, its private key in --backend-keyfile or in the same file",
+    )
+    gateway.add_argument(
+        "--backend-keyfile",
+        metavar="FILE",
+        help="the unencrypted PEM private key of --backend-certfile",
+    )
+
+
+def backend_tls(args: argparse.Namespace) -> None:
+    """Check the ``--backend-*`` TLS files by loading them (one-line usage errors)."""
+    from pcr.web.tls import TlsError, client_context
+
+    try:
+        client_context(args.backend_ca_certs, args.backend_certfile, args.backend_keyfile)
+    except TlsError as exc:
+        raise UsageError(f"argument --backend-{exc.field.replace('_', '-')}: {exc}") from None
 
 
 def _balance_options(gateway: argparse.ArgumentParser) -> None:
@@ -296,6 +331,9 @@ def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
         upstream_timeout=args.upstream_timeout,
         view=not args.no_view,
         announced=not args.no_announced,
+        backend_ca_certs=args.backend_ca_certs,
+        backend_certfile=args.backend_certfile,
+        backend_keyfile=args.backend_keyfile,
     )
 
 
@@ -317,9 +355,12 @@ def command_gateway(args: argparse.Namespace) -> int:
     backends = _backends(args)
     without_torch()
     require("gateway", NEEDED, "gateway")
+    tls = tls_settings(args)
     access = access_policy("gateway", args)
+    backend_tls(args)
     from pcr.gateway.service import create_gateway_app
     from pcr.gateway.tokens import TokenizerError
+    from pcr.serve.cors import allow_origins
 
     config = _gateway_config(args, backends)
     enable_metrics()
@@ -335,13 +376,15 @@ def command_gateway(args: argparse.Namespace) -> int:
         )
     except TokenizerError as exc:
         raise UsageError(f"argument --tokenizer: {exc}") from None
+    app = allow_origins(app, args.allowed_origins, openai=True)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    where_from = listen_url(host, port, "https" if tls else "http")
     known = ", ".join(f"{n}={u}" for n, u in sorted(backends.items())) or "none configured"
     where = "registry in" if args.no_announced else "and engines announced in"
     print(
-        f"pcr gateway: routing on {listen_url(host, port)} to {known} ({where} Redis at "
+        f"pcr gateway: routing on {where_from} to {known} ({where} Redis at "
         f"{shown_url(args.redis_url)}), policy {args.policy}",
         flush=True,
     )
-    return run_app(app, sock, args, "gateway", openai_errors=True)
+    return run_app(app, sock, args, "gateway", openai_errors=True, **tls)

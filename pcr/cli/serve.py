@@ -20,6 +20,8 @@ from pcr.cli.service_options import (
     limit_options,
     listen_options,
     require,
+    tls_settings,
+    transport_options,
 )
 from pcr.web.server import enable_metrics, listen_url, run_app
 
@@ -46,6 +48,7 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
         "(exactly, per namespace) on every request",
     )
     limit_options(serve)
+    transport_options(serve)
     access_options(serve)
     serve.set_defaults(handler=command_serve, command_parser=serve)
 
@@ -54,8 +57,10 @@ def command_serve(args: argparse.Namespace) -> int:
     """``pcr serve``: check, build the app, bind, then serve until a signal."""
     check_url("serve", args.redis_url)
     require("serve", NEEDED, "serve")
+    tls = tls_settings(args)
     access = access_policy("serve", args)
     from pcr.serve.app import create_app
+    from pcr.serve.cors import allow_origins
 
     enable_metrics()
     app = create_app(
@@ -67,12 +72,13 @@ def command_serve(args: argparse.Namespace) -> int:
         view=args.view,
         access=access,
     )
+    app = allow_origins(app, args.allowed_origins, openai=False)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    where = listen_url(host, port, "https" if tls else "http")
     docs = "" if access is not None and not access.docs else " (docs at /docs)"
     print(
-        f"pcr serve: scoring on {listen_url(host, port)}{docs} for Redis at "
-        f"{shown_url(args.redis_url)}",
+        f"pcr serve: scoring on {where}{docs} for Redis at {shown_url(args.redis_url)}",
         flush=True,
     )
-    return run_app(app, sock, args, "serve")
+    return run_app(app, sock, args, "serve", **tls)

@@ -12,6 +12,7 @@ import socket
 import stat
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pcr.cli.common import (
     CommandError,
@@ -32,6 +33,7 @@ from pcr.web.server import (
     HEADER_TIMEOUT,
     KEEP_ALIVE_TIMEOUT,
 )
+from pcr.web.tls import CERT_REQS, TlsError, server_tls
 from registry.transport.client import CLUSTER_SCHEMES, PLAIN_SCHEMES
 
 SERVE_SCHEMES = (*PLAIN_SCHEMES, *CLUSTER_SCHEMES)
@@ -101,6 +103,83 @@ def limit_options(serve: argparse.ArgumentParser) -> None:
         "clients' pools keep idle connections, or a request sent as it closes fails "
         f"(default {KEEP_ALIVE_TIMEOUT})",
     )
+
+
+def transport_options(parser: argparse.ArgumentParser) -> None:
+    """HTTPS (the server's certificate, and its clients' when asked) and the browser
+    origins allowed to call: what ``pcr serve`` and ``pcr gateway`` share
+    (``tls_settings`` checks the files; ``pcr.serve.cors`` applies the origins)."""
+    parser.add_argument(
+        "--ssl-certfile",
+        metavar="FILE",
+        help="serve HTTPS with this PEM certificate (chain), its private key in "
+        "--ssl-keyfile or in the same file (default: plain HTTP)",
+    )
+    parser.add_argument(
+        "--ssl-keyfile", metavar="FILE", help="the unencrypted PEM private key of --ssl-certfile"
+    )
+    parser.add_argument(
+        "--ssl-ca-certs",
+        metavar="FILE",
+        help="PEM CA certificates that clients' certificates must be signed by",
+    )
+    parser.add_argument(
+        "--ssl-cert-reqs",
+        choices=tuple(CERT_REQS),
+        default=None,
+        help="whether a client must present a certificate signed by --ssl-ca-certs "
+        "(required), may (optional: verified when presented) or is not asked (none); "
+        "default: required with --ssl-ca-certs, else none",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        type=_origin,
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser origin (https://app.example.com; * for any) whose pages may call "
+        "the service: CORS answers for it alone (repeatable; default none, no CORS)",
+    )
+
+
+def _origin(text: str) -> str:
+    """An argparse type: a browser origin as browsers send it (``SCHEME://HOST[:PORT]``,
+    lower case, no path), or ``*``."""
+    if text == "*":
+        return text
+    wrong = argparse.ArgumentTypeError(
+        f"an origin is http(s)://HOST[:PORT] with no path, e.g. https://app.example.com, "
+        f"not {text[:80]!r}"
+    )
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 (a bad port raises)
+    except ValueError:
+        raise wrong from None
+    if (
+        parts.scheme.lower() not in ("http", "https")
+        or not parts.hostname
+        or "@" in parts.netloc
+        or parts.path
+        or parts.query
+        or parts.fragment
+        or text.endswith(("?", "#"))
+        or not text.isprintable()
+        or any(c.isspace() for c in text)
+    ):
+        raise wrong
+    return text.lower()
+
+
+def tls_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's TLS options of ``args`` (``transport_options``), every file loaded to
+    check it: a missing or bad one is a one-line usage error before the port is bound."""
+    try:
+        return server_tls(
+            args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs
+        )
+    except TlsError as exc:
+        raise UsageError(f"argument --ssl-{exc.field.replace('_', '-')}: {exc}") from None
 
 
 def access_options(parser: argparse.ArgumentParser) -> None:

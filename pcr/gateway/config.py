@@ -41,6 +41,13 @@ class GatewayConfig:
     """Score from the fleet's view in this process (``registry.fleet.view``, fed by the
     change records the writes publish): no Redis round trip per request. False: ask
     Redis on every request (the async router)."""
+    backend_ca_certs: str | None = None
+    """PEM CA certificates that ``https://`` engines' certificates are verified against
+    (None: the system's CAs)."""
+    backend_certfile: str | None = None
+    """A PEM client certificate for engines that ask for one (mutual TLS), its key in
+    ``backend_keyfile`` or in the same file."""
+    backend_keyfile: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.view, bool):

@@ -19,6 +19,12 @@ ERROR_KINDS = ("connect", "timeout", "protocol", "status", "cancelled")
 answer in time; ``protocol``: the connection broke mid-reply; ``status``: it answered
 5xx; ``cancelled``: the client went away first."""
 
+REQUEST_RESULTS = ("ok", "error", "client_closed")
+"""``pcr_gateway_requests_total``'s ``result``: ``ok``, the backend's reply (below 500)
+passed on whole; ``error``, the backend failed (``ERROR_KINDS`` but ``cancelled``) or
+answered 5xx; ``client_closed``, the client went away before the reply's end (no fault
+of the backend; ``pcr_gateway_errors_total{kind="cancelled"}`` counts it too)."""
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1)
 
@@ -106,6 +112,7 @@ class BackendMetrics:
     def __init__(self, metrics: GatewayMetrics, name: str) -> None:
         self.ok = metrics.requests.labels(name, "ok")
         self.failed = metrics.requests.labels(name, "error")
+        self.closed = metrics.requests.labels(name, "client_closed")
         self.errors = {kind: metrics.errors.labels(name, kind) for kind in ERROR_KINDS}
         self.retries = metrics.retries.labels(name)
         self.prompt_tokens = metrics.prompt_tokens.labels(name)

@@ -77,6 +77,15 @@ def count_error(state: GatewayState, backend: Backend, kind: str) -> None:
         counted.failed.inc()
 
 
+def client_closed(state: GatewayState, backend: Backend) -> None:
+    """A request of ``backend`` whose client went away before its reply's end: counted
+    as its own result, not as the backend's failure."""
+    if state.metrics.on:
+        counted = backend.metrics(state.metrics)
+        counted.errors["cancelled"].inc()
+        counted.closed.inc()
+
+
 def answered(
     state: GatewayState, backend: Backend, status: int, arrived: float, *, first_byte: bool
 ) -> None:

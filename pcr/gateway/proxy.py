@@ -1,6 +1,6 @@
 """The gateway's proxied routes (``POST /v1/completions``, ``POST /v1/chat/completions``)
 as one plain ASGI endpoint: the body passes through as bytes, with no FastAPI parsing or
-validation on the way.
+validation on the way; a body that is not ``application/json`` is refused (415) unread.
 
 Per request: the prompt's tokens as the engine will compute them
 (``pcr.gateway.tokens``), then the backends in the order to try them
@@ -24,7 +24,7 @@ import aiohttp
 from pcr.gateway.backends import Backend
 from pcr.gateway.balance import Choice
 from pcr.gateway.models import narrowed, unknown_model
-from pcr.gateway.outcomes import Ending, answered, count_error, ended, started
+from pcr.gateway.outcomes import Ending, answered, client_closed, count_error, ended, started
 from pcr.gateway.replies import (
     Message,
     Receive,
@@ -32,6 +32,7 @@ from pcr.gateway.replies import (
     answer_error,
     error_body,
     forwarded_headers,
+    json_body,
     raw_reply_headers,
     respond,
 )
@@ -85,6 +86,9 @@ async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat
     """One proxied request: read, tokenize, choose, forward, answer."""
     arrived = time.perf_counter()
     state = front.gateway
+    if not json_body(scope["headers"]):
+        await answer_error(send, 415, "the body must be JSON (Content-Type: application/json)")
+        return
     raw = await _read_body(scope, receive, front.limit)
     if raw is None:  # gone mid-body, or stopped by the body deadline (answered 408)
         return
@@ -216,7 +220,7 @@ async def _forward(
         except asyncio.CancelledError:
             ended(state, backend, prefill)
             if watch.left:
-                count_error(state, backend, "cancelled")
+                client_closed(state, backend)
             raise
         end = Ending(state, backend, prefill)
         try:
@@ -274,7 +278,7 @@ async def _whole(
     except asyncio.CancelledError:
         upstream.close()  # drops the connection: the engine aborts the request
         if watch.left:
-            count_error(state, backend, "cancelled")
+            client_closed(state, backend)
         raise
     except (aiohttp.ClientError, TimeoutError):
         upstream.close()
@@ -335,7 +339,9 @@ async def _streamed(
             upstream.close()
         if complete:
             answered(state, backend, upstream.status, arrived, first_byte=False)
-        elif not broken and state.metrics.on:
+        elif not broken and watch.left:
+            client_closed(state, backend)
+        elif not broken and state.metrics.on:  # the server stopping
             backend.metrics(state.metrics).errors["cancelled"].inc()
 
 

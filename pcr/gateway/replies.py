@@ -20,6 +20,7 @@ Send = Callable[[Message], Awaitable[None]]
 ERROR_KIND = {
     400: "bad request",
     404: "not found",
+    415: "unsupported media type",
     499: "client closed request",
     502: "bad gateway",
     503: "unavailable",
@@ -48,6 +49,11 @@ HOP_HEADERS = frozenset(
 
 
 HOP_BYTES = frozenset(name.encode() for name in HOP_HEADERS)
+OWN_HEADERS = frozenset({"date", "server"})
+"""A backend's reply headers the gateway does not pass on: the ``Date`` is the gateway's
+own (uvicorn's, one header, not two), and no ``Server`` tells the engine's versions."""
+REPLY_DROPPED = HOP_HEADERS | OWN_HEADERS
+REPLY_DROPPED_BYTES = frozenset(name.encode() for name in REPLY_DROPPED)
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
@@ -76,6 +82,16 @@ def openai_error(status: int, message: str) -> JSONResponse:
     return JSONResponse(error_content(status, ERROR_KIND[status], message, True), status)
 
 
+def json_body(raw: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's ``Content-Type`` is ``application/json`` (parameters such as
+    ``charset`` aside): the completion endpoints take nothing else, so a browser's
+    cross-site ``text/plain`` POST (which needs no CORS preflight) never reaches an engine."""
+    for name, value in raw:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == b"application/json"
+    return False
+
+
 def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     """The request's headers for the backend (ASGI gives names in lower case)."""
     return {
@@ -87,9 +103,9 @@ def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
 
 def reply_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     """A backend's reply headers for a FastAPI response."""
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in REPLY_DROPPED}
 
 
 def raw_reply_headers(upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
     """A backend's reply headers for an ASGI response start."""
-    return [(k.lower(), v) for k, v in upstream.raw_headers if k.lower() not in HOP_BYTES]
+    return [(k.lower(), v) for k, v in upstream.raw_headers if k.lower() not in REPLY_DROPPED_BYTES]

@@ -23,6 +23,7 @@ from pcr.gateway.exchange import LoadExchange, RegistryHealth, discover
 from pcr.gateway.metrics import GatewayMetrics
 from pcr.gateway.models import REFRESH_S, ModelCatalog
 from pcr.gateway.tokens import BodyParser, PromptIds, PromptTokenizer
+from pcr.web.tls import client_context
 from registry.core.errors import RegistryError
 from registry.core.validation import prefix_hashes
 from registry.fleet.view import FleetView
@@ -117,8 +118,14 @@ class GatewayState:
             sock_connect=self.config.connect_timeout,
             sock_read=self.config.upstream_timeout,
         )
+        config = self.config
         connector = aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=UPSTREAM_KEEP_ALIVE_S, ttl_dns_cache=60
+            limit=0,
+            keepalive_timeout=UPSTREAM_KEEP_ALIVE_S,
+            ttl_dns_cache=60,
+            ssl=client_context(
+                config.backend_ca_certs, config.backend_certfile, config.backend_keyfile
+            ),  # https:// engines: verified against these CAs, this certificate shown
         )
         self.http = aiohttp.ClientSession(
             connector=connector,

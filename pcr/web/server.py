@@ -43,9 +43,9 @@ LINGER = 2.0
 """Seconds a connection stays half-open after its last answer, for the answer to arrive."""
 
 
-def listen_url(host: str, port: int) -> str:
-    """``http://host:port``, an IPv6 address in brackets."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def listen_url(host: str, port: int, scheme: str = "http") -> str:
+    """``http://host:port`` (or ``scheme``'s), an IPv6 address in brackets."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def server_class(ready: str = "") -> Any:
@@ -343,11 +343,13 @@ def uvicorn_config(
     **options: Any,
 ) -> Any:
     """The ``uvicorn.Config`` ``pcr serve`` runs ``app`` with: its deadlines, no
-    WebSocket upgrades (the app has none), no access log; ``options`` (host, port,
-    log_level, ...) go to ``uvicorn.Config``."""
+    WebSocket upgrades (the app has none), no access log, no ``Server`` header (no
+    versions told; the ``Date`` header is uvicorn's alone); ``options`` (host, port,
+    log_level, ``ssl_*`` from ``pcr.web.tls.server_tls``, ...) go to ``uvicorn.Config``."""
     import uvicorn
 
     options.setdefault("log_level", "warning")
+    options.setdefault("server_header", False)
     return uvicorn.Config(
         app,
         http=_protocol_class(header_timeout, body_timeout, openai_errors),
@@ -372,8 +374,9 @@ def run_app(
     app: Any, sock: socket.socket, args: argparse.Namespace, name: str, **options: Any
 ) -> int:
     """Run ``app`` on the bound ``sock`` with the deadlines of ``args`` (``limit_options``)
-    until a signal ends it, saying ``pcr NAME: ready on http://HOST:PORT`` on stdout once
-    it accepts connections; ``options`` go to ``uvicorn_config``."""
+    until a signal ends it, saying ``pcr NAME: ready on http://HOST:PORT`` (``https://``
+    with TLS options) on stdout once it accepts connections; ``options`` go to
+    ``uvicorn_config``."""
     config = uvicorn_config(
         app,
         header_timeout=args.header_timeout,
@@ -382,7 +385,8 @@ def run_app(
         **options,
     )
     host, port = sock.getsockname()[:2]
-    server = server_class(f"pcr {name}: ready on {listen_url(host, port)}")(config)
+    scheme = "https" if options.get("ssl_certfile") else "http"
+    server = server_class(f"pcr {name}: ready on {listen_url(host, port, scheme)}")(config)
     try:
         server.run(sockets=[sock])
     finally:

@@ -12,13 +12,16 @@ flight), stream chunks one at a time as ``chunk_gate`` is released, report a que
 KV-cache usage on ``/metrics``, answer a status of the test's choosing, and notice a
 client that went away (``cancelled``). ``stop()`` closes the port (connections refused);
 ``kill()`` first resets every open connection, as an engine that dies mid-reply;
-``start()`` opens it again on the same port.
+``start()`` opens it again on the same port. With ``certfile`` and ``keyfile`` it serves
+HTTPS (``url`` says https://), and with ``client_ca`` too it requires a client certificate
+signed by that CA.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +50,9 @@ class FakeEngine:
     in_flight: int = 0
     models: list[dict[str, Any]] | None = field(default_factory=lambda: model_list("tiny"))
     models_read: int = 0
+    certfile: str | None = None
+    keyfile: str | None = None
+    client_ca: str | None = None
 
     def __post_init__(self) -> None:
         self.release = threading.Event()
@@ -58,7 +64,17 @@ class FakeEngine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.certfile else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def _tls(self) -> dict[str, Any]:
+        """uvicorn's TLS options: none, a certificate, or one and clients' required."""
+        if not self.certfile:
+            return {}
+        options: dict[str, Any] = {"ssl_certfile": self.certfile, "ssl_keyfile": self.keyfile}
+        if self.client_ca:
+            options.update(ssl_ca_certs=self.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return options
 
     # -- the app -------------------------------------------------------------------------
 
@@ -137,7 +153,12 @@ class FakeEngine:
 
     def start(self) -> FakeEngine:
         config = uvicorn.Config(
-            self.app(), host="127.0.0.1", port=self.port, log_level="error", lifespan="off"
+            self.app(),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="error",
+            lifespan="off",
+            **self._tls(),
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)

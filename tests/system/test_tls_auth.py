@@ -1,8 +1,9 @@
 """TLS (``rediss://``) and passwords (``requirepass``, ACL users) against a real redis-server.
 
 TLS: a throwaway CA and a server certificate for 127.0.0.1 / localhost are made with the
-``openssl`` command line; the server keeps its plain port (``RedisServer`` PINGs it to know
-the server is up) and listens for TLS on a second free port, which the tests use.
+``openssl`` command line (``tests/support/certificates.py``); the server keeps its plain
+port (``RedisServer`` PINGs it to know the server is up) and listens for TLS on a second
+free port, which the tests use.
 
 Passwords: the server gets ``requirepass`` with ``CONFIG SET`` right after it starts,
 because ``RedisServer`` PINGs without a password and could not see a ``--requirepass``
@@ -16,12 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import cast
 from urllib.parse import quote
 
@@ -33,6 +32,7 @@ from registry import PrefixCacheRegistry
 from registry.core.errors import RegistryError
 from tests.support import REPO_ROOT
 from tests.support.backends import new_namespace
+from tests.support.certificates import TlsFiles, make_tls_files
 from tests.support.servers import HOST, RedisServer, free_port, require_redis_server
 
 ROOT = REPO_ROOT
@@ -142,13 +142,6 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *secrets: st
 
 
 @dataclass(frozen=True)
-class TlsFiles:
-    ca_cert: Path
-    server_cert: Path
-    server_key: Path
-
-
-@dataclass(frozen=True)
 class TlsServer:
     server: RedisServer
     tls_port: int
@@ -160,49 +153,6 @@ class TlsServer:
         if trust_ca:
             query = f"ssl_ca_certs={quote(str(self.files.ca_cert), safe='')}&{query}"
         return f"rediss://{HOST}:{self.tls_port}/0?{query}"
-
-
-def _openssl(openssl: str, *args: str, cwd: Path) -> None:
-    result = subprocess.run(
-        [openssl, *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"openssl {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
-
-
-def make_tls_files(directory: Path) -> TlsFiles:
-    """A throwaway CA and a server certificate for 127.0.0.1 and localhost, valid 2 days."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl not found on PATH: cannot make test certificates")
-    ec_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl(
-        openssl, "req", "-x509", *ec_key, "-keyout", "ca.key", "-out", "ca.crt",
-        "-days", "2", "-subj", "/CN=pcr test CA",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-        cwd=directory,
-    )  # fmt: skip
-    _openssl(
-        openssl, "req", "-new", *ec_key, "-keyout", "server.key", "-out", "server.csr",
-        "-subj", "/CN=localhost",
-        cwd=directory,
-    )  # fmt: skip
-    (directory / "server.ext").write_text(
-        "subjectAltName = IP:127.0.0.1, DNS:localhost\n"
-        "basicConstraints = critical, CA:FALSE\n"
-        "keyUsage = critical, digitalSignature, keyEncipherment\n"
-        "extendedKeyUsage = serverAuth\n"
-        "subjectKeyIdentifier = hash\n"
-        "authorityKeyIdentifier = keyid, issuer\n"
-    )
-    _openssl(
-        openssl, "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-        "-CAcreateserial", "-CAserial", "ca.srl", "-out", "server.crt", "-days", "2",
-        "-extfile", "server.ext",
-        cwd=directory,
-    )  # fmt: skip
-    return TlsFiles(directory / "ca.crt", directory / "server.crt", directory / "server.key")
 
 
 _NO_TLS_BUILD = re.compile(r"BUILD_TLS|TLS.*not (supported|built)|not built with TLS", re.I)
