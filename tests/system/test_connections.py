@@ -75,7 +75,7 @@ def stopped_cleanly(served: ServeProcess) -> None:
 def request_of(command: str) -> tuple[str, dict[str, Any]]:
     """A POST (which no client retries by itself) each service answers 200."""
     if command == "gateway":
-        return "/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 1}
+        return "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 1}
     return "/v1/score", {"block_hashes": [1, 2, 3]}
 
 

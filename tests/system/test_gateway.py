@@ -285,14 +285,14 @@ def test_a_lone_replica_exchanges_no_load_per_request_and_replicas_hear_each_end
         made.append(replica("one"))
         assert heard_until("one") == ["one"]  # its announcement at start
         for n in range(5):
-            reply = made[0].http.post("/v1/completions", json={"model": "m", "prompt": [n] * 9})
+            reply = made[0].http.post("/v1/completions", json={"model": "tiny", "prompt": [n] * 9})
             assert reply.status_code == 200
         made.append(replica("two"))
         assert heard_until("two") == ["two"]  # nothing from one meanwhile
         one = made[0].app.state.gateway
         wait_until(lambda: one.exchange.peers, 30, "replica one hearing of two")
         for n in range(3):
-            reply = made[0].http.post("/v1/completions", json={"model": "m", "prompt": [n] * 9})
+            reply = made[0].http.post("/v1/completions", json={"model": "tiny", "prompt": [n] * 9})
             assert reply.status_code == 200
             entry = client.hget(gateway_load_key(prefix), "one")
             assert entry is not None

@@ -701,10 +701,12 @@ def test_a_body_cut_short_logs_no_traceback(redis_server: RedisServer) -> None:
             sock.sendall(UNFINISHED_BODY)  # and gone
         answer_408(served.port, UNFINISHED_BODY)
 
-        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
-            for start in range(0, len(BIG), 1 << 20):
-                yield BIG[start : start + (1 << 20)]
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for start in range(0, len(BIG), 1 << 20):
+            yield BIG[start : start + (1 << 20)]
 
+    # The default body deadline (20 s): 32 MiB must not race a 1 s deadline on a busy machine.
+    with running(redis_server.url, [engine]) as served:
         url = f"{served.base}/v1/completions"
         assert_openai_error(httpx.post(url, content=chunks(), headers=JSON, timeout=60), 413)
     assert engine.received == []
@@ -890,12 +892,12 @@ def test_a_fault_inside_the_gateway_is_500_in_the_openai_shape(redis_server: Red
             raise RuntimeError(MARKER)
 
         state.choose = broken
-        reply = served.http.post("/v1/completions", json={"model": "m", "prompt": [5] * 40})
+        reply = served.http.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 40})
         body = assert_openai_error(reply, 500)
         assert "RuntimeError" in body["message"], body
         assert not engine.received
         state.choose = choose
-        reply = served.http.post("/v1/completions", json={"model": "m", "prompt": [5] * 40})
+        reply = served.http.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 40})
         assert reply.status_code == 200, reply.text
         assert len(engine.received) == 1
     finally:
