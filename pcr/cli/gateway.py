@@ -223,6 +223,14 @@ def _balance_options(gateway: argparse.ArgumentParser) -> None:
         "(default 0.5; 0: none)",
     )
     gateway.add_argument(
+        "--checkpoint-weight",
+        type=_number(0, "--checkpoint-weight", zero=True),
+        default=0.5,
+        help="on a hybrid model's node, the part of its KV prefix beyond the usable one "
+        "counted as cached: the request leaves a Mamba state there that its siblings "
+        "reuse (default 0.5; 0: rank by the usable prefix alone)",
+    )
+    gateway.add_argument(
         "--half-life",
         type=_number(0, "--half-life"),
         default=30.0,
@@ -316,6 +324,7 @@ def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
         queue_weight=args.queue_weight,
         spread_weight=args.spread_weight,
         affinity_weight=args.affinity_weight,
+        checkpoint_weight=args.checkpoint_weight,
         half_life=args.half_life,
     )
     return GatewayConfig(

@@ -9,6 +9,7 @@ term that keeps the fleet's caches from collapsing onto one engine; the lowest c
             + queue_weight  * queued(b)                   # work ahead of it on b
             + spread_weight * fresh * (N * share(b) - 1)  # b's share of recent work
             - affinity_weight * fresh * N * (kin(b) - sent(b))  # b's kin, beyond its share
+            - checkpoint_weight * (kv(b) - cached(b))       # a hybrid checkpoint it would make
             + prompt * [kv_usage(b) >= kv_usage_limit]
 
 - ``prefill(b) = prompt - cached(b)``; ``cached(b)`` is the prefix the registry says b's
@@ -45,6 +46,16 @@ term that keeps the fleet's caches from collapsing onto one engine; the lowest c
   system prompts hot instead of both keeping every one half as hot, and their caches
   hold conversations that share more. With one prefix shared by everything, ``kin`` is
   ``sent`` and the term is 0.
+- ``kv(b)`` is b's KV prefix of the prompt in tokens (as ``cached``, whole blocks, never
+  the last token), given only for a hybrid model's nodes, where it can exceed ``cached``
+  (KV blocks with no Mamba state at their end: the engine reuses none of them). Sent
+  there, the request costs as much prefill as anywhere, but vLLM keeps a Mamba state
+  where a request's prompt leaves a prefix it shares with the cache (its shared-prefix
+  checkpoint), so the request's siblings then hit ``kv(b)`` tokens there; sent to an
+  engine without that KV, no checkpoint is made. Measured on running vLLM hybrid
+  engines, ranking by the usable prefix alone then lost to ranking by the KV prefix
+  (BENCHMARKS.md, "Hybrid engines"); at the default weight 0.5 the future hit counts
+  half, so a real hit now still wins over a checkpoint of up to twice its length.
 - ``kv_usage(b)`` (``vllm:kv_cache_usage_perc``, scraped): an engine whose KV cache is
   full queues or preempts, so it costs one more prompt.
 
@@ -85,6 +96,9 @@ class BalanceRule:
     their conversation (BENCHMARKS.md, "What moved the figures", compares weights)."""
     spread_weight: float = 1.0
     affinity_weight: float = 0.5
+    checkpoint_weight: float = 0.5
+    """Of the KV tokens beyond the usable prefix on a hybrid model's node, the part that
+    counts as cached (the siblings' future hit at the checkpoint the request makes)."""
     half_life: float = 30.0
     """Seconds over which a backend's recent work counts half."""
     request_tokens: float = 32.0
@@ -92,7 +106,13 @@ class BalanceRule:
     kv_usage_limit: float = 0.95
 
     def __post_init__(self) -> None:
-        for name in ("queue_weight", "spread_weight", "affinity_weight", "request_tokens"):
+        for name in (
+            "queue_weight",
+            "spread_weight",
+            "affinity_weight",
+            "checkpoint_weight",
+            "request_tokens",
+        ):
             value = getattr(self, name)
             if not is_number(value):
                 raise TypeError(f"{name} must be a number")
@@ -170,10 +190,12 @@ def ranked(
     rule: BalanceRule,
     now: float,
     kin: tuple[Mapping[str, float], Mapping[str, float]] | None = None,
+    kv: Mapping[str, int] | None = None,
 ) -> list[Choice]:
     """The candidates from best to worst by the rule (module docstring); ``kin``: each
     backend's recent requests that share this prompt's first block, and its recent
-    requests of any kind (``Kin.counts``)."""
+    requests of any kind (``Kin.counts``); ``kv``: each hybrid node's KV prefix in
+    tokens, where it exceeds ``cached``."""
     names = sorted(set(candidates))
     if not names:
         return []
@@ -200,6 +222,8 @@ def ranked(
             kin_share = (kinned.get(name, 0.0) + 1.0) / (kin_total + count)
             sent_share = (sent.get(name, 0.0) + 1.0) / (sent_total + count)
             cost -= rule.affinity_weight * fresh * count * (kin_share - sent_share)
+        if kv:
+            cost -= rule.checkpoint_weight * max(0, min(kv.get(name, 0), prompt_tokens) - hit)
         if load.kv_usage >= rule.kv_usage_limit:
             cost += prompt_tokens
         out.append(Choice(name, cost, hit, queued, share))

@@ -28,6 +28,9 @@ from registry.core.errors import RegistryError
 from registry.core.validation import prefix_hashes
 from registry.fleet.view import FleetView
 
+Cached = tuple[dict[str, int], dict[str, int]]
+"""Each backend's cached prefix in tokens, and each hybrid node's longer KV prefix."""
+
 log = logging.getLogger(__name__)
 
 VIEW_START_S = 5.0
@@ -223,9 +226,10 @@ class GatewayState:
         ready = [b for b in backends if b.refused_until <= now]
         return ready or backends
 
-    async def cached(self, names: list[str], ids: PromptIds) -> dict[str, int] | None:
-        """Each backend's cached prefix of the prompt in tokens, from the registry; None
-        when Redis is away (or slower than ``registry_timeout``)."""
+    async def cached(self, names: list[str], ids: PromptIds) -> Cached | None:
+        """Each backend's cached prefix of the prompt in tokens, from the registry, and
+        each hybrid node's KV prefix where it is longer (``balance.ranked``'s ``kv``);
+        None when Redis is away (or slower than ``registry_timeout``)."""
         now = time.monotonic()
         if not self.health.up and now < self.health.retry_at:
             return None
@@ -242,21 +246,37 @@ class GatewayState:
             self.health.mark(False, exc)
             return None
         self.health.mark(True)
-        return {n: cached_tokens(s.usable, size, ids.count) for n, s in scores.items()}
+        usable = {n: cached_tokens(s.usable, size, ids.count) for n, s in scores.items()}
+        kv = {
+            n: tokens
+            for n, s in scores.items()
+            if s.kv_prefix > s.usable
+            and (tokens := cached_tokens(s.kv_prefix, size, ids.count)) > usable[n]
+        }
+        return usable, kv
 
-    def _viewed(self, names: list[str], ids: PromptIds) -> dict[str, int] | None:
+    def _viewed(self, names: list[str], ids: PromptIds) -> Cached | None:
         """``cached`` from the fleet view: memory work, no Redis round trip. None while
         the view is not ``fresh`` (it has not heard from Redis for ``STALE_S`` seconds and
-        may hold what the engines no longer do)."""
+        may hold what the engines no longer do). The KV prefixes are matched only where
+        a namespace of the view is a hybrid model's."""
         view = self.view
         assert view is not None
         if not self.registry_reachable():
             return None
         size = self.config.block_size
         assert ids.hashes is not None
-        usable = view.match(ids.hashes, names, hybrid=self.registry.hybrid)
+        hybrid = self.registry.hybrid
+        matched = view.match(ids.hashes, names, hybrid=hybrid)
         self.health.mark(True)
-        return {n: cached_tokens(blocks, size, ids.count) for n, blocks in usable.items()}
+        usable = {n: cached_tokens(blocks, size, ids.count) for n, blocks in matched.items()}
+        kv: dict[str, int] = {}
+        if hybrid is not False and view.any_hybrid():
+            for n, blocks in view.match(ids.hashes, names, hybrid=False).items():
+                tokens = cached_tokens(blocks, size, ids.count)
+                if tokens > usable.get(n, 0):
+                    kv[n] = tokens
+        return usable, kv
 
     def registry_reachable(self) -> bool:
         """Whether routing can use the registry now (with the fleet view: whether it is
@@ -285,17 +305,18 @@ class GatewayState:
         prompt = ids.count if ids else max(1, round(self.mean_prefill))
         root = ids.root if ids else None
         cached: dict[str, int] = {}
+        kv: dict[str, int] = {}
         outcome = "load"
         if self.config.policy == "prefix" and ids:
             found = await self.cached(names, ids)
             if found is None:
                 outcome = "registry_away"
             else:
-                cached = found
-                if any(cached.values()):
+                cached, kv = found
+                if any(cached.values()) or kv:
                     outcome = "prefix"
         loads = {b.namespace: b.load for b in backends}
         now = time.monotonic()
         kin = self.kin.counts(root, now, self.config.rule.half_life)
-        order = ranked(names, prompt, cached, loads, self.config.rule, now, kin)
+        order = ranked(names, prompt, cached, loads, self.config.rule, now, kin, kv)
         return order, outcome

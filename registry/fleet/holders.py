@@ -354,6 +354,10 @@ class HolderTable:
             self._naming = Naming(tuple(names), carried)
         return source
 
+    def any_hybrid(self) -> bool:
+        """Whether any namespace the table holds is a hybrid model's (held Mamba state)."""
+        return self._hybrid != 0
+
     def _set_hybrid(self, source: _Source, hybrid: bool) -> None:
         source.hybrid = hybrid
         bit = self._bits[source.slot]

@@ -131,6 +131,11 @@ class FleetView:
         longest usable prefix and its holders without resolving the rest."""
         return self._table.match(hashes, namespaces, hybrid=hybrid)
 
+    def any_hybrid(self) -> bool:
+        """Whether any namespace the view holds is a hybrid model's (it held Mamba state
+        since its owner's claim): where none is, a KV prefix is all a node reuses."""
+        return self._table.any_hybrid()
+
     def score(
         self,
         hashes: Sequence[int],

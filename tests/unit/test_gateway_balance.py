@@ -209,8 +209,35 @@ def test_recent_work_decays_by_its_half_life() -> None:
         {"half_life": 0.0},
         {"kv_usage_limit": 1.5},
         {"request_tokens": True},
+        {"checkpoint_weight": -0.5},
     ],
 )
 def test_bad_weights_are_refused(changes: dict[str, float]) -> None:
     with pytest.raises((TypeError, ValueError)):
         BalanceRule(**changes)
+
+
+def test_a_hybrid_nodes_kv_without_a_state_draws_the_request_that_leaves_one() -> None:
+    """On a hybrid model's node, KV blocks with no Mamba state at their end serve no hit
+    now, but the request sent there leaves a state where its prompt leaves the cached
+    prefix (vLLM's shared-prefix checkpoint), so its siblings hit there later: with the
+    default weight that node wins a tie on the usable prefix; with weight 0 it does not."""
+    loads = {"a": BackendLoad(), "b": BackendLoad()}
+    kv = {"b": 64}
+    assert ranked(["a", "b"], 100, {}, loads, RULE, 0.0, None, kv)[0].namespace == "b"
+    assert ranked(["a", "b"], 100, {}, loads, RULE, 0.0)[0].namespace == "a"
+    flat = BalanceRule(checkpoint_weight=0.0)
+    assert ranked(["a", "b"], 100, {}, loads, flat, 0.0, None, kv)[0].namespace == "a"
+    choice = ranked(["a", "b"], 100, {}, loads, RULE, 0.0, None, kv)[0]
+    assert choice.cached == 0  # what the engine serves now is still 0
+
+
+def test_a_hit_now_beats_a_checkpoint_up_to_twice_its_length() -> None:
+    loads = {"a": BackendLoad(), "b": BackendLoad()}
+    cached = {"a": 96, "b": 0}
+    assert ranked(["a", "b"], 300, cached, loads, RULE, 0.0, None, {"b": 160})[0].namespace == "a"
+    assert ranked(["a", "b"], 300, cached, loads, RULE, 0.0, None, {"b": 224})[0].namespace == "b"
+    # a KV prefix no longer than the usable one adds nothing, however long the prompt
+    assert ranked(["a", "b"], 300, cached, loads, RULE, 0.0, None, {"a": 96})[0].cost == (
+        ranked(["a", "b"], 300, cached, loads, RULE, 0.0)[0].cost
+    )
