@@ -370,7 +370,9 @@ def test_250_requests_at_once_get_no_503(redis_server: RedisServer, prefix: str)
     stays 200 among them."""
     client = redis_server.client()
     fill(client, prefix)
-    served = Served(redis_server.url, prefix)  # the default --max-connections (64)
+    # The default --max-connections (64); a turn's deadline past what a busy machine
+    # (CI beside two CPU burners) can take to serve 250 requests: no timing margin.
+    served = Served(redis_server.url, prefix, pool_timeout=120.0)
     try:
         counts = asyncio.run(_burst(served.base, 250, {"block_hashes": H}))
         assert counts == {("/health", 200, None): 25, ("/v1/score", 200, None): 225}, counts
@@ -384,7 +386,9 @@ def test_the_pool_is_bounded_and_503_comes_only_while_redis_is_away(
 ) -> None:
     client = own_server.client()
     fill(client, prefix)
-    served = Served(own_server.url, prefix, max_connections=2)
+    # 120 requests through 2 connections: a turn's deadline past what a busy machine can
+    # take (the 503 past the deadline has its own test below); Redis away is 503 at once.
+    served = Served(own_server.url, prefix, max_connections=2, pool_timeout=120.0)
     try:
         counts = asyncio.run(_burst(served.base, 120, {"block_hashes": H}))
         assert counts == {("/health", 200, None): 12, ("/v1/score", 200, None): 108}, counts

@@ -44,6 +44,11 @@ KEY_B = "kb-" + "2" * 29
 KEY_HASHED = "kh-" + "3" * 29  # given in the file by its digest only
 
 
+TIMEOUT = 120.0
+"""Seconds a request may take: a service on a busy machine (CI beside two CPU burners)
+answers its first requests slowly; nothing here measures time."""
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -89,7 +94,9 @@ def fleet(redis_server: RedisServer, tenants: dict[str, str]) -> Iterator[redis.
 
 def score(base: str, key: str | None, tokens: list[int], **extra: Any) -> httpx.Response:
     body = {"token_ids": tokens, "block_size": BLOCK, **extra}
-    return httpx.post(f"{base}/v1/score", json=body, headers=bearer(key) if key else {})
+    return httpx.post(
+        f"{base}/v1/score", json=body, headers=bearer(key) if key else {}, timeout=TIMEOUT
+    )
 
 
 def metrics_text(base: str, key: str) -> str:
@@ -119,7 +126,9 @@ def test_without_keys_the_probe_works_which_is_why_keys_exist(
         wrong = score(proc.base, None, WRONG, namespaces=[tenants["a"]]).json()
         assert right["nodes"][tenants["a"]]["kv_prefix"] == 4
         assert wrong["nodes"][tenants["a"]]["kv_prefix"] == 3
-        assert httpx.get(f"{proc.base}/openapi.json").status_code == 200  # docs as today
+        assert (
+            httpx.get(f"{proc.base}/openapi.json", timeout=TIMEOUT).status_code == 200
+        )  # docs as today
     finally:
         proc.stop()
 
@@ -147,10 +156,12 @@ def test_a_tenant_cannot_learn_what_another_tenant_caches_through_serve(
                 ghostly = score(base, KEY_B, SECRET, namespaces=[ghost]).json()
                 assert right == ghostly == {"blocks": 4, "best": None, "nodes": {}}
 
-        nodes = httpx.get(f"{base}/v1/nodes", headers=bearer(KEY_B)).json()["nodes"]
+        nodes = httpx.get(f"{base}/v1/nodes", headers=bearer(KEY_B), timeout=TIMEOUT).json()[
+            "nodes"
+        ]
         assert [n["namespace"] for n in nodes] == [tenants["b"]]
 
-        refused = httpx.get(f"{base}/metrics", headers=bearer(KEY_B))
+        refused = httpx.get(f"{base}/metrics", headers=bearer(KEY_B), timeout=TIMEOUT)
         assert refused.status_code == 403
         assert refused.json()["error"] == "forbidden"
 
@@ -162,7 +173,9 @@ def test_a_tenant_cannot_learn_what_another_tenant_caches_through_serve(
             seen = score(base, operator, SECRET, namespaces=[tenants["a"], tenants["b"]]).json()
             assert seen["nodes"][tenants["a"]]["kv_prefix"] == 4
             assert seen["best"] == tenants["a"]
-            listed = httpx.get(f"{base}/v1/nodes", headers=bearer(operator)).json()["nodes"]
+            listed = httpx.get(
+                f"{base}/v1/nodes", headers=bearer(operator), timeout=TIMEOUT
+            ).json()["nodes"]
             assert {tenants["a"], tenants["b"]} <= {n["namespace"] for n in listed}
             text = metrics_text(base, operator)
             assert sample(text, "pcr_http_rejected_total", reason="forbidden") == 1
@@ -191,11 +204,14 @@ def test_missing_and_wrong_keys_get_401_and_health_stays_open(
                 assert reply.headers["www-authenticate"] == "Bearer"
                 assert reply.json()["error"] == "unauthorized"
         for path in ("/docs", "/redoc", "/openapi.json"):  # off with keys unless --docs
-            assert httpx.get(base + path, headers=bearer(KEY_HASHED)).status_code == 404
-        assert httpx.get(f"{base}/health").status_code == 200
-        assert httpx.get(f"{base}/live").status_code == 200
+            assert (
+                httpx.get(base + path, headers=bearer(KEY_HASHED), timeout=TIMEOUT).status_code
+                == 404
+            )
+        assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200
+        assert httpx.get(f"{base}/live", timeout=TIMEOUT).status_code == 200
         lower = {"authorization": f"bearer {KEY_B}"}  # the scheme is case-insensitive
-        assert httpx.get(f"{base}/v1/nodes", headers=lower).status_code == 200
+        assert httpx.get(f"{base}/v1/nodes", headers=lower, timeout=TIMEOUT).status_code == 200
         text = metrics_text(base, KEY_HASHED)
         assert sample(text, "pcr_http_rejected_total", reason="unauthorized") == 15
     finally:
@@ -212,14 +228,18 @@ def test_a_key_past_its_burst_gets_429_with_retry_after(
     proc = ServeProcess(*args, "--rate-limit", "0.001", "--rate-burst", "3", "--docs").start()
     try:
         base = proc.base
-        got = [httpx.get(f"{base}/v1/nodes", headers=bearer(KEY_B)) for _ in range(3)]
+        got = [
+            httpx.get(f"{base}/v1/nodes", headers=bearer(KEY_B), timeout=TIMEOUT) for _ in range(3)
+        ]
         assert [r.status_code for r in got] == [200, 200, 429]
         assert got[2].json()["error"] == "too many requests"
         assert int(got[2].headers["retry-after"]) >= 1
         # the default applies to keys without a rate of their own, each key its own bucket
-        got = [httpx.get(f"{base}/v1/nodes", headers=bearer(KEY_A)) for _ in range(4)]
+        got = [
+            httpx.get(f"{base}/v1/nodes", headers=bearer(KEY_A), timeout=TIMEOUT) for _ in range(4)
+        ]
         assert [r.status_code for r in got] == [200, 200, 200, 429]
-        assert httpx.get(f"{base}/openapi.json").status_code == 200  # --docs: open
+        assert httpx.get(f"{base}/openapi.json", timeout=TIMEOUT).status_code == 200  # --docs: open
         text = metrics_text(base, OPERATOR)
         assert sample(text, "pcr_http_rejected_total", reason="rate_limited") == 2
         assert sample(text, "pcr_http_rejected_total", reason="rate_limited", tenant="tenant-b")
@@ -279,7 +299,7 @@ def test_through_the_gateway_a_tenant_routes_among_its_own_backends_only(
         assert other_model.status_code == 404
         assert len(engines[1].received) == 2
 
-        refused = httpx.get(f"{base}/metrics", headers=bearer(KEY_B))
+        refused = httpx.get(f"{base}/metrics", headers=bearer(KEY_B), timeout=TIMEOUT)
         assert refused.status_code == 403
         assert refused.json()["error"]["code"] == 403
         text = metrics_text(base, OPERATOR)
@@ -292,7 +312,9 @@ def test_through_the_gateway_a_tenant_routes_among_its_own_backends_only(
 
         # past the burst (6: two completions, a 404, a 403, and two more), 429 on the proxy
         assert complete(base, KEY_B, WRONG).status_code == 200
-        listed = httpx.get(f"{base}/v1/models", headers=bearer(KEY_B)).json()["data"]
+        listed = httpx.get(f"{base}/v1/models", headers=bearer(KEY_B), timeout=TIMEOUT).json()[
+            "data"
+        ]
         assert [m["id"] for m in listed] == ["tiny"]  # its backends', its models alone
         limited = complete(base, KEY_B, WRONG)
         assert limited.status_code == 429
