@@ -23,6 +23,10 @@ START_DEADLINE = 600.0
 hangs without exiting (the per-test timeout usually ends such a test first)."""
 
 
+class PortTaken(AssertionError):
+    """The service could not bind its port: another process took it first."""
+
+
 class ServeProcess:
     """``python -m pcr serve --port <free> ARGS`` (or ``pcr gateway`` with
     ``command="gateway"``); ``start()`` waits until it says it is ready, then until
@@ -47,7 +51,26 @@ class ServeProcess:
     def ready_line(self) -> str:
         return f"pcr {self.command}: ready on {self.base}"
 
-    def start(self) -> ServeProcess:
+    def start(self, tries: int = 3) -> ServeProcess:
+        """Start it and wait until it is ready. A port that another process took between
+        ``free_port`` and the service's bind (``Address already in use``: parallel test
+        workers pick ports at the same time) is not the service's fault: it starts again
+        on a fresh port, up to ``tries`` times."""
+        for attempt in range(tries):
+            try:
+                return self._start()
+            except PortTaken:
+                if attempt == tries - 1:
+                    raise
+                self.port = free_port()
+                self.args = [*self.args[:-2], "--port", str(self.port)]
+                self.out = self.err = ""
+                self._lines = {"out": [], "err": []}
+                self._readers = []
+                self._ready = threading.Event()
+        raise AssertionError("unreachable")
+
+    def _start(self) -> ServeProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pcr", self.command, *self.args],
             stdout=subprocess.PIPE,
@@ -93,6 +116,8 @@ class ServeProcess:
         if self.ready_line + "\n" not in self._lines["out"]:  # stdout ended: it exited
             code = process.wait(30)
             self._collect()
+            if f"cannot listen on 127.0.0.1:{self.port}: Address already in use" in self.err:
+                raise PortTaken(self.err)
             raise AssertionError(f"pcr {self.command} exited ({code}) before ready:\n{self.err}")
         if self.path is None:
             return

@@ -832,3 +832,27 @@ def test_serve_without_fastapi_is_one_line_exit_1(
     assert err == (
         "pcr serve: error: pcr serve needs fastapi: pip install 'prefix-cache-registry[serve]'\n"
     )
+
+
+def test_a_service_whose_port_was_taken_starts_again_on_another(redis_server: RedisServer) -> None:
+    """The suite's own helper: a port another process took between ``free_port`` and
+    the service's bind is retried on a fresh port, not reported as the service's
+    failure (parallel workers pick ports at the same time)."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        proc = ServeProcess("--redis-url", redis_server.url)
+        taken = holder.getsockname()[1]
+        proc.port = taken
+        proc.args = [*proc.args[:-2], "--port", str(taken)]
+        proc.start()
+        try:
+            assert proc.port != taken
+            assert httpx.get(f"{proc.base}/live", timeout=60).status_code == 200
+        finally:
+            proc.stop()
+    finally:
+        holder.close()
