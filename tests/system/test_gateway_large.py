@@ -33,8 +33,10 @@ pytest.importorskip("transformers")
 BIG_BYTES = 20_000_000
 NORMAL_BOUND = 3.0
 """Seconds a normal request may take beside a 20 MB body (alone it takes milliseconds)."""
-HEALTH_BOUND = 1.0
-"""Seconds ``/health`` may take while a 20 MB body is handled (milliseconds alone)."""
+HEALTH_BOUND = 3.0
+"""Seconds ``/health`` may take while a 20 MB body is handled (milliseconds alone; on the
+event loop, the parse, check and hashing of ten million ids held it for seconds). Past a
+busy machine's scheduling noise: beside two CPU burners one call took 1.2 s."""
 LONGEST_TOKEN = 5
 """The tiny tokenizer's longest vocabulary entry in bytes (``<unk>``)."""
 
