@@ -137,6 +137,21 @@ def _backend_options(gateway: argparse.ArgumentParser) -> None:
     )
     _backend_tls_options(gateway)
     gateway.add_argument(
+        "--backend-api-key-file",
+        type=Path,
+        metavar="FILE",
+        help="a file holding the key the engines were started with (vLLM's --api-key): "
+        "sent to them as 'Authorization: Bearer KEY' in place of any the client sent "
+        "(default: $PCR_BACKEND_API_KEY if set, else none)",
+    )
+    gateway.add_argument(
+        "--no-tenant-salts",
+        action="store_true",
+        help="with --api-keys naming tenants: let tenants share the engines' caches; by "
+        "default each tenant's requests carry a cache_salt of its own, so no tenant is "
+        "served from, or can time, another tenant's cached prompts",
+    )
+    gateway.add_argument(
         "--no-announced",
         action="store_true",
         help="route only to the backends given here, not to engines announced in Redis "
@@ -195,6 +210,33 @@ def backend_tls(args: argparse.Namespace) -> None:
         client_context(args.backend_ca_certs, args.backend_certfile, args.backend_keyfile)
     except TlsError as exc:
         raise UsageError(f"argument --backend-{exc.field.replace('_', '-')}: {exc}") from None
+
+
+def backend_key(args: argparse.Namespace) -> str | None:
+    """The engines' key: ``--backend-api-key-file``, else ``$PCR_BACKEND_API_KEY``."""
+    from pcr.gateway.config import check_backend_key
+
+    what = "argument --backend-api-key-file"
+    if args.backend_api_key_file is None:
+        key = os.environ.get("PCR_BACKEND_API_KEY")
+        what = "PCR_BACKEND_API_KEY"
+    else:
+        try:
+            with open(args.backend_api_key_file, "rb") as handle:
+                raw = handle.read(8192)
+        except OSError as exc:
+            raise UsageError(
+                f"{what}: cannot read {str(args.backend_api_key_file)!r}: {exc.strerror}"
+            ) from None
+        key = raw.decode("ascii", "replace").strip()
+    if key is None:
+        return None
+    try:
+        return check_backend_key(key)
+    except ValueError:
+        raise UsageError(
+            f"{what}: the key must be 1 to 4,096 printable ASCII characters without spaces"
+        ) from None
 
 
 def _balance_options(gateway: argparse.ArgumentParser) -> None:
@@ -343,6 +385,8 @@ def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
         backend_ca_certs=args.backend_ca_certs,
         backend_certfile=args.backend_certfile,
         backend_keyfile=args.backend_keyfile,
+        backend_api_key=backend_key(args),
+        tenant_salts=not args.no_tenant_salts,
     )
 
 

@@ -48,12 +48,26 @@ class GatewayConfig:
     """A PEM client certificate for engines that ask for one (mutual TLS), its key in
     ``backend_keyfile`` or in the same file."""
     backend_keyfile: str | None = None
+    backend_api_key: str | None = field(default=None, repr=False)
+    """The key engines started with ``--api-key`` want: sent to them as
+    ``Authorization: Bearer KEY`` on every request (proxied, ``/v1/models``,
+    ``/metrics``), in place of any the client sent (None: the client's passes through
+    when the gateway has no keys of its own)."""
+    tenant_salts: bool = True
+    """With API keys that name tenants (``pcr.web.auth``): each tenant's requests go to
+    the engines with a ``cache_salt`` of that tenant's own (``tokens.tenant_salt``), so no
+    tenant's prompt is ever served from, or timed against, another tenant's cache. False:
+    tenants share the engines' caches (a common system prompt hits for all)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.view, bool):
             raise TypeError("view must be True or False")
         if not isinstance(self.announced, bool):
             raise TypeError("announced must be True or False")
+        if not isinstance(self.tenant_salts, bool):
+            raise TypeError("tenant_salts must be True or False")
+        if self.backend_api_key is not None:
+            check_backend_key(self.backend_api_key)
         for namespace, url in self.backends.items():
             validate_engine_url(url)
             if not namespace:
@@ -77,3 +91,14 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be a positive finite number of seconds")
         if not is_number(self.scrape_interval) or not 0 <= self.scrape_interval < math.inf:
             raise ValueError("scrape_interval must be a finite number of seconds >= 0")
+
+
+def check_backend_key(key: object) -> str:
+    """A key for engines: printable ASCII without spaces (it travels in a header)."""
+    if not isinstance(key, str):
+        raise TypeError("backend_api_key must be a string")
+    if not key or len(key) > 4096 or not all("!" <= c <= "~" for c in key):
+        raise ValueError(
+            "backend_api_key must be 1 to 4,096 printable ASCII characters without spaces"
+        )
+    return key

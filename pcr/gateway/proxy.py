@@ -37,8 +37,15 @@ from pcr.gateway.replies import (
     respond,
 )
 from pcr.gateway.state import GatewayState
-from pcr.gateway.tokens import BadBody, PromptIds, chain_keys, prompt_ids, prompt_tokens
-from pcr.web.auth import model_allowed, routable
+from pcr.gateway.tokens import (
+    BadBody,
+    PromptIds,
+    chain_keys,
+    prompt_ids,
+    prompt_tokens,
+    salted_body,
+)
+from pcr.web.auth import model_allowed, routable, salted_tenant
 
 PROXIED = {"/v1/completions": False, "/v1/chat/completions": True}
 """The proxied paths, and whether each takes chat messages."""
@@ -100,10 +107,13 @@ async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat
     routed = state.config.policy != "round-robin"
     hashed = state.config.policy == "prefix"
     adapters = state.models.adapters  # a salt, an adapter: hashed as the engine does
+    tenant = salted_tenant(scope, state.config.tenant_salts)
     try:  # a large body in the helper process: never parsed on the loop
         body, ids = await state.parser.parse(
-            raw, chat, state.max_tokens, size if routed else None, hashed, adapters
+            raw, chat, state.max_tokens, size if routed else None, hashed, adapters, tenant
         )
+        if tenant is not None:  # its own cache on the engines (``tenant_salt``)
+            raw = salted_body(raw, body["cache_salt"])
         if not model_allowed(scope, body.get("model")):  # a tenant's key lists its models
             await answer_error(send, 404, "the model is not available to this key")
             return
@@ -190,7 +200,7 @@ async def _forward(
     stream = body.get("stream") is True
     prompt = ids.count if ids else 0
     root = ids.root if ids else None
-    headers = forwarded_headers(scope["headers"])
+    headers = forwarded_headers(scope["headers"], state.config.backend_api_key)
     query = scope.get("query_string", b"")
     path = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
     tried = 0

@@ -92,13 +92,24 @@ def json_body(raw: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
-def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The request's headers for the backend (ASGI gives names in lower case)."""
-    return {
+def forwarded_headers(
+    raw: list[tuple[bytes, bytes]], backend_key: str | None = None
+) -> dict[str, str]:
+    """The request's headers for the backend (ASGI gives names in lower case); with
+    ``backend_key``, the engines' own key in place of any ``Authorization`` sent."""
+    headers = {
         name.decode("latin-1"): value.decode("latin-1")
         for name, value in raw
         if name not in HOP_BYTES
     }
+    if backend_key is not None:
+        headers["authorization"] = f"Bearer {backend_key}"
+    return headers
+
+
+def backend_auth(backend_key: str | None) -> dict[str, str] | None:
+    """The headers every request of the gateway's own to an engine carries."""
+    return None if backend_key is None else {"Authorization": f"Bearer {backend_key}"}
 
 
 def reply_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:

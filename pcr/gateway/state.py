@@ -22,6 +22,7 @@ from pcr.gateway.config import GatewayConfig
 from pcr.gateway.exchange import LoadExchange, RegistryHealth, discover
 from pcr.gateway.metrics import GatewayMetrics
 from pcr.gateway.models import REFRESH_S, ModelCatalog
+from pcr.gateway.replies import backend_auth
 from pcr.gateway.tokens import BodyParser, PromptIds, PromptTokenizer
 from pcr.web.tls import client_context
 from registry.core.errors import RegistryError
@@ -136,6 +137,7 @@ class GatewayState:
             trust_env=False,
             auto_decompress=False,  # bytes pass through as the engine sent them
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            headers=backend_auth(config.backend_api_key),  # /v1/models, /metrics
         )
         if self.config.view and self.config.policy == "prefix":
             client = await asyncio.to_thread(self.registry.sync)

@@ -138,14 +138,28 @@ TENANT_SALT_DOMAIN = b"pcr-tenant-salt-v1\0"
 def tenant_salt(tenant: str, cache_salt: str | None) -> str:
     """The ``cache_salt`` to send on for a tenant's request, so that no two tenants can
     share a salt, whatever they send (none included): ``t-`` and 64 hex digits of
-    sha256 over the tenant and its own salt, a salt vLLM accepts. The hook for tenant
-    salts: with API keys that name tenants (``pcr.web.auth``), the gateway would set the
-    body's ``cache_salt`` to this before hashing (``chain_keys``) and forwarding; not
-    wired yet (see the gateway guide, "Salted and LoRA requests")."""
+    sha256 over the tenant and its own salt, a salt vLLM accepts. With API keys that
+    name tenants (``pcr.web.auth``) and ``GatewayConfig.tenant_salts``, the gateway sets
+    a tenant request's ``cache_salt`` to this before hashing (``parse_body``) and
+    forwarding (``salted_body``)."""
     name = tenant.encode("utf-8", "surrogatepass")
     own = b"\0" if cache_salt is None else b"\1" + cache_salt.encode("utf-8", "surrogatepass")
     digest = hashlib.sha256(TENANT_SALT_DOMAIN + len(name).to_bytes(4, "big") + name + own)
     return "t-" + digest.hexdigest()
+
+
+def salted_body(raw: bytes, salt: str) -> bytes:
+    """``raw`` (a JSON object ``parse_body`` took) with ``"cache_salt": salt`` as its last
+    member, the rest byte for byte (a large prompt is not serialized again): JSON
+    parsers (Python's, and so vLLM's and SGLang's servers) keep a repeated name's last
+    value, so a salt the tenant sent itself is overridden. ``BadBody`` for a body that
+    is not UTF-8 (JSON between systems must be, RFC 8259)."""
+    end = raw.rstrip(b" \t\r\n")
+    if not (raw.lstrip(b" \t\r\n").startswith(b"{") and end.endswith(b"}")):
+        raise BadBody("the body must be JSON in UTF-8")
+    inner = end[:-1].rstrip(b" \t\r\n")
+    comma = b"" if inner.endswith(b"{") else b","
+    return b"".join((inner, comma, b'"cache_salt":', json.dumps(salt).encode(), b"}"))
 
 
 def ids_of(
@@ -182,6 +196,7 @@ def parse_body(
     block_size: int | None,
     hashed: bool,
     adapters: frozenset[str] = frozenset(),
+    tenant: str | None = None,
 ) -> tuple[dict[str, Any], PromptIds | None]:
     """The body as a JSON object, and for a completion with a prompt of token ids its
     ``PromptIds`` (``block_size`` None: not wanted), hashed under the request's
@@ -197,7 +212,10 @@ def parse_body(
         raise BadBody("the body is not JSON") from None
     if not isinstance(body, dict):
         raise BadBody("the body must be a JSON object")
-    keys = chain_keys(body, adapters)
+    keys = chain_keys(body, adapters)  # the request's own salt checked first
+    if tenant is not None:  # then the tenant's own in its place (``salted_body``)
+        body["cache_salt"] = tenant_salt(tenant, body.get("cache_salt"))
+        keys = chain_keys(body, adapters)
     if chat:
         return body, None
     prompt = body.get("prompt")
@@ -217,9 +235,10 @@ def _parse_apart(
     block_size: int | None,
     hashed: bool,
     adapters: frozenset[str] = frozenset(),
+    tenant: str | None = None,
 ) -> tuple[dict[str, Any], PromptIds | None]:
     """``parse_body`` in the helper process: a prompt that is not text stays there."""
-    body, ids = parse_body(raw, chat, max_tokens, block_size, hashed, adapters)
+    body, ids = parse_body(raw, chat, max_tokens, block_size, hashed, adapters, tenant)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], str)):
         body = {k: v for k, v in body.items() if k != "prompt"}
@@ -243,8 +262,9 @@ class BodyParser:
         block_size: int | None,
         hashed: bool,
         adapters: frozenset[str] = frozenset(),
+        tenant: str | None = None,
     ) -> tuple[dict[str, Any], PromptIds | None]:
-        args = (raw, chat, max_tokens, block_size, hashed, adapters)
+        args = (raw, chat, max_tokens, block_size, hashed, adapters, tenant)
         if len(raw) <= PARSE_IN_LOOP:
             return parse_body(*args)
         if self._pool is None:

@@ -423,3 +423,13 @@ def model_allowed(scope: Mapping[str, Any], model: object) -> bool:
     """Whether the request's key may ask for ``model`` (any, unless its key lists models)."""
     grant = grant_of(scope)
     return grant is None or grant.models is None or model in grant.models
+
+
+def salted_tenant(scope: Mapping[str, Any], tenant_salts: bool) -> str | None:
+    """The tenant whose own ``cache_salt`` the request gets at the engines (None: the
+    request goes as sent): a tenant's key when ``tenant_salts`` is on; never an
+    operator's, and never without keys."""
+    grant = grant_of(scope)
+    if not tenant_salts or grant is None or grant.operator:
+        return None
+    return grant.tenant

@@ -53,6 +53,9 @@ class FakeEngine:
     certfile: str | None = None
     keyfile: str | None = None
     client_ca: str | None = None
+    api_key: str | None = None
+    """As vLLM's ``--api-key``: ``/v1/*`` answers 401 without ``Authorization: Bearer``
+    this key."""
 
     def __post_init__(self) -> None:
         self.release = threading.Event()
@@ -96,7 +99,17 @@ class FakeEngine:
             await asyncio.sleep(0.005)  # a thread's Event: polled from the loop
         return True
 
+    def _refused(self, request: Request) -> Response | None:
+        if self.api_key is None:
+            return None
+        if request.headers.get("authorization") == f"Bearer {self.api_key}":
+            return None
+        return JSONResponse({"error": {"message": "Unauthorized"}}, 401)
+
     async def _complete(self, request: Request) -> Response:
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
         body = await request.json()
         with self._lock:
             self.received.append(body)
@@ -134,7 +147,10 @@ class FakeEngine:
                 self.cancelled += 1
             raise
 
-    async def _models(self, _request: Request) -> Response:
+    async def _models(self, request: Request) -> Response:
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
         with self._lock:
             self.models_read += 1
         if self.models is None:

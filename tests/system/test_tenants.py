@@ -391,3 +391,115 @@ def test_bad_access_options_are_one_line_usage_errors(args: list[str], says: str
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert says in done.stderr
+
+
+KEY_C = "kc-" + "4" * 29  # a tenant whose key maps no namespace: routed over every backend
+ENGINE_KEY = "engine-key-" + "5" * 21
+
+
+@pytest.mark.parametrize("salts", [True, False], ids=["tenant-salts", "no-tenant-salts"])
+def test_each_tenant_reaches_the_engines_with_a_salt_of_its_own(
+    redis_server: RedisServer, tmp_path: Path, salts: bool
+) -> None:
+    """Engines started with ``--api-key`` behind a keyed gateway (``--backend-api-key-file``):
+    a tenant's request reaches them with ``cache_salt`` set to ``tenant_salt`` of its
+    tenant and whatever salt it sent (so two tenants sending one prompt never share, or
+    time, a cache), hashed and routed under that salt; an operator's request goes as
+    sent. With ``--no-tenant-salts`` every request goes as sent."""
+    from pcr.gateway.tokens import tenant_salt
+
+    tag = uuid.uuid4().hex[:8]
+    plain, salted = f"plain-{tag}", f"salted-{tag}"
+    client = redis_server.client()
+    made = [FakeEngine("plain", api_key=ENGINE_KEY), FakeEngine("salted", api_key=ENGINE_KEY)]
+    for engine in made:
+        engine.start()
+    try:
+        cache(client, plain, SECRET)  # the prompt unsalted on one engine
+        registry = PrefixCacheRegistry(client, salted)  # tenant-c's salt on the other
+        registry.claim(300)
+        hashes = block_hashes(SECRET, BLOCK, salt=tenant_salt("tenant-c", None))
+        registry.register_kv(list(range(len(hashes))), hashes)
+        keys = tmp_path / "keys.json"
+        keys.write_text(json.dumps({"keys": {KEY_C: {"tenant": "tenant-c"}}}))
+        keys.chmod(0o600)
+        engine_key = tmp_path / "engine.key"
+        engine_key.write_text(ENGINE_KEY + "\n")
+        args = ["--redis-url", redis_server.url, "--block-size", str(BLOCK), "--no-announced"]
+        args += ["--backend", f"{plain}={made[0].url}", "--backend", f"{salted}={made[1].url}"]
+        args += ["--api-keys", str(keys), "--api-key", OPERATOR]
+        args += ["--backend-api-key-file", str(engine_key)]
+        proc = ServeProcess(
+            *args, *([] if salts else ["--no-tenant-salts"]), path="/live", command="gateway"
+        ).start()
+        try:
+            as_tenant = complete(proc.base, KEY_C, SECRET)
+            assert as_tenant.status_code == 200, as_tenant.text  # the engine's key was sent
+            own = httpx.post(
+                f"{proc.base}/v1/completions",
+                json={"model": "tiny", "prompt": SECRET, "max_tokens": 1, "cache_salt": "mine"},
+                headers=bearer(KEY_C),
+                timeout=TIMEOUT,
+            )
+            assert own.status_code == 200, own.text
+            as_operator = complete(proc.base, OPERATOR, SECRET)
+            assert as_operator.json()["by"] == "plain"
+            bodies = made[0].received + made[1].received
+            assert len(bodies) == 3
+            if salts:
+                assert as_tenant.json()["by"] == "salted"  # its salt's blocks drew it
+                assert made[1].received[0]["cache_salt"] == tenant_salt("tenant-c", None)
+                sent_own = [b for b in bodies if "cache_salt" in b]
+                assert {b["cache_salt"] for b in sent_own} == {
+                    tenant_salt("tenant-c", None),
+                    tenant_salt("tenant-c", "mine"),
+                }
+                assert made[0].received[-1] == {"model": "tiny", "prompt": SECRET, "max_tokens": 1}
+            else:
+                assert as_tenant.json()["by"] == "plain"  # unsalted: where the prompt is
+                assert [b.get("cache_salt") for b in bodies].count("mine") == 1
+                assert [b.get("cache_salt") for b in bodies].count(None) == 2
+        finally:
+            proc.stop()
+    finally:
+        for engine in made:
+            engine.stop()
+        client.close()
+
+
+def test_without_the_engines_key_a_keyed_engine_refuses_the_gateway(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The control for the test above: the client's own key is the gateway's, never
+    passed on, so an engine with ``--api-key`` answers 401 unless the gateway has its key."""
+    engine = FakeEngine("keyed", api_key=ENGINE_KEY).start()
+    try:
+        args = ["--redis-url", redis_server.url, "--no-announced", "--api-key", OPERATOR]
+        proc = ServeProcess(
+            *args, "--backend", f"keyed-{uuid.uuid4().hex[:6]}={engine.url}", command="gateway"
+        ).start()
+        try:
+            assert complete(proc.base, OPERATOR, SECRET).status_code == 401
+        finally:
+            proc.stop()
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [("", "printable ASCII"), ("two words", "printable ASCII"), (None, "cannot read")],
+)
+def test_a_bad_backend_key_file_is_a_one_line_usage_error(
+    tmp_path: Path, content: str | None, says: str
+) -> None:
+    path = tmp_path / "engine.key"
+    if content is not None:
+        path.write_text(content)
+    done = run_pcr(
+        "gateway", "--redis-url", "redis://127.0.0.1:1", "--backend-api-key-file", str(path)
+    )
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--backend-api-key-file" in done.stderr
+    assert says in done.stderr

@@ -100,3 +100,27 @@ def test_tenant_salts_never_collide_and_are_salts_vllm_takes() -> None:
         assert re.fullmatch(r"t-[0-9a-f]{64}", salt)
         assert request_chain_keys(salt).salt == salt
     assert tenant_salt("a", "x") == tenant_salt("a", "x")
+
+
+def test_a_salted_body_keeps_every_byte_and_its_last_salt_wins() -> None:
+    from pcr.gateway.tokens import salted_body
+
+    raw = b' {"prompt": [1, 2, 3], "cache_salt": "mine"}\n'
+    out = salted_body(raw, "t-abc")
+    assert out.startswith(b' {"prompt": [1, 2, 3], "cache_salt": "mine"')
+    assert json.loads(out) == {"prompt": [1, 2, 3], "cache_salt": "t-abc"}
+    assert json.loads(salted_body(b"{ }", "t-x")) == {"cache_salt": "t-x"}
+    for not_utf8 in ('{"a": 1}'.encode("utf-16"), '{"a": 1}'.encode("utf-16-le")):
+        with pytest.raises(BadBody):
+            salted_body(not_utf8, "t-x")
+
+
+def test_parse_body_hashes_a_tenant_request_under_its_tenant_salt() -> None:
+    raw = json.dumps({"prompt": list(range(8)), "cache_salt": "mine"}).encode()
+    body, ids = parse_body(raw, False, None, 4, True, tenant="tenant-c")
+    salt = tenant_salt("tenant-c", "mine")
+    assert body["cache_salt"] == salt
+    assert ids is not None
+    assert ids.hashes == block_hashes(list(range(8)), 4, salt=salt)
+    with pytest.raises(BadBody):  # the tenant's own salt is still checked as vLLM would
+        parse_body(b'{"cache_salt": "a/b", "prompt": [1]}', False, None, 4, True, tenant="t")
