@@ -22,6 +22,10 @@ at a point without one hits nothing, whatever KV blocks are cached.
   prefix), so the branch's siblings hit there; the gateway sees nothing usable anywhere,
   chooses by load, and gains only where another engine holds a checkpoint the
   KV-longest one lacks.
+- That case on its own: one engine holds the longer KV prefix with no checkpoint inside
+  it, the other a shorter one with its checkpoint. The KV-only choice sends the branch
+  to the first, which hits 0 tokens; the gateway to the second, which serves 96 from
+  cache (both engine orders; asserted).
 
 Each check waits until the namespace shows the last request's batch applied (its blocks
 listed; where it stores no block the namespace has not listed, a one-block marker sent
@@ -330,3 +334,63 @@ def test_the_gateway_beside_round_robin_and_kv_only_on_hybrid_engines(
     shown = ", ".join(f"{p} {rate:.1%} {served}" for p, (rate, served) in rates.items())
     print(f"\n{FAMILIES} branching families x 8 prompts, one at a time, 2 NemotronH: {shown}")
     assert rates["gateway"][0] > rates["round-robin"][0]
+
+
+def trap(seed: int) -> tuple[list[int], list[int], list[int]]:
+    """Where the longest KV prefix is not the usable one: ``longer`` (a 96-token opening
+    and 96 more) leaves KV for 192 tokens and a checkpoint only at 160 (its last block
+    boundary before its last token); ``opening`` (the opening and 4 more) a checkpoint
+    at 96; ``branch`` shares 128 tokens with ``longer`` and 96 with ``opening``."""
+    rng = random.Random(seed)
+    head, tail = words(rng, 96), words(rng, 96)
+    return head + tail, head + words(rng, 4), head + tail[:32] + words(rng, 40)
+
+
+def test_a_branch_goes_where_a_checkpoint_is_not_where_the_most_kv_is(
+    routed: tuple[list[VllmEngine], list[Followed]], redis_server: RedisServer
+) -> None:
+    """One engine holds the longer KV prefix without a checkpoint inside it, the other a
+    shorter prefix with its checkpoint: the KV-only choice (``--no-hybrid``) sends the
+    branch to the first, where the engine hits nothing; the gateway's default to the
+    second, where the engine serves 96 tokens from cache. Both engine orders."""
+    engines, nodes = routed
+    hits: dict[str, list[int]] = {}
+    for policy, flags in (("KV-only", ("--no-hybrid",)), ("gateway", ())):
+        gateway = ServeProcess(
+            "--redis-url", redis_server.url, "--tokenizer", str(engines[0].model),
+            "--block-size", str(BLOCK_SIZE), *flags, path="/live", command="gateway",
+        ).start()  # fmt: skip
+        try:
+            wait_until(
+                lambda g=gateway: (
+                    len(httpx.get(f"{g.base}/health", timeout=10).json()["backends"]) == 2
+                ),
+                WAIT,
+                "both engines found in Redis",
+            )
+            hits[policy] = []
+            for trial, (longest, checkpointed) in enumerate(((0, 1), (1, 0))):
+                for node in nodes:
+                    node.engine.reset_prefix_cache()
+                    node.engine.complete(marker())
+                    wait_until(lambda n=node: n.registry.info().kv_entries == 1, WAIT, "cleared")
+                longer, opening, branch = trap(100 * trial + len(hits))
+                nodes[longest].send(longer)
+                nodes[checkpointed].send(opening)
+                assert nodes[longest].predict(branch) == (0, 128)
+                assert nodes[checkpointed].predict(branch) == (96, 96)
+                before = [n.engine.counters() for n in nodes]
+                reply = httpx.post(
+                    f"{gateway.base}/v1/completions",
+                    json={"model": engines[0].served_model, "prompt": branch, "max_tokens": 1},
+                    timeout=120,
+                )
+                assert reply.status_code == 200, reply.text
+                after = [n.engine.counters() for n in nodes]
+                hits[policy].append(
+                    int(sum(a[1] - b[1] for a, b in zip(after, before, strict=True)))
+                )
+        finally:
+            gateway.stop()
+    print(f"\nbranch hit tokens, both engine orders: {hits}")
+    assert hits == {"KV-only": [0, 0], "gateway": [96, 96]}
