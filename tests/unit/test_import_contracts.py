@@ -38,8 +38,8 @@ ACYCLIC = (
 ZMQ = "zmq and msgpack only in registry.bridge, sim's engine stand-in (sim.engine_events) and pcr"
 PROMETHEUS = "prometheus_client only in registry.metrics and pcr"
 HTTP_IN_PCR = (
-    "The HTTP services' packages only in the services (pcr.web, pcr.serve, pcr.gateway) "
-    "and serve's bench"
+    "The HTTP services' packages only in the services (pcr.web, pcr.serve, pcr.gateway), "
+    "serve's bench and the simulated engines"
 )
 PCR_LAYERS = (
     "pcr's packages: cli, then bench, then gateway, then serve (whose scoring app the "
