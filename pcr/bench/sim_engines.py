@@ -6,12 +6,15 @@ Each engine speaks the part of vLLM 0.32's OpenAI server a router uses:
 /v1/models``, ``GET /health``, ``GET /metrics`` (``vllm:prefix_cache_queries_total``,
 ``vllm:prefix_cache_hits_total``, ``vllm:request_success_total``,
 ``vllm:num_requests_running`` / ``_waiting``, ``vllm:kv_cache_usage_perc``) and ``POST
-/reset_prefix_cache``. Its cache is a ``sim.engine_cache.EngineCache`` (vLLM's block
-pool: LRU free queue, hits up to the prompt's last token, second copies), its block
-hashes a chain seeded per engine process as vLLM's are (``sim.engine_events.
-engine_chain``), and its events go out as vLLM publishes them
-(``sim.engine_events.EnginePublisher``: a PUB socket ``[topic, seq, payload]`` with map
-layout batches, and a ROUTER replay socket answering in vLLM 0.26+'s four frames).
+/reset_prefix_cache``; and, for tests, ``GET /sim/cache`` (not vLLM's): every block it
+caches, as the registry's hash of its prefix and its position, so that a test can compare
+it with what ``pcr bridge`` lists. Its cache is a ``sim.engine_cache.EngineCache``
+(vLLM's block pool: LRU free queue, hits up to the prompt's last token, second copies),
+its block hashes a chain seeded per engine process as vLLM's are
+(``sim.engine_events.engine_chain``), and its events go out as vLLM 0.32 publishes them
+(``sim.engine_events.EnginePublisher``: a PUB socket ``[topic, seq, payload]`` and a
+ROUTER replay socket answering in vLLM 0.26+'s four frames), each payload encoded as
+vLLM's msgspec structs encode it (:func:`encode_batch`).
 
 Service time: at most ``max_running`` requests run at once, the rest wait in arrival
 order (a request also waits until its blocks fit). A running request's prefill takes
@@ -42,17 +45,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgpack
 from aiohttp import web
 
+from registry.core.hashing import block_hashes
 from sim.engine_cache import Admission, CacheEvent, Cleared, EngineCache, Removed, Stored
-from sim.engine_events import (
-    EnginePublisher,
-    cleared,
-    engine_chain,
-    removed,
-    shared_context,
-    stored,
-)
+from sim.engine_events import EnginePublisher, engine_chain, shared_context
 
 CHUNK_TOKENS = 16
 MODEL = "sim-engine"
@@ -105,6 +103,8 @@ class SimulatedEngine:
         self.running = 0
         self.succeeded = 0
         self.url = ""
+        self.listed: dict[int, tuple[int, int]] = {}
+        """Engine hash -> (the registry's hash of its prefix, position), cached blocks."""
 
     # -- scheduling ------------------------------------------------------------------------
 
@@ -136,6 +136,9 @@ class SimulatedEngine:
             self.waiting.popleft()
             self.running += 1
             head.admitted.set_result(self.cache.admit(head.hashes, head.tokens, head.generated))
+            own = block_hashes(head.tokens, self.options.block_size)
+            for position, (engine, mine) in enumerate(zip(head.hashes, own, strict=True)):
+                self.listed.setdefault(engine, (mine, position))
 
     def _leave(self, admission: Admission) -> None:
         self.cache.release(admission)
@@ -146,7 +149,10 @@ class SimulatedEngine:
         """The step ended: send the cache's events since the last step, in order."""
         events = self.cache.take_events()
         if events:
-            self.publisher.publish([_wire(e, self.options.block_size) for e in events])
+            self.publisher.publish_raw(encode_batch(events, self.options.block_size))
+            if any(not isinstance(e, Stored) for e in events):
+                cached = self.cache.copies
+                self.listed = {h: v for h, v in self.listed.items() if h in cached}
 
     # -- HTTP ------------------------------------------------------------------------------
 
@@ -157,6 +163,7 @@ class SimulatedEngine:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/reset_prefix_cache", self.reset)
+        app.router.add_get("/sim/cache", self.cached)
         return app
 
     def _parse(self, body: Any) -> tuple[list[int], int, bool, bool]:
@@ -291,6 +298,10 @@ class SimulatedEngine:
         self.publish()
         return web.Response(status=200)
 
+    async def cached(self, request: web.Request) -> web.Response:
+        blocks = {str(self.listed[h][0]): self.listed[h][1] for h in self.cache.copies}
+        return web.json_response({"blocks": blocks})
+
     async def metrics(self, request: web.Request) -> web.Response:
         labels = f'{{engine="0",model_name="{self.options.model}"}}'
         lines = []
@@ -314,14 +325,34 @@ def _choice(text: str, reason: str | None) -> dict[str, Any]:
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
 
-def _wire(event: CacheEvent, block_size: int) -> Any:
-    """A cache event as vLLM 0.32 puts it on the wire (map layout, GPU medium)."""
+def wire_event(event: CacheEvent, block_size: int) -> dict[str, Any]:
+    """A cache event as vLLM 0.32's ``KVCacheEvent`` structs encode: a tagged map with
+    the fields that have no default always (``None`` included) and the others only when
+    set (a plain model's one KV cache group is ``group_idx`` 0)."""
     if isinstance(event, Stored):
-        return stored(list(event.hashes), event.parent, list(event.token_ids), block_size)
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.hashes),
+            "parent_block_hash": event.parent,
+            "token_ids": list(event.token_ids),
+            "block_size": block_size,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "group_idx": 0,
+        }
     if isinstance(event, Removed):
-        return removed(list(event.hashes))
+        hashes = list(event.hashes)
+        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
     assert isinstance(event, Cleared)
-    return cleared()
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_batch(events: Sequence[CacheEvent], block_size: int, rank: int = 0) -> bytes:
+    """One step's events as vLLM 0.32 publishes them: its ``KVEventBatch`` is an
+    array-like struct, ``[ts, events, data_parallel_rank]``, each event a tagged map."""
+    body = [time.time(), [wire_event(e, block_size) for e in events], rank]
+    return bytes(msgpack.packb(body))
 
 
 @dataclass(frozen=True)
