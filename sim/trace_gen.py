@@ -39,17 +39,17 @@ class TraceShape:
     rate: float = 40.0
     """Mean arrivals per second."""
     seed: int = 0
-    system_prompts: int = 8
-    system_blocks: Span = (2, 16)
-    zipf: float = 1.1
+    system_prompts: int = 128
+    system_blocks: Span = (2, 12)
+    zipf: float = 1.2
     new: float = 0.30
     """Share of requests that open a conversation."""
     one_off: float = 0.20
     one_off_system: float = 0.5
-    first_blocks: Span = (1, 6)
-    turn_blocks: Span = (1, 4)
+    first_blocks: Span = (4, 20)
+    turn_blocks: Span = (1, 8)
     max_turns: int = 8
-    active: int = 48
+    active: int = 128
     output_tokens: Span = (8, 512)
 
 

@@ -18,8 +18,9 @@ vLLM's msgspec structs encode it (:func:`encode_batch`).
 
 Service time: at most ``max_running`` requests run at once, the rest wait in arrival
 order (a request also waits until its blocks fit). A running request's prefill takes
-``prefill_ms`` per block it computes, then its first token is out and the engine's
-events of that step are published; each further token takes ``decode_ms``. Streamed
+``prefill_ms`` per block it computes and ends no sooner than the prefills computing the
+blocks it hits; then its first token is out and the engine's events of that step are
+published; each further token takes ``decode_ms``. Streamed
 replies carry the first token alone, then the rest in chunks of up to
 ``CHUNK_TOKENS``.
 
@@ -103,6 +104,8 @@ class SimulatedEngine:
         self.running = 0
         self.succeeded = 0
         self.url = ""
+        self.ready: dict[int, float] = {}
+        """Block id -> when (the loop's clock) the prefill computing it ends."""
         self.listed: dict[int, tuple[int, int]] = {}
         """Engine hash -> (the registry's hash of its prefix, position), cached blocks."""
 
@@ -208,7 +211,7 @@ class SimulatedEngine:
         admission = await self._enter(hashes, prompt, max_tokens)
         finished = False
         try:
-            await asyncio.sleep(admission.computed_blocks * self.options.prefill_ms / 1000)
+            await asyncio.sleep(self._prefill_time(admission))
             self.publish()
             reply = await self._reply(request, admission, max_tokens, stream, usage)
             finished = True
@@ -216,6 +219,19 @@ class SimulatedEngine:
         finally:
             self._leave(admission)
             self.succeeded += finished
+
+    def _prefill_time(self, admission: Admission) -> float:
+        """Seconds until the prefill ends: its own blocks' time, or later if a block it
+        hits is still being computed; its fresh blocks are ready then."""
+        now = asyncio.get_running_loop().time()
+        hits = admission.blocks[: admission.hit_blocks]
+        end = max(
+            now + admission.computed_blocks * self.options.prefill_ms / 1000,
+            max((self.ready.get(b, 0.0) for b in hits), default=0.0),
+        )
+        for block in admission.blocks[admission.hit_blocks :]:
+            self.ready[block] = end
+        return end - now
 
     async def _reply(
         self,

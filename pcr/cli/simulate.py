@@ -130,7 +130,10 @@ def _check_simulate_sizes(config: Any) -> None:
 
 
 def command_simulate(args: argparse.Namespace) -> int:
-    """``pcr simulate``: checks first, then each router's run on one Redis, the table last."""
+    """``pcr simulate``: checks first, then each router's run on one Redis, the table last
+    (with ``--trace``: the trace replay, ``command_simulate_trace``)."""
+    if trace_mode(args):
+        return command_simulate_trace(args)
     check_writable(args.json)
     try:
         from sim import FleetConfig, WorkloadConfig, simulate
@@ -139,8 +142,8 @@ def command_simulate(args: argparse.Namespace) -> int:
             f"pcr simulate needs the gpu extra ({exc}): pip install 'prefix-cache-registry[gpu]'"
         ) from None
     config = FleetConfig(
-        nodes=args.nodes,
-        kv_blocks=args.kv_blocks,
+        nodes=4 if args.nodes is None else args.nodes,
+        kv_blocks=512 if args.kv_blocks is None else args.kv_blocks,
         mamba_slots=args.mamba_slots,
         block_size=args.block_size,
         key_prefix=args.key_prefix,
@@ -154,7 +157,7 @@ def command_simulate(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if args.redis_url:
             # Every node's listener holds a pub/sub connection: room for all of them.
-            connections = max(100, 2 * args.nodes + 32)
+            connections = max(100, 2 * config.nodes + 32)
             client = stack.enter_context(common.connect(args, max_connections=connections))
             where = f"Redis at {shown_url(args.redis_url)}"
         else:
@@ -343,3 +346,196 @@ def _config_dict(config: Any) -> dict[str, Any]:
     from dataclasses import asdict
 
     return asdict(config)
+
+
+# -- simulate --trace ------------------------------------------------------------------
+
+TRACE_ONLY = ("window", "offset", "rate", "time_scale", "cache_fraction", "policies")
+"""Options that mean something only with --trace or --generate-trace."""
+
+
+def add_trace_options(sim: argparse.ArgumentParser) -> None:
+    """``pcr simulate --trace FILE``: a Mooncake-format trace through simulated vLLM
+    engines in simulated time (``sim.trace_replay``), instead of the fleet."""
+    from pcr.cli.common import positive_arg
+
+    def fraction(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {text!r:.60}") from None
+        if not 0 < value <= 1e6 or value != value:
+            raise argparse.ArgumentTypeError(f"must be a number > 0, not {text!r:.60}")
+        return value
+
+    def milliseconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {text!r:.60}") from None
+        if not 0 <= value <= 3_600_000:
+            raise argparse.ArgumentTypeError(f"must be a number of ms >= 0, not {text!r:.60}")
+        return value
+
+    group = sim.add_argument_group(
+        "trace replay",
+        "replay a request trace in the Mooncake format (JSON lines: timestamp ms, "
+        "input_length, output_length, hash_ids of 512-token blocks) through simulated vLLM "
+        "engines in simulated time, printing each routing policy's hit rate beside one "
+        "infinite cache's (no Redis: --nodes engines, default 8)",
+    )
+    source = group.add_mutually_exclusive_group()
+    source.add_argument("--trace", metavar="FILE", help="the trace to replay")
+    source.add_argument(
+        "--generate-trace",
+        metavar="FILE",
+        help="write a generated trace (--trace-shape) to FILE, then replay it",
+    )
+    group.add_argument(
+        "--trace-shape",
+        metavar="KEY=VALUE,...",
+        default="",
+        help="with --generate-trace: the generator's knobs (sim.trace_gen.TraceShape: "
+        "requests, rate, seed, system_prompts, system_blocks=LOW-HIGH, zipf, new, "
+        "one_off, one_off_system, first_blocks, turn_blocks, max_turns, active, "
+        "output_tokens)",
+    )
+    group.add_argument("--window", type=positive_arg, help="requests replayed (default 2000)")
+    group.add_argument("--offset", type=int, help="requests skipped first (default 0)")
+    timing = group.add_mutually_exclusive_group()
+    timing.add_argument("--rate", type=fraction, help="mean requests per second (default 40)")
+    timing.add_argument(
+        "--time-scale", type=milliseconds, help="the trace's gaps multiplied by this"
+    )
+    group.add_argument(
+        "--cache-fraction",
+        type=fraction,
+        help="each engine caches this share of the window's distinct blocks over the "
+        "engines (default 0.25; --kv-blocks sets blocks per engine instead)",
+    )
+    group.add_argument("--max-running", type=positive_arg, default=2, help="default 2")
+    group.add_argument("--prefill-ms", type=milliseconds, default=6.0, help="per block computed")
+    group.add_argument("--decode-ms", type=milliseconds, default=4.0, help="per output token")
+    group.add_argument(
+        "--max-output-tokens", type=positive_arg, default=16, help="outputs capped (default 16)"
+    )
+    group.add_argument(
+        "--policies",
+        help="comma-separated: round-robin, least-load, prefix, prefix+pending (default all)",
+    )
+    # --nodes and --kv-blocks take other defaults with a trace (8 engines, a share of the
+    # distinct blocks): None here, resolved by the mode.
+    sim.set_defaults(nodes=None, kv_blocks=None)
+
+
+def trace_mode(args: argparse.Namespace) -> bool:
+    """Whether this run replays a trace; usage errors for trace options without one."""
+    if args.trace is None and args.generate_trace is None:
+        given = [n for n in TRACE_ONLY if getattr(args, n) is not None]
+        if args.trace_shape:
+            given.append("trace_shape")
+        if given:
+            option = "--" + given[0].replace("_", "-")
+            raise UsageError(f"argument {option}: only with --trace or --generate-trace")
+        return False
+    if args.trace_shape and args.generate_trace is None:
+        raise UsageError("argument --trace-shape: only with --generate-trace")
+    for name, flag in (
+        ("bridge", "--bridge"),
+        ("mirror", "--mirror"),
+        ("serve_port", "--serve-port"),
+        ("metrics_port", "--metrics-port"),
+    ):
+        if getattr(args, name):
+            raise UsageError(f"argument {flag}: not with a trace (the replay uses no Redis)")
+    return True
+
+
+def command_simulate_trace(args: argparse.Namespace) -> int:
+    """``pcr simulate --trace FILE``: the replay's table (and ``--json``)."""
+    from sim.trace import TraceError, arrivals, load_trace, scale_for_rate, write_trace
+    from sim.trace_gen import generate, shape_from_text
+    from sim.trace_replay import POLICIES, ReplayConfig, replay
+
+    check_writable(args.json)
+    policies = args.policies.split(",") if args.policies else list(POLICIES)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise UsageError(
+            f"argument --policies: unknown {', '.join(unknown)} (choose from {', '.join(POLICIES)})"
+        )
+    if args.offset is not None and args.offset < 0:
+        raise UsageError("argument --offset: must be 0 or more")
+    path = args.trace
+    if args.generate_trace is not None:
+        check_writable(args.generate_trace)
+        try:
+            shape = shape_from_text(args.trace_shape)
+        except ValueError as exc:
+            raise UsageError(f"argument --trace-shape: {exc}") from None
+        write_trace(generate(shape), args.generate_trace)
+        path = args.generate_trace
+    try:
+        requests = load_trace(path, offset=args.offset or 0, window=args.window or 2000)
+    except TraceError as exc:
+        raise CommandError(f"cannot replay the trace: {exc}") from None
+    if args.time_scale is not None:
+        scale = args.time_scale
+    else:
+        scale = scale_for_rate(requests, args.rate or 40.0)
+    config = ReplayConfig(
+        engines=args.nodes or 8,
+        kv_blocks=args.kv_blocks,
+        cache_fraction=args.cache_fraction or 0.25,
+        block_size=args.block_size,
+        max_running=args.max_running,
+        prefill_ms=args.prefill_ms,
+        decode_ms=args.decode_ms,
+        max_output_tokens=args.max_output_tokens,
+    )
+    times = arrivals(requests, scale)
+    try:
+        result = replay(requests, times, config, policies)
+    except ValueError as exc:
+        raise CommandError(f"cannot replay the trace: {exc}") from None
+    span = times[-1]
+    print(
+        f"pcr simulate --trace {path}: {len(requests)} requests (lines {requests[0].line}-"
+        f"{requests[-1].line}) over {span:.1f} s (time scale {scale:.4g}), "
+        f"{config.engines} engines x {result['kv_blocks_per_engine']} blocks of "
+        f"{config.block_size} tokens ({result['distinct_blocks']} distinct blocks in the "
+        f"window), {config.max_running} running each, {config.prefill_ms:g} ms a block "
+        f"computed, {config.decode_ms:g} ms a token, outputs capped at "
+        f"{config.max_output_tokens} tokens",
+        flush=True,
+    )
+    print(_trace_table(result))
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "trace": path,
+                "offset": args.offset or 0,
+                "time_scale": scale,
+                "config": _config_dict(config),
+                **result,
+            },
+        )
+    return 0
+
+
+def _trace_table(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:g}"
+
+    rows: list[list[object]] = [
+        ["hit rate (engines' tokens)", *[percent(r["hit_rate"]) for r in runs]],
+        ["of the infinite cache's", *[f"{r['ideal_fraction']:.2f}" for r in runs]],
+        ["balance (max / mean requests)", *[f"{r['balance']:.2f}" for r in runs]],
+        ["TTFT p50 / p99 ms", *[f"{ms(r['ttft_p50_ms'])} / {ms(r['ttft_p99_ms'])}" for r in runs]],
+    ]
+    headers = ["", *[r["policy"] for r in runs]]
+    table = format_table(headers, rows)
+    return f"{table}\none infinite cache (ideal): {percent(result['ideal_hit_rate'])}"

@@ -29,7 +29,8 @@ For each trace: the window (``--offset``, ``--window``) is cut, its arrivals sca
 prompt derived from its ``hash_ids`` (one id = one block of ``--block-size`` tokens,
 ``sim.trace.PromptMaker``) and its output capped at ``--max-output-tokens``; each
 engine's cache holds ``--cache-fraction`` of the window's distinct complete blocks
-divided among the engines (or ``--kv-blocks``). Every row empties the engines' caches
+divided among the engines, at least what its largest request holds (or
+``--kv-blocks``). Every row empties the engines' caches
 (and waits until the bridge shows every namespace empty), starts a fresh router, sends
 every request at its arrival time (open loop, streamed, each on its own connection
 task), and reads the engines' counters before and after. Reported: the hit rate
@@ -409,9 +410,14 @@ def _span(values: Sequence[float | None], show: Any) -> str:
 
 
 def kv_blocks_for(workload: Workload, args: argparse.Namespace) -> int:
+    """``--kv-blocks``, or the cache fraction's share of the distinct blocks per engine,
+    at least what the largest request holds while it runs."""
     if args.kv_blocks:
         return int(args.kv_blocks)
-    return max(1, math.ceil(workload.distinct_blocks * args.cache_fraction / args.engines))
+    size = args.block_size
+    largest = max(math.ceil((len(s.tokens) + s.max_tokens) / size) for s in workload.sends)
+    share = math.ceil(workload.distinct_blocks * args.cache_fraction / args.engines)
+    return max(1, largest, share)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -184,7 +184,7 @@ def test_a_generated_trace_is_reproducible_and_reads_back(tmp_path: Path) -> Non
 def test_the_shape_sets_the_sharing() -> None:
     lonely = list(generate(TraceShape(requests=200, one_off=1.0, new=0.0, one_off_system=0.0)))
     assert ideal(lonely, 16).hit_tokens == 0
-    chatty = list(generate(TraceShape(requests=400, seed=1)))
+    chatty = list(generate(TraceShape(requests=400, seed=1, system_prompts=8)))
     assert ideal(chatty, 16).hit_rate > 0.5
     # Every turn of a conversation extends an earlier prompt's complete blocks.
     seen: set[tuple[int, ...]] = set()
@@ -195,7 +195,8 @@ def test_the_shape_sets_the_sharing() -> None:
         seen.update(ids[:k] for k in range(1, len(ids)))
     assert extended > 200
     # Zipf: the most popular system prompt opens more conversations than the least.
-    firsts = [r.hash_ids[0] for r in generate(TraceShape(requests=2000, one_off=0.0))]
+    shape = TraceShape(requests=2000, one_off=0.0, system_prompts=8, zipf=1.1)
+    firsts = [r.hash_ids[0] for r in generate(shape)]
     counts = sorted((firsts.count(f) for f in set(firsts)), reverse=True)
     assert len(counts) == 8
     assert counts[0] > 3 * counts[-1]
