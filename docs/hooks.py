@@ -67,9 +67,18 @@ def cli_reference() -> str:
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for name, command in action.choices.items():
-                    parts += [f"## `pcr {name}`", "", "```text"]
-                    parts += [command.format_help().rstrip(), "```", ""]
+                    parts += _command_help(f"pcr {name}", command)
     return "\n".join(parts)
+
+
+def _command_help(name: str, command: argparse.ArgumentParser) -> list[str]:
+    """A command's ``--help`` as a section, then its actions' (``pcr quota set``)."""
+    parts = [f"## `{name}`", "", "```text", command.format_help().rstrip(), "```", ""]
+    for action in command._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for verb, sub in action.choices.items():
+                parts += _command_help(f"{name} {verb}", sub)
+    return parts
 
 
 def lua_reference() -> str:

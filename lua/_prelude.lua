@@ -302,3 +302,80 @@ local function add_part(parts, op, list, from, to, step)
     parts[n] = list[i]
   end
 end
+
+-- Entry quotas (docs/guides/security.md, "Entry quotas"). An admin may cap how many KV
+-- plus Mamba entries a namespace holds: the STRING "pcr:quota:{node-0}" (the namespace's
+-- hash tag, so the same cluster slot as its other keys) holds the limit, a whole number
+-- (`pcr quota set`). It lies outside the node users' key pattern "pcr:{node-0}:*": their
+-- ACL (docs/acl/node.acl) lets the scripts read it and no command of theirs write it.
+-- Every script that adds entries checks it before writing anything, so a refused write
+-- changes nothing; removals are never refused.
+-- Returns: the limit, or nil when none is set; nil and an error reply (QUOTA_INVALID)
+--          when the key holds something that is not a whole number.
+local function entry_limit(quota_key)
+  local value = redis.call('GET', quota_key)
+  if not value then
+    return nil
+  end
+  if not string.match(value, '^%d+$') or #value > 16 then
+    return nil, redis.error_reply('QUOTA_INVALID ' .. quota_key
+      .. ' does not hold a whole number of entries: set it again with pcr quota set')
+  end
+  return tonumber(value)
+end
+
+-- The KV plus Mamba entries a namespace holds now.
+local function entry_count(kv_key, mamba_key)
+  return redis.call('HLEN', kv_key) + redis.call('HLEN', mamba_key)
+end
+
+-- The QUOTA refusal of a write that would take a namespace from `before` to `after`
+-- `what` ('entries'; 'engine blocks' for a bridged namespace's engine-blocks) past its
+-- `limit`, or nil. A write that leaves no more than the namespace held (a removal, a
+-- rewrite of entries it holds, a namespace over a lowered limit that shrinks) passes.
+-- The namespace is the hash tag of `meta_key`.
+local function over_quota(meta_key, limit, before, after, what)
+  if not limit or after <= limit or after <= before then
+    return nil
+  end
+  return redis.error_reply('QUOTA namespace ' .. string.match(meta_key, '{(.*)}') .. ' holds '
+    .. digits(before) .. ' ' .. what .. ', limit ' .. digits(limit)
+    .. ': this write would make it ' .. digits(after) .. '; nothing was applied')
+end
+
+-- How many of the fields list[first], list[first + step], ... (up to list[last]; distinct)
+-- the HASH `key` lacks: the entries a registration of them adds.
+local function missing_fields(key, list, first, last, step)
+  local missing = 0
+  local span = CHUNK * step
+  for from = first, last, span do
+    local fields = {}
+    for i = from, math.min(from + span - 1, last), step do
+      fields[#fields + 1] = list[i]
+    end
+    local values = redis.call('HMGET', key, unpack(fields))
+    for j = 1, #fields do
+      if not values[j] then
+        missing = missing + 1
+      end
+    end
+  end
+  return missing
+end
+
+-- The QUOTA refusal (or QUOTA_INVALID) of registering the hash, block id pairs
+-- ARGV[first..last] (distinct hashes) in `map_key`, one of the namespace's maps
+-- `kv_key` and `mamba_key`, or nil. The exact count of new hashes is read only when
+-- adding every pair could pass the limit.
+local function registration_refused(quota_key, meta_key, kv_key, mamba_key, map_key, first, last)
+  local limit, invalid = entry_limit(quota_key)
+  if not limit then
+    return invalid
+  end
+  local before = entry_count(kv_key, mamba_key)
+  local after = before + (last - first + 1) / 2
+  if after > limit then
+    after = before + missing_fields(map_key, ARGV, first, last, 2)
+  end
+  return over_quota(meta_key, limit, before, after, 'entries')
+end

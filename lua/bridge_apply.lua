@@ -31,6 +31,7 @@
 -- KEYS[5]  pcr:{node-0}:engine-blocks           HASH engine hash ->
 --                                                    "<own> <block id> <digest> <holders>"
 --                                                    [" <slot>=<copies>,..."]
+-- KEYS[6]  pcr:quota:{node-0}                   STRING the namespace's entry limit, if any
 -- ARGV[1]  "1796024288853123482"                the bridge's owner epoch
 -- ARGV[2]  "5f1c2a9b03e1-7"                     request id
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
@@ -51,10 +52,19 @@
 --        slots (comma-separated), for the operations after it
 --   (slot: 1..64, the holder character of the event's (group, medium))
 --
+-- Quota: the call's operations are worked out first and written at the end, so that a
+-- call the namespace's limit (KEYS[6]) refuses changes nothing, its position included
+-- (the bridge then sends its removals and clears alone, at the same position). A call is
+-- refused when it would leave more KV plus Mamba entries than the limit and than the
+-- namespace holds, or more engine-blocks entries than the limit and than it holds (an
+-- engine could otherwise fill engine-blocks with blocks that no map lists).
+--
 -- Returns: { blocks newly listed in KV, blocks unlisted from KV, removals of blocks
 --            that slot did not hold, clears }; the change record lists each own hash's
---            final state in both maps (after a clear: 'L', read the namespace again)
--- Calls:   GET, HGET, HSET, HMGET, HDEL, UNLINK, HINCRBY, TIME, PUBLISH (the change record), SET
+--            final state in both maps (after a clear: 'L', read the namespace again);
+--          error QUOTA (nothing applied) as above.
+-- Calls:   GET, HGET, HSET, HMGET, HDEL, UNLINK, HINCRBY, TIME, PUBLISH (the change record), SET;
+--          with a limit set, HLEN
 local early = begin_write(KEYS[4])
 if early then return early end
 
@@ -80,26 +90,18 @@ end
 if ARGV[4] ~= '' and reached(ARGV[4], ARGV[8]) then
   return finish_write({0, 0, 0, 0})
 end
-local meta = {'bridge_engine', ARGV[5], 'bridge_endpoint', ARGV[6]}
-if ARGV[4] ~= '' then
-  meta[#meta + 1] = 'bridge_seq'
-  meta[#meta + 1] = ARGV[4]
-  if ARGV[8] ~= '' then
-    meta[#meta + 1] = 'bridge_part'
-    meta[#meta + 1] = ARGV[8]
-  else
-    redis.call('HDEL', KEYS[4], 'bridge_part')
-  end
-end
-if ARGV[7] ~= '' then
-  meta[#meta + 1] = 'bridge_block_size'
-  meta[#meta + 1] = ARGV[7]
-end
-redis.call('HSET', KEYS[4], unpack(meta))
-
 local kv, mamba, blocks = KEYS[2], KEYS[3], KEYS[5]
 local stored, removed, unknown, cleared = 0, 0, 0, 0
-local in_kv, in_mamba = {}, {}  -- own hash -> listed (true) or unlisted (false) at the end
+-- What the call leaves, written at its end: own hash -> block id (listed) or false
+-- (unlisted) per map; engine hash -> entry text or false (gone); whether a clear emptied
+-- all three first (what was not written since is then gone); whether Mamba state was
+-- listed (meta's mamba_seen); and, for the quota, whether each engine hash read from
+-- Redis was there before the call.
+local in_kv, in_mamba, entries = {}, {}, {}
+local emptied, saw_mamba = false, false
+local limit, invalid = entry_limit(KEYS[6])
+if invalid then return invalid end
+local had_entry = limit and {}  -- kept only under a limit
 
 -- The Mamba groups ("G"): per group, its slots; nil: any Mamba slot will do.
 local mamba_groups = nil
@@ -196,25 +198,44 @@ local function entry_text(own, block_id, digest, holders, copies)
   return text
 end
 
--- Write an operation's final entries: HSET the kept ones, HDEL the dropped ones.
-local function write_entries(state)
-  local kept, dropped = {}, {}
-  for engine, text in pairs(state) do
-    if text then
-      kept[#kept + 1] = engine
-      kept[#kept + 1] = text
+-- Write a table of final values: HSET the kept ones (field, value), HDEL the others;
+-- the kept fields and the others, as two lists (the change record's).
+local function write_all(key, final)
+  local kept, on, off, k, n, m = {}, {}, {}, 0, 0, 0
+  for field, value in pairs(final) do
+    if value then
+      kept[k + 1], kept[k + 2], k = field, value, k + 2
+      on[n + 1], n = field, n + 1
     else
-      dropped[#dropped + 1] = engine
+      off[m + 1], m = field, m + 1
     end
   end
-  flush('HSET', blocks, kept)
-  flush('HDEL', blocks, dropped)
+  flush('HSET', key, kept)
+  flush('HDEL', key, off)
+  return on, off
 end
 
--- The entry of `engine` as this operation left it so far (a hash may repeat in one
--- event): its text, or false when it is gone.
-local function current(state, olds, engine, j)
-  local text = state[engine]
+-- The engine-blocks entries of `engines` as Redis holds them, for those this call has
+-- not decided yet (none after a clear); `had_entry` learns which were there.
+local function read_entries(engines)
+  if emptied then
+    return {}
+  end
+  local olds = hmget(blocks, engines)
+  if had_entry then
+    for j = 1, #engines do
+      if entries[engines[j]] == nil and had_entry[engines[j]] == nil then
+        had_entry[engines[j]] = olds[j] and true or false
+      end
+    end
+  end
+  return olds
+end
+
+-- The entry of `engine` as the call left it so far (a hash may repeat in one event, or
+-- come again in a later operation): its text, or false when it is gone.
+local function current(olds, engine, j)
+  local text = entries[engine]
   if text == nil then
     text = olds[j] or false
   end
@@ -232,10 +253,9 @@ while i <= n_args do
     local slot, kind, first_id, n = tonumber(ARGV[i + 1]), ARGV[i + 2], tonumber(ARGV[i + 3]),
       tonumber(ARGV[i + 4])
     local engines, owns, digests = engine_hashes(ARGV[i + 5], n), ARGV[i + 6], ARGV[i + 7]
-    local olds = hmget(blocks, engines)
-    local state, kv_sets, mamba_sets = {}, {}, {}
+    local olds = read_entries(engines)
     for j = 1, n do
-      local old, holders, copies = current(state, olds, engines[j], j), '', {}
+      local old, holders, copies = current(olds, engines[j], j), '', {}
       if old then
         local _
         _, _, _, holders, copies = parse_entry(old)
@@ -249,38 +269,28 @@ while i <= n_args do
         copies[slot] = nil
       end
       local own, block_id = number_at(owns, 19, j), tostring(first_id + j - 1)
-      state[engines[j]] = entry_text(own, block_id,
+      entries[engines[j]] = entry_text(own, block_id,
         string.sub(digests, (j - 1) * 64 + 1, j * 64), holders, copies)
       local has_k, has_m = listed(holders)
       if has_k then
-        in_kv[own] = true
-        kv_sets[#kv_sets + 1] = own
-        kv_sets[#kv_sets + 1] = block_id
+        in_kv[own] = block_id
         if not had_k then
           stored = stored + 1
         end
       end
       if has_m then
-        in_mamba[own] = true
-        mamba_sets[#mamba_sets + 1] = own
-        mamba_sets[#mamba_sets + 1] = block_id
+        in_mamba[own] = block_id
+        saw_mamba = true
       end
-    end
-    write_entries(state)
-    flush('HSET', kv, kv_sets)
-    flush('HSET', mamba, mamba_sets)
-    if #mamba_sets > 0 then
-      mamba_seen(KEYS[4])
     end
     i = i + 8
   elseif op == 'R' then
     local slot, n = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
     local engines = engine_hashes(ARGV[i + 3], n)
-    local olds = hmget(blocks, engines)
-    local state, kv_dels, mamba_dels = {}, {}, {}
+    local olds = read_entries(engines)
     for j = 1, n do
       local engine = engines[j]
-      local old = current(state, olds, engine, j)
+      local old = current(olds, engine, j)
       local own, block_id, digest, holders, copies
       if old then
         own, block_id, digest, holders, copies = parse_entry(old)
@@ -289,34 +299,29 @@ while i <= n_args do
         unknown = unknown + 1
       elseif (copies[slot] or 1) > 1 then
         copies[slot] = copies[slot] - 1  -- another copy still holds it
-        state[engine] = entry_text(own, block_id, digest, holders, copies)
+        entries[engine] = entry_text(own, block_id, digest, holders, copies)
       else
         local had_k, had_m = listed(holders)
         holders = with_char(holders, slot, '0')
         copies[slot] = nil
         local has_k, has_m = listed(holders)
         if string.find(holders, '[km]') then
-          state[engine] = entry_text(own, block_id, digest, holders, copies)
+          entries[engine] = entry_text(own, block_id, digest, holders, copies)
         else
-          state[engine] = false
+          entries[engine] = false
         end
         if had_k and not has_k then
           in_kv[own] = false
-          kv_dels[#kv_dels + 1] = own
           removed = removed + 1
         end
         if had_m and not has_m then
           in_mamba[own] = false
-          mamba_dels[#mamba_dels + 1] = own
         end
       end
     end
-    write_entries(state)
-    flush('HDEL', kv, kv_dels)
-    flush('HDEL', mamba, mamba_dels)
     i = i + 4
   elseif op == 'C' then
-    redis.call('UNLINK', kv, mamba, blocks)
+    in_kv, in_mamba, entries, emptied = {}, {}, {}, true
     cleared = cleared + 1
     i = i + 1
   elseif op == 'G' then
@@ -333,20 +338,72 @@ while i <= n_args do
     return redis.error_reply('BAD_OPERATION bridge_apply: unknown operation ' .. tostring(op))
   end
 end
--- Each map's final changes as two lists: listed, unlisted.
-local function split(changes)
-  local on, off = {}, {}
-  for own, listed in pairs(changes) do
-    if listed then
-      on[#on + 1] = own
-    else
-      off[#off + 1] = own
+
+-- The quota, before anything is written.
+-- Of the fields of `final` (field -> value, or false: gone), how many the call adds and
+-- removes to the HASH `key`, given which were there before (`had`: field -> bool; the
+-- others read here, none after a clear).
+local function net_change(key, final, had)
+  local unknown_fields = {}
+  for field in pairs(final) do
+    if had[field] == nil and not emptied then
+      unknown_fields[#unknown_fields + 1] = field
     end
   end
-  return on, off
+  local before = hmget(key, unknown_fields)
+  for j = 1, #unknown_fields do
+    had[unknown_fields[j]] = before[j] and true or false
+  end
+  local change = 0
+  for field, value in pairs(final) do
+    local was = had[field] == true and not emptied
+    if value and not was then
+      change = change + 1
+    elseif not value and was then
+      change = change - 1
+    end
+  end
+  return change
 end
-local kv_on, kv_off = split(in_kv)
-local mamba_on, mamba_off = split(in_mamba)
+if limit then
+  local kv_n, mamba_n, blocks_n = redis.call('HLEN', kv), redis.call('HLEN', mamba),
+    redis.call('HLEN', blocks)
+  local base = emptied and 0 or 1  -- after a clear, only what the call wrote since is left
+  local refused = over_quota(KEYS[4], limit, kv_n + mamba_n,
+    base * (kv_n + mamba_n) + net_change(kv, in_kv, {}) + net_change(mamba, in_mamba, {}),
+    'entries')
+    or over_quota(KEYS[4], limit, blocks_n, base * blocks_n + net_change(blocks, entries, had_entry),
+      'engine blocks')
+  if refused then return refused end
+end
+
+-- The writes: meta's position and engine, then what the operations left.
+local meta = {'bridge_engine', ARGV[5], 'bridge_endpoint', ARGV[6]}
+if ARGV[4] ~= '' then
+  meta[#meta + 1] = 'bridge_seq'
+  meta[#meta + 1] = ARGV[4]
+  if ARGV[8] ~= '' then
+    meta[#meta + 1] = 'bridge_part'
+    meta[#meta + 1] = ARGV[8]
+  else
+    redis.call('HDEL', KEYS[4], 'bridge_part')
+  end
+end
+if ARGV[7] ~= '' then
+  meta[#meta + 1] = 'bridge_block_size'
+  meta[#meta + 1] = ARGV[7]
+end
+redis.call('HSET', KEYS[4], unpack(meta))
+if emptied then
+  redis.call('UNLINK', kv, mamba, blocks)
+end
+write_all(blocks, entries)
+local kv_on, kv_off = write_all(kv, in_kv)
+local mamba_on, mamba_off = write_all(mamba, in_mamba)
+if saw_mamba then
+  mamba_seen(KEYS[4])
+end
+
 local parts = {'L'}  -- after a clear, what the batch left is read again
 if cleared == 0 then
   parts = {}

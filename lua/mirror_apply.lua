@@ -13,6 +13,7 @@
 -- KEYS[3]  pcr:{node-0}:mamba                   HASH hash -> block id with Mamba state
 -- KEYS[4]  pcr:{node-0}:meta                    HASH epoch, incarnation, notice_seq
 -- KEYS[5]  pcr:{node-0}:mamba-evictions         STREAM of notices, capped
+-- KEYS[6]  pcr:quota:{node-0}                   STRING the namespace's entry limit, if any
 -- ARGV[1]  "1796024288853123482"                the mirrored owner's epoch
 -- ARGV[2]  "5f1c2a9b03e1-7"                     request id (of the whole run)
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
@@ -30,8 +31,11 @@
 -- Returns: { writes applied, notice_seq after the run (text, "" when meta has none) };
 --          a re-sent copy returns the first copy's reply; error STALE_EPOCH when the
 --          owner was fenced, NAMESPACE_MIRRORED when another mirrored owner holds the
---          namespace, BAD_WRITE (nothing applied) for a malformed run.
--- Calls:   GET, HGET, HMGET, HSET, HDEL, EXISTS, UNLINK, HINCRBY, TIME, XADD, PUBLISH, SET
+--          namespace, BAD_WRITE (nothing applied) for a malformed run, QUOTA (nothing
+--          applied) when the run would leave the namespace more KV plus Mamba entries
+--          than its limit (KEYS[6]) and than it holds now.
+-- Calls:   GET, HGET, HMGET, HSET, HDEL, EXISTS, UNLINK, HINCRBY, TIME, XADD, PUBLISH, SET;
+--          with a limit set, HLEN
 local early = begin_write(KEYS[4])
 if early then return early end
 
@@ -42,6 +46,7 @@ local WHOLE = {K = true, M = true, R = true}
 
 -- Check the whole run before writing anything: a malformed one changes nothing.
 local at = 6
+local registering = 0  -- hash, block id pairs the run registers
 while at <= n do
   local code, count = ARGV[at], tonumber(ARGV[at + 1] or '')
   if not count or count < 0 or count ~= math.floor(count) then
@@ -50,6 +55,7 @@ while at <= n do
   local width
   if PAIRED[code] then
     width = 2 * count
+    registering = registering + count
   elseif SINGLE[code] then
     width = count
   elseif WHOLE[code] and count == 0 then
@@ -61,6 +67,96 @@ while at <= n do
 end
 if at ~= n + 1 then
   return redis.error_reply('BAD_WRITE mirror_apply: the last write is cut short')
+end
+
+-- The KV plus Mamba entries the run leaves, from `kv_n` and `mamba_n` now, worked out
+-- without writing: per map, each hash the run touches is looked up once (HMGET) and
+-- followed through the writes; after a clear, a hash not written since is absent.
+local function entries_after(kv_n, mamba_n)
+  local kv = {key = KEYS[2], n = kv_n, has = {}, empty = false}
+  local mamba = {key = KEYS[3], n = mamba_n, has = {}, empty = false}
+  local function look_up(map, first, last, step)
+    if map.empty then
+      return
+    end
+    local fields = {}
+    for i = first, last, step do
+      if map.has[ARGV[i]] == nil then
+        fields[#fields + 1] = ARGV[i]
+      end
+    end
+    for from = 1, #fields, CHUNK do
+      local to = math.min(from + CHUNK - 1, #fields)
+      local values = redis.call('HMGET', map.key, unpack(fields, from, to))
+      for j = 1, to - from + 1 do
+        map.has[fields[from + j - 1]] = values[j] ~= false
+      end
+    end
+  end
+  local function put(map, first, last)
+    look_up(map, first, last, 2)
+    for i = first, last, 2 do
+      if not map.has[ARGV[i]] then
+        map.has[ARGV[i]] = true
+        map.n = map.n + 1
+      end
+    end
+  end
+  local function drop(map, hash)
+    if map.has[hash] then
+      map.has[hash] = false
+      map.n = map.n - 1
+      return true
+    end
+    return false
+  end
+  local function empty(map)
+    map.n, map.has, map.empty = 0, {}, true
+  end
+  local i = 6
+  while i <= n do
+    local code, count = ARGV[i], tonumber(ARGV[i + 1])
+    local first = i + 2
+    if code == 'k' or code == 'm' then
+      i = first + 2 * count
+      put(code == 'k' and kv or mamba, first, i - 1)
+    elseif code == 'e' then  -- a KV entry removed takes its Mamba entry along
+      i = first + count
+      look_up(kv, first, i - 1, 1)
+      look_up(mamba, first, i - 1, 1)
+      for j = first, i - 1 do
+        if drop(kv, ARGV[j]) then
+          drop(mamba, ARGV[j])
+        end
+      end
+    elseif code == 'x' then
+      i = first + count
+      look_up(mamba, first, i - 1, 1)
+      for j = first, i - 1 do
+        drop(mamba, ARGV[j])
+      end
+    else
+      i = first
+      if code ~= 'M' then
+        empty(kv)
+      end
+      if code ~= 'K' then
+        empty(mamba)
+      end
+    end
+  end
+  return kv.n + mamba.n
+end
+
+local limit, invalid = entry_limit(KEYS[6])
+if invalid then return invalid end
+if limit then
+  local kv_n, mamba_n = redis.call('HLEN', KEYS[2]), redis.call('HLEN', KEYS[3])
+  local before = kv_n + mamba_n
+  if before + registering > limit then  -- else even a run of only new hashes fits
+    local refused = over_quota(KEYS[4], limit, before, entries_after(kv_n, mamba_n), 'entries')
+    if refused then return refused end
+  end
 end
 
 -- HSET the pairs ARGV[first..last] into `key` (CHUNK is even: pairs stay whole).

@@ -11,6 +11,7 @@
 -- KEYS[3]  pcr:{node-0}:mamba                   HASH hash -> block id with Mamba state
 -- KEYS[4]  pcr:{node-0}:meta                    HASH epoch, incarnation, notice_seq
 -- KEYS[5]  pcr:{node-0}:mamba-evictions         STREAM of notices, capped
+-- KEYS[6]  pcr:quota:{node-0}                   STRING the namespace's entry limit, if any
 -- ARGV[1]  "1796024288853123482"                the mirrored owner's epoch
 -- ARGV[2]  "5f1c2a9b03e1-7"                     request id
 -- ARGV[3]  "30000"                              how long the reply is kept (ms)
@@ -21,12 +22,22 @@
 -- ARGV[8..7+2n]  hash1, block_id1, ...          the mirror's KV map
 -- ARGV[8+2n..]   hash1, block_id1, ...          the mirror's Mamba map
 --
--- Returns: the text of the 'clear' notice; error STALE_EPOCH when the owner was fenced.
--- Calls:   GET, HGET, HMGET, TIME, UNLINK, HSET, HINCRBY, XADD, PUBLISH, SET
+-- Returns: the text of the 'clear' notice; error STALE_EPOCH when the owner was fenced;
+--          error QUOTA (nothing applied) when the mirror holds more entries than the
+--          namespace's limit (KEYS[6]) and than the namespace holds now.
+-- Calls:   GET, HGET, HMGET, TIME, UNLINK, HSET, HINCRBY, XADD, PUBLISH, SET; with a limit
+--          set, HLEN
 local early = begin_write(KEYS[4])
 if early then return early end
-redis.call('UNLINK', KEYS[2], KEYS[3])
 local kv_end = 7 + 2 * tonumber(ARGV[7])
+local limit, invalid = entry_limit(KEYS[6])
+if invalid then return invalid end
+if limit then
+  local refused = over_quota(KEYS[4], limit, entry_count(KEYS[2], KEYS[3]), (#ARGV - 7) / 2,
+    'entries')
+  if refused then return refused end
+end
+redis.call('UNLINK', KEYS[2], KEYS[3])
 local function put(key, from, to)
   for first = from, to, CHUNK do
     local last = math.min(first + CHUNK - 1, to)

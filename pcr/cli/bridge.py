@@ -29,6 +29,7 @@ STATUS_FIELDS = (
     "redis_errors",
     "refused_events",
     "dropped_messages",
+    "quota_refused_blocks",
 )
 
 

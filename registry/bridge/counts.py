@@ -49,6 +49,8 @@ class FollowerCounts:
     dropped_messages: int = 0  # messages the byte-bounded queue had no room for
     dropped_bytes: int = 0  # their size
     split_batches: int = 0  # batches too large for one call, written in parts
+    quota_refusals: int = 0  # calls the namespace's entry quota refused (stores then dropped)
+    quota_refused_blocks: int = 0  # the blocks those calls would have stored
     disconnects: int = 0  # connections to the engine dropped (an oversize message, ...)
     applied_seq: int = -1  # the last engine seq written to Redis (-1: none yet)
     bad_kinds: dict[str, int] = field(default_factory=dict)

@@ -46,8 +46,14 @@ from registry.bridge.sequence import (
     contiguous,
 )
 from registry.bridge.source import EngineSource
-from registry.bridge.writes import MAX_BLOCKS_PER_WRITE, PendingWrite
-from registry.core.errors import RegistryError, RegistryUnavailable, StaleEpochError, translate
+from registry.bridge.writes import MAX_BLOCKS_PER_WRITE, PendingWrite, without_stores
+from registry.core.errors import (
+    RegistryError,
+    RegistryQuotaExceeded,
+    RegistryUnavailable,
+    StaleEpochError,
+    translate,
+)
 from registry.core.validation import text
 from registry.fleet.membership import NodeIndex
 from registry.namespace.ownership import DEFAULT_LEASE_TTL
@@ -453,8 +459,13 @@ class Follower:
         (their seq stays, for the next write to record). Raises registry errors."""
         blocks = 0
         chain = self.chain
-        for ops, n in chain.picture.rewrite():
-            self.pending.apply(ops, None, chain.block_size, chain.group_operation())
+        writes = chain.picture.rewrite()
+        for ops, n in writes:
+            try:
+                self.pending.apply(ops, None, chain.block_size, chain.group_operation())
+            except RegistryQuotaExceeded as exc:  # parents first: the deepest blocks left out
+                self._quota_refused(exc, n + sum(left for _, left in writes))
+                break
             blocks += n
         self.pending.ops, self.pending.blocks = [], 0
         self.pending.queued.clear()
@@ -489,9 +500,18 @@ class Follower:
         self.chain.trim()
 
     def _write(self, ops: Sequence[Any], seq: int | None, part: int | None = None) -> None:
-        """One ``bridge_apply`` call; Redis faults block, a lost namespace restarts it."""
+        """One ``bridge_apply`` call; Redis faults block, a lost namespace restarts it, a
+        call over the namespace's entry quota is written without its stores."""
         try:
             self.pending.apply(ops, seq, self.chain.block_size, self.chain.group_operation(), part)
+            if "quota" in self.log:
+                self.log.again("quota")  # a call fitted again: say so next time it does not
+        except RegistryQuotaExceeded as exc:
+            kept, dropped = without_stores(ops)
+            if not dropped:  # a call that stores nothing adds nothing: not the quota's
+                self._redis_error(exc)
+            self._quota_refused(exc, dropped)
+            self._write(kept, seq, part)
         except StaleEpochError as exc:
             self._lost(exc)
             # The namespace was written again from the picture, which holds what these
@@ -532,6 +552,20 @@ class Follower:
         older one came back from a snapshot taken before this follower's claim."""
         own = self.registry.epoch
         return own is not None and epoch.isdigit() and int(epoch) < own
+
+    def _quota_refused(self, exc: RegistryQuotaExceeded, blocks: int) -> None:
+        """The namespace's entry quota refused a call (nothing of it applied): its
+        ``blocks`` stored blocks are dropped, counted and logged with the namespace once
+        per episode. The engine keeps them, and the picture with it: Redis lists fewer
+        blocks than the engine holds, which routing tolerates (its prefixes end sooner)."""
+        self.counts.quota_refusals += 1
+        self.counts.quota_refused_blocks += blocks
+        self.log.once(
+            "quota",
+            f"{exc}; blocks stored past the quota are dropped and counted "
+            "(quota_refused_blocks), removals still written",
+            warning=True,
+        )
 
     def _redis_error(self, exc: RegistryError) -> NoReturn:
         self.counts.redis_errors += 1

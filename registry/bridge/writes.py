@@ -56,7 +56,7 @@ def split_operations(
     i = 0
     while i < len(ops):
         op = ops[i]
-        width = STORE_FIELDS if op == "S" else REMOVE_FIELDS if op == "R" else 2 if op == "G" else 1
+        width = _width(op)
         fields = list(ops[i : i + width])
         i += width
         n = int(fields[4]) if op == "S" else int(fields[2]) if op == "R" else 0
@@ -74,6 +74,29 @@ def split_operations(
                 run, blocks, room = [], 0, limit
     if run:
         yield run, blocks
+
+
+def _width(op: Any) -> int:
+    """The fields of the ``bridge_apply`` operation that starts with ``op``."""
+    return STORE_FIELDS if op == "S" else REMOVE_FIELDS if op == "R" else 2 if op == "G" else 1
+
+
+def without_stores(ops: Sequence[Any]) -> tuple[list[Any], int]:
+    """``ops`` less their stores, and the blocks those stores carried: what is left to
+    write of a call the namespace's entry quota refused (removals and clears, which no
+    quota refuses, so that Redis never lists a block the engine has let go)."""
+    kept: list[Any] = []
+    dropped = 0
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        width = _width(op)
+        if op == "S":
+            dropped += int(ops[i + 4])
+        else:
+            kept.extend(ops[i : i + width])
+        i += width
+    return kept, dropped
 
 
 def _slice(fields: list[Any], start: int, count: int) -> list[Any]:
@@ -123,7 +146,7 @@ class PendingWrite:
         self.source = source
         self.counts = counts
         k = registry.keys
-        self.keys = (k.kv, k.mamba, k.meta, k.engine_blocks)
+        self.keys = (k.kv, k.mamba, k.meta, k.engine_blocks, k.quota)
         self.ops: list[Any] = []  # operations of the open call
         self.blocks = 0  # blocks they carry
         self.seq: int | None = None  # the last engine seq they include

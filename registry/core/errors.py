@@ -9,6 +9,7 @@ into one of these through :func:`translate`, so callers only ever catch this hie
     ├── RegistryUnavailable      retryable: Redis is not there right now
     └── RegistryFault            not retryable: an operator has to act
         ├── RegistryOutOfMemory      maxmemory reached under noeviction
+        ├── RegistryQuotaExceeded    a write would take a namespace past its entry quota
         ├── RegistryPermissionError  login refused, or an ACL user lacks a command or key
         ├── RegistryWrongType        a registry key holds another Redis type
         └── RegistryMisconfigured    wrong URL kind, DB index, cluster settings, ...
@@ -98,6 +99,54 @@ class RegistryOutOfMemory(RegistryFault):
     """Redis reached ``maxmemory`` under ``noeviction`` and refuses writes."""
 
 
+class RegistryQuotaExceeded(RegistryFault):
+    """A write that would take a namespace past its entry quota: more KV plus Mamba
+    entries (``what`` "entries"), or on a bridged namespace more engine blocks, than the
+    limit an admin set (``pcr quota set``) and than it holds now. Nothing of the write
+    was applied: a batch is refused whole. Removals are never refused, so the owner can
+    make room by evicting; or an admin raises the limit. ``namespace``, ``held`` (what it
+    holds), ``limit`` and ``after`` (what the write would have left) come from the reply."""
+
+    def __init__(
+        self, message: str, *, namespace: str, held: int, limit: int, after: int, what: str
+    ) -> None:
+        super().__init__(message)
+        self.namespace = namespace
+        self.held = held
+        self.limit = limit
+        self.after = after
+        self.what = what
+
+
+QUOTA_REPLY = re.compile(
+    r"^QUOTA namespace (?P<namespace>\S+) holds (?P<held>\d+) (?P<what>entries|engine blocks), "
+    r"limit (?P<limit>\d+): this write would make it (?P<after>\d+)"
+)
+"""The error reply of a write refused by a namespace's quota (``lua/_prelude.lua``
+``over_quota``)."""
+
+
+def quota_exceeded(reason: str, what: str) -> RegistryQuotaExceeded | None:
+    """The ``RegistryQuotaExceeded`` that the error reply ``reason`` of ``what`` means,
+    or None when it is not a quota refusal."""
+    found = QUOTA_REPLY.match(reason)
+    if found is None:
+        return None
+    namespace, kind = found["namespace"], found["what"]
+    held, limit, after = int(found["held"]), int(found["limit"]), int(found["after"])
+    named = "" if repr(namespace) in what else f" of namespace {namespace!r}"
+    return RegistryQuotaExceeded(
+        f"{what}: refused by the entry quota{named}: it holds {held} {kind}, the limit is "
+        f"{limit}, and this write would make it {after}; nothing of it was applied (evict "
+        f"entries, or have an admin raise the limit: pcr quota set {namespace} N)",
+        namespace=namespace,
+        held=held,
+        limit=limit,
+        after=after,
+        what=kind,
+    )
+
+
 class RegistryPermissionError(RegistryFault):
     """The login was refused, or the ACL user lacks a command, key or channel."""
 
@@ -166,6 +215,7 @@ def translate(exc: BaseException, what: str, *, write: bool = False) -> Registry
         or "NOPERM" in text
         or "NO PERMISSIONS" in text
         or "CAN'T RUN THIS COMMAND" in text  # a refusal inside a script (Redis 7.0)
+        or "THE USER EXECUTING THE SCRIPT CAN'T" in text  # ... of a key or channel
         or "NO PERMISSION" in text
     ):
         return RegistryPermissionError(f"{what}: {_HINTS['noperm']} ({reason})")
@@ -180,6 +230,8 @@ def translate(exc: BaseException, what: str, *, write: bool = False) -> Registry
         return RegistryUnavailable(
             f"{what}: Redis unavailable: {reason}{suffix}", outcome_unknown=unknown
         )
+    if isinstance(exc, ResponseError) and (quota := quota_exceeded(reason, what)) is not None:
+        return quota
     if "WRONGTYPE" in text:
         return RegistryWrongType(f"{what}: {_HINTS['wrongtype']} ({reason})")
     if isinstance(exc, RedisClusterException) or "CLUSTER SUPPORT DISABLED" in text:

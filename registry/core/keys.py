@@ -136,6 +136,15 @@ class NamespaceKeys:
         return f"{self.base}:engine-blocks"
 
     @property
+    def quota(self) -> str:
+        """STRING, set by an admin (``pcr quota set``): the most KV plus Mamba entries
+        the namespace may hold; absent: no limit. ``pcr:quota:{NS}``: the namespace's hash
+        tag (its slot), outside the node users' key pattern ``pcr:{NS}:*``, so the
+        scripts that add entries read it and a node user cannot write it (``docs/acl``).
+        Not one of ``all_keys``: gc leaves it, and a namespace that comes back keeps it."""
+        return f"{self.key_prefix}:quota:{{{self.namespace}}}"
+
+    @property
     def reply_prefix(self) -> str:
         """Start of the STRING keys ``pcr:{NS}:reply:<request id>``: each write's reply,
         kept for ``reply_ttl`` seconds (then expired by Redis) so that a re-sent copy of

@@ -132,6 +132,10 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         self._kv_write_keys = (k.kv, k.meta)
         self._all_keys = (k.kv, k.mamba, k.meta, k.mamba_evictions)
         self._mamba_write_keys = (k.mamba, k.meta, k.mamba_evictions)
+        # Writes that add entries also count the other map and read the quota.
+        self._register_kv_keys = (*self._kv_write_keys, k.mamba, k.quota)
+        self._register_mamba_keys = (*self._mamba_write_keys, k.kv, k.quota)
+        self._all_write_keys = (*self._all_keys, k.quota)
         self.adopt_epoch(None)
 
     def adopt_epoch(self, epoch: int | None) -> None:
@@ -144,8 +148,9 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
     @property
     def all_write_keys(self) -> tuple[str, ...]:
         """The KEYS, after its reply key, of a write over both maps and the notice
-        stream (``kv``, ``mamba``, ``meta``, ``mamba_evictions``): for ``write_args``."""
-        return self._all_keys
+        stream that may add entries (``kv``, ``mamba``, ``meta``, ``mamba_evictions``,
+        ``quota``: ``mirror_apply``, ``mirror_resync``): for ``write_args``."""
+        return self._all_write_keys
 
     def run_write(
         self,
@@ -319,7 +324,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
         return list(map(int, values))
 
     def _register_kv(self, entries: dict[int, int]) -> None:
-        self.run_write("register_kv", self._kv_write_keys, False, flatten(entries, ()))
+        self.run_write("register_kv", self._register_kv_keys, False, flatten(entries, ()))
 
     def _evict_kv(self, hashes: list[int]) -> tuple[set[int], EvictionNotice | None]:
         removed, notice = self.run_write("evict_kv", self._all_keys, True, hashes)
@@ -338,7 +343,7 @@ class PrefixCacheRegistry(RegistryBase, Ownership):
 
     def _register_mamba(self, entries: dict[int, int]) -> tuple[EvictionNotice | None, int]:
         notice, stamp = self.run_write(
-            "register_mamba", self._mamba_write_keys, True, flatten(entries, ())
+            "register_mamba", self._register_mamba_keys, True, flatten(entries, ())
         )
         return _notice(notice), int(stamp)
 

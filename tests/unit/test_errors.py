@@ -12,6 +12,7 @@ from registry.core.errors import (
     RegistryMisconfigured,
     RegistryOutOfMemory,
     RegistryPermissionError,
+    RegistryQuotaExceeded,
     RegistryUnavailable,
     RegistryWrongType,
     StaleEpochError,
@@ -40,6 +41,13 @@ CASES: list[tuple[BaseException, type[RegistryError]]] = [
      RegistryPermissionError),
     (rx.ResponseError("The user executing the script can't run this command or subcommand"),
      RegistryPermissionError),
+    (rx.ResponseError("The user executing the script can't access at least one of the keys "
+                      "mentioned in the command arguments script: 9026, on @user_script:108."),
+     RegistryPermissionError),
+    (rx.ResponseError("QUOTA namespace n holds 10 entries, limit 10: this write would make "
+                      "it 12; nothing was applied"), RegistryQuotaExceeded),
+    (rx.ResponseError("QUOTA_INVALID pcr:quota:{n} does not hold a whole number of entries: "
+                      "set it again with pcr quota set"), RegistryMisconfigured),
     (rx.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
      RegistryWrongType),
     (rx.RedisClusterException("Cluster mode is not enabled on this node"),
@@ -60,6 +68,29 @@ def test_each_fault_maps_to_one_registry_error(
     assert "\n" not in str(mapped)
     retryable = isinstance(mapped, RegistryUnavailable)
     assert retryable != isinstance(mapped, RegistryFault)
+
+
+def test_a_quota_refusal_carries_its_figures() -> None:
+    """What the scripts reply (``lua/_prelude.lua`` ``over_quota``), as the error's
+    fields, and a message that names the way out."""
+    reply = (
+        "QUOTA namespace node-a:7 holds 4096 engine blocks, limit 4096: this write would "
+        "make it 4352; nothing was applied"
+    )
+    refused = translate(rx.ResponseError(reply), "bridge_apply", write=True)
+    assert isinstance(refused, RegistryQuotaExceeded)
+    figures = (refused.held, refused.limit, refused.after)
+    assert (refused.namespace, figures, refused.what) == (
+        "node-a:7",
+        (4096, 4096, 4352),
+        "engine blocks",
+    )
+    assert str(refused) == (
+        "bridge_apply: refused by the entry quota of namespace 'node-a:7': it holds 4096 "
+        "engine blocks, the limit is 4096, and this write would make it 4352; nothing of it "
+        "was applied (evict entries, or have an admin raise the limit: pcr quota set "
+        "node-a:7 N)"
+    )
 
 
 def test_a_write_that_may_have_run_says_so() -> None:
