@@ -413,9 +413,18 @@ def add_trace_options(sim: argparse.ArgumentParser) -> None:
         help="each engine caches this share of the window's distinct blocks over the "
         "engines (default 0.25; --kv-blocks sets blocks per engine instead)",
     )
-    group.add_argument("--max-running", type=positive_arg, default=2, help="default 2")
-    group.add_argument("--prefill-ms", type=milliseconds, default=6.0, help="per block computed")
-    group.add_argument("--decode-ms", type=milliseconds, default=4.0, help="per output token")
+    group.add_argument(
+        "--max-running",
+        type=positive_arg,
+        default=2,
+        help="requests an engine runs at once, the rest wait (default 2)",
+    )
+    group.add_argument(
+        "--prefill-ms", type=milliseconds, default=6.0, help="ms per block computed (default 6)"
+    )
+    group.add_argument(
+        "--decode-ms", type=milliseconds, default=4.0, help="ms per output token (default 4)"
+    )
     group.add_argument(
         "--max-output-tokens", type=positive_arg, default=16, help="outputs capped (default 16)"
     )
