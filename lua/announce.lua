@@ -1,18 +1,18 @@
--- announce: record a namespace's lease end in the node index (never moving it back).
--- The index lets routers and gc find namespaces without scanning the keyspace.
+-- announce: say in the node index that a namespace is claimed, and the lease end its
+-- owner announced (never moving it back). The index is only a hint for finding
+-- namespaces without scanning the keyspace: any node user may ZADD any member, so
+-- readers call a member live only while its own meta's lease_until (which only its
+-- owner writes) runs (registry/fleet/leases.py).
 --
--- KEYS[1]  pcr:nodes          ZSET namespace -> lease end (server clock, ms)
+-- KEYS[1]  pcr:nodes          ZSET namespace -> announced lease end (server clock, ms)
 -- ARGV[1]  "node-0"           namespace
 -- ARGV[2]  "1796024288853"    lease end
 --
--- Returns: integer, 1 if the index moved forward, else 0.
--- Calls:   ZSCORE, ZREM, ZADD
-local current = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if current and tonumber(current) >= tonumber(ARGV[2]) then
-  return 0
-end
--- ZREM first: Redis refuses a script under maxmemory only at its first write, and ZREM
--- never adds memory, so renewals keep a node announced while an operator frees memory.
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-return 1
+-- Returns: integer, 1 if the member was added or moved forward, else 0.
+-- Calls:   ZADD (GT: a late, older announce changes nothing; no ZREM, which a node user
+--          is not granted on the index, so it cannot remove another node's member)
+--
+-- Under maxmemory Redis refuses the ZADD (it checks a script's first write): a renewal
+-- still extends the lease in meta (renew.lua writes HDEL first), which is what readers
+-- go by, and the member stays listed with its older score (ownership.renew goes on).
+return redis.call('ZADD', KEYS[1], 'GT', 'CH', ARGV[2], ARGV[1])

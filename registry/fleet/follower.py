@@ -8,7 +8,8 @@ number of the last record they include, ``LOAD_BATCH`` namespaces a round trip),
 applies the records after it. A number skipped, a new incarnation, a reconnect or the
 periodic resync make it load the namespace (or every namespace) again. The live
 namespaces come from the node index, read every ``live_cache_ttl`` seconds (or at once
-when ``sync`` asks), as the routers read them.
+when ``sync`` asks), each member checked against its own lease as the routers do
+(``NodeIndex.live``: a member someone else wrote or pushed back changes nothing).
 
 A follower built without a client (a detached view's) reads nothing: a record that
 needs the server raises ``RegistryError``.

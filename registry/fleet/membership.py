@@ -1,11 +1,14 @@
-"""Node membership: the node index of leases, and collecting dead namespaces.
+"""Node membership: the node index, and collecting dead namespaces.
 
-A claimed namespace's lease end (by the Redis server's clock) is kept in two places:
-``lease_until`` in its meta hash (checked atomically by the scripts that score or delete
-it) and the node index ``pcr:nodes`` (a ZSET, so routers and ``collect_dead`` find
-namespaces without scanning the keyspace). A namespace whose lease ran out is garbage:
-``collect_dead`` deletes its keys and its index entry; its old owner's next write fails
-with ``StaleEpochError``. Claiming and renewing live in ``registry.namespace.ownership``.
+A claimed namespace's lease end (by the Redis server's clock) is ``lease_until`` in its
+meta hash, which only its owner writes (checked atomically by the scripts that score or
+delete it). Its owner also announces it in the node index ``pcr:nodes`` (a ZSET), so
+routers and ``collect_dead`` find namespaces without scanning the keyspace; any node
+user may write any member there, so the index is only a hint and every reader checks a
+member against its own meta (``registry.fleet.leases``). A namespace whose lease ran
+out is garbage: ``collect_dead`` deletes its keys and its index entry; its old owner's
+next write fails with ``StaleEpochError``. Claiming and renewing live in
+``registry.namespace.ownership``.
 """
 
 from __future__ import annotations
@@ -24,18 +27,27 @@ from registry.core.keys import (
     validate_namespace,
 )
 from registry.core.validation import text
+from registry.fleet.leases import (
+    CHECK_BATCH,
+    LeaseBook,
+    Listing,
+    lease_command,
+)
 from registry.namespace.ownership import announce_lease
-from registry.transport.scripts import ScriptRunner
+from registry.transport.scripts import ScriptRunner, run_batched
 
 log = logging.getLogger(__name__)
 
 
 class NodeIndex:
-    """The ZSET of announced namespaces and their lease ends.
+    """The ZSET of announced namespaces and their announced lease ends.
 
-    Any node user may write the shared index, so every reader skips members that are
-    not valid namespaces (logged once per index object, counted in ``skipped``);
-    ``invalid()`` lists them and ``remove_invalid()`` (run by ``pcr gc``) drops them.
+    Any node user may write the shared index, so it is a hint: a member is live only
+    while the lease in its own meta runs (``registry.fleet.leases``; what was read is
+    kept in ``leases``, so a listing reads the metas of few members). Readers skip
+    members that are not valid namespaces (logged once per index object, counted in
+    ``skipped``); ``invalid()`` lists them and ``remove_invalid()`` (run by ``pcr gc``)
+    drops them. Thread-safe.
     """
 
     def __init__(self, client: Any, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
@@ -44,6 +56,7 @@ class NodeIndex:
         self.key = node_index_key(key_prefix)
         self.engines_key = engines_key(key_prefix)
         self.skipped = 0  # invalid members skipped by live()/dead() so far
+        self.leases = LeaseBook(key_prefix)
         self._runner = ScriptRunner(client)
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -54,7 +67,8 @@ class NodeIndex:
         )
 
     def announce(self, namespace: str, lease_until_ms: int) -> None:
-        """Record a lease end for ``namespace`` (never moving it back)."""
+        """Announce ``namespace`` with a lease end (never moving it back): a hint for
+        readers, which call it live only while the lease in its own meta runs."""
         announce_lease(self._runner, self.key_prefix, namespace, lease_until_ms)
 
     def announce_engine(self, namespace: str, url: str) -> None:
@@ -85,23 +99,27 @@ class NodeIndex:
         return engine_table(table)
 
     def live(self) -> list[str]:
-        """Namespaces whose lease has not run out (server clock), in index order."""
-        return self._members("live")
+        """Namespaces whose own lease (in their meta) has not run out (server clock), in
+        index order."""
+        listing = self._listing()
+        self._check(listing, self.leases.due(listing))
+        return self.leases.split(listing)[0]
 
     def dead(self) -> list[str]:
-        """Namespaces whose lease has run out."""
-        return self._members("dead")
+        """Namespaces of the index without a live lease of their own: run out, or never
+        claimed (a member someone else wrote)."""
+        return [name for name, _score in self._dead()]
 
     def invalid(self) -> list[str]:
         """Members of the index that are not valid namespaces (bytes that are not
         printable text shown as ``\\xNN``)."""
         shown, _count = self._run("live_nodes", (self.key,), ("invalid",))
-        return [text(n) for n in shown] + self._breaking_the_rules()
+        return [text(n) for n in shown] + self._listing().refused
 
     def remove_invalid(self) -> list[str]:
         """Remove every invalid member from the index; return them as ``invalid()``."""
         shown, _count = self._run("live_nodes", (self.key,), ("purge",))
-        rest = self._breaking_the_rules()
+        rest = self._listing().refused
         if rest:
             try:
                 self.client.zrem(self.key, *rest)
@@ -109,23 +127,42 @@ class NodeIndex:
                 raise (translate(exc, f"node index {self.key!r}: remove") or exc) from exc
         return [text(n) for n in shown] + rest
 
-    def _breaking_the_rules(self) -> list[str]:
-        """Well-formed text members that the Lua check lets through but the namespace
-        rules refuse (Unicode spaces, controls, over 200 characters)."""
-        members = [*self._run("live_nodes", (self.key,), ("live",))[0]]
-        members += self._run("live_nodes", (self.key,), ("dead",))[0]
-        return [name for name in map(text, members) if not _is_namespace(name)]
+    def _dead(self) -> list[tuple[str, bytes]]:
+        """(namespace, its score as read) of every member without a live lease, each
+        checked now (no cap: for gc and stats)."""
+        listing = self._listing()
+        self._check(listing, self.leases.due(listing, every=True))
+        return [(name, listing.scores[name]) for name in self.leases.split(listing)[1]]
 
-    def _members(self, mode: str) -> list[str]:
-        names, skipped = self._run("live_nodes", (self.key,), (mode,))
-        valid, refused = split_members(names, skipped)
-        for name in refused:
+    def _listing(self) -> Listing:
+        """The index's members and scores with the server's clock (one call); members
+        that are not namespaces are counted and logged once."""
+        listing = self.leases.parse(self._run("live_nodes", (self.key,), ("list",)))
+        for name in listing.refused:
             self._warn(name)
-        if skipped or refused:
+        bad = listing.skipped + len(listing.refused)
+        if bad:
             with self._lock:
-                self.skipped += int(skipped) + len(refused)
-            self._warn(f"{int(skipped) + len(refused)} invalid members")
-        return valid
+                self.skipped += bad
+            self._warn(f"{bad} invalid members")
+        return listing
+
+    def _check(self, listing: Listing, names: list[str]) -> None:
+        """Read ``names``' own leases (``CHECK_BATCH`` per round trip per Redis node) into
+        ``leases``."""
+        for first in range(0, len(names), CHECK_BATCH):
+            part = names[first : first + CHECK_BATCH]
+            metas = [self.leases.meta_key(name) for name in part]
+            routed = [(meta, lease_command(meta)) for meta in metas]
+            what = f"node index {self.key!r}: reading {len(part)} leases"
+            try:
+                replies = run_batched(self.client, routed)
+            except REDIS_ERRORS as exc:
+                raise (translate(exc, what, write=False) or exc) from exc
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise (translate(reply, what, write=False) or reply) from reply
+            self.leases.learn(listing, part, replies)
 
     def _warn(self, what: str) -> None:
         with self._lock:
@@ -144,20 +181,32 @@ class NodeIndex:
         return self.collect_dead()
 
     def collect_dead(self) -> list[str]:
-        """Delete the keys and index entries of every dead namespace; return them.
+        """Delete the keys and index entries of every namespace without a live lease of
+        its own; return them.
 
-        Each namespace's lease is checked again, atomically with its delete and again
-        with its removal from the index, so one that renewed meanwhile keeps everything.
-        Costs two calls per dead namespace.
+        Each namespace's lease is checked again atomically with its delete
+        (``gc_namespace``), so one that renewed meanwhile keeps everything; its index
+        entry goes only if its score is still the one read (``forget_node``), so one
+        claimed again meanwhile stays listed. ``GC_BATCH`` namespaces per round trip.
         """
-        removed = []
-        for namespace in self.dead():
-            keys = NamespaceKeys(namespace, self.key_prefix)
-            if self._run("gc_namespace", keys.all_keys(), ()) == 0:
-                continue  # renewed after it was listed
-            self._run("forget_node", (self.key,), (namespace,))
-            removed.append(namespace)
+        removed: list[str] = []
+        dead = self._dead()
+        for first in range(0, len(dead), GC_BATCH):
+            part = dead[first : first + GC_BATCH]
+            calls = [(NamespaceKeys(name, self.key_prefix).all_keys(), ()) for name, _ in part]
+            deleted = self._runner.run_many(
+                "gc_namespace", calls, context=f"collecting {len(part)} namespaces"
+            )
+            gone = [pair for pair, reply in zip(part, deleted, strict=True) if int(reply) == 1]
+            if gone:
+                pairs = [value for name, score in gone for value in (name, score)]
+                self._run("forget_node", (self.key,), tuple(pairs))
+            removed += [name for name, _score in gone]
         return removed
+
+
+GC_BATCH = 256
+"""Namespaces ``collect_dead`` deletes per round trip (and forgets per script call)."""
 
 
 MAX_URL_LENGTH = 500
@@ -194,17 +243,6 @@ def engine_table(table: dict[Any, Any]) -> dict[str, str]:
     return engines
 
 
-def split_members(names: list[Any], skipped: int) -> tuple[list[str], list[str]]:
-    """The ``live_nodes`` script's members as (namespaces, text members the namespace
-    rules refuse); ``skipped`` (what the script itself skipped) is only passed along by
-    callers. Shared by ``NodeIndex`` and the asyncio router."""
-    valid: list[str] = []
-    refused: list[str] = []
-    for name in map(text, names):
-        (valid if _is_namespace(name) else refused).append(name)
-    return valid, refused
-
-
 def warn_invalid(key: str, what: str) -> None:
     """Log, once per caller's choosing, that the index ``key`` holds ``what`` (a member,
     or "N invalid members") that is not a namespace."""
@@ -214,14 +252,6 @@ def warn_invalid(key: str, what: str) -> None:
         key,
         what if what.endswith("members") else repr(what),
     )
-
-
-def _is_namespace(name: str) -> bool:
-    try:
-        validate_namespace(name)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def live_nodes(client: Any, key_prefix: str = DEFAULT_KEY_PREFIX) -> list[str]:

@@ -4,9 +4,10 @@ An owner (the serving node whose GPU holds the blocks) ``claim()``s its namespac
 at start: a new epoch, unique for all time, an empty namespace and a lease. Its writes
 carry the epoch and fail with ``StaleEpochError`` once another process claimed the
 namespace, ``gc`` collected it, or its ``meta`` was lost. The lease end (server clock)
-is kept in the namespace's ``meta`` and in the node index, where routers and ``gc``
-find it (``announce_lease`` writes it there; ``registry.fleet.membership`` reads it).
-Readers (routers, tools) and operators never claim.
+is kept in the namespace's ``meta``, the truth, and announced in the node index, where
+routers and ``gc`` find the namespace (``announce_lease`` writes it there;
+``registry.fleet.membership`` reads it and checks each member's ``meta``). Readers
+(routers, tools) and operators never claim.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import weakref
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol
 
-from registry.core.errors import StaleEpochError
+from registry.core.errors import RegistryOutOfMemory, StaleEpochError
 from registry.core.keys import NamespaceKeys, node_index_key
 from registry.core.notices import EvictionNotice, parse_notice
 from registry.core.validation import checked_number
@@ -95,13 +96,18 @@ class Ownership:
         """Extend the lease by ``lease_ttl``; return its end (server clock, Unix seconds).
 
         Raises ``StaleEpochError`` when superseded, ``RuntimeError`` before ``claim``.
-        Works while Redis is at ``maxmemory``: it adds no memory.
+        Works while Redis is at ``maxmemory``: the lease in ``meta`` adds no memory, and
+        the node index, which then refuses the new score, keeps the member the claim
+        announced (readers go by ``meta``).
         """
         if self.epoch is None:
             raise RuntimeError("renew() needs an owner: call claim() first")
         lease_ms = max(1, round(self.lease_ttl * 1000))
         lease_until = int(self.run_write("renew", (self.keys.meta,), False, (lease_ms,)))
-        self.announce(lease_until)
+        try:
+            self.announce(lease_until)
+        except RegistryOutOfMemory:
+            log.debug("node index at maxmemory: %s keeps its announced score", self.keys.namespace)
         return lease_until / 1000
 
     def start_heartbeat(self, interval: float | None = None) -> Heartbeat:
@@ -123,9 +129,10 @@ class Ownership:
 def announce_lease(
     runner: ScriptRunner, key_prefix: str, namespace: str, lease_until_ms: int
 ) -> None:
-    """Record ``namespace``'s lease end in the node index (``lua/announce.lua``, never
+    """Announce ``namespace``'s lease end in the node index (``lua/announce.lua``, never
     moving it back): what a claim and a renewal do, and ``NodeIndex.announce``
-    (``registry.fleet.membership``, which reads the index)."""
+    (``registry.fleet.membership``, which reads the index and checks each member's
+    own lease)."""
     key = node_index_key(key_prefix)
     runner.run(
         "announce", (key,), (namespace, lease_until_ms), context=f"node index {key!r}", write=False

@@ -4,7 +4,8 @@ The same rules as the thread-safe router (``registry.routing.routing``), through
 plan both share (``registry.routing.plan``): a started fleet view scored from while it
 follows Redis, else the same checks of the prompt and the namespaces, the same
 ``lua/score.lua`` (by the same SHA, reloaded on NOSCRIPT), the same live-node listing
-(``lua/live_nodes.lua``), the same ``NodeScore`` and the same tie-breaking in ``best``;
+(``lua/live_nodes.lua``, each member checked against its own lease as
+``registry.fleet.leases`` says), the same ``NodeScore`` and the same tie-breaking in ``best``;
 only the round trips are awaited. One ``score`` from Redis
 is one pipeline: one round trip on a standalone server; on Redis Cluster
 (``redis.asyncio.cluster.RedisCluster``) redis-py's async cluster pipeline sends each
@@ -38,7 +39,8 @@ from registry.core.keys import (
 )
 from registry.core.scores import NodeScore
 from registry.core.validation import text
-from registry.fleet.membership import engine_table, split_members, warn_invalid
+from registry.fleet.leases import CHECK_BATCH, LeaseBook, Listing, lease_command
+from registry.fleet.membership import engine_table, warn_invalid
 from registry.routing.plan import RouterBase, chosen_namespaces, pack_hashes
 from registry.transport.scripts import AsyncScriptRunner
 
@@ -53,6 +55,7 @@ class AsyncPrefixRouter(RouterBase):
         """The script runner on the asyncio client, and the node index's key."""
         self.index_key = node_index_key(key_prefix)
         self.skipped = 0  # invalid node-index members skipped so far
+        self.leases = LeaseBook(key_prefix)  # what was read of each member's own lease
         self._runner = AsyncScriptRunner(client)
         self._warned: set[str] = set()
 
@@ -70,7 +73,9 @@ class AsyncPrefixRouter(RouterBase):
         cached = self._cached_live()
         if cached is not None:
             return cached
-        names = await self._members("live")
+        listing = await self._listing()
+        await self._check(listing, self.leases.due(listing))
+        names = self.leases.split(listing)[0]
         self._remember_live(names)
         return names
 
@@ -153,21 +158,40 @@ class AsyncPrefixRouter(RouterBase):
 
     # -- the node index ------------------------------------------------------------------
 
-    async def _members(self, mode: str) -> list[str]:
-        names, skipped = await self._runner.run(
-            "live_nodes",
-            (self.index_key,),
-            (mode,),
-            context=f"node index {self.index_key!r}",
-            write=False,
+    async def _listing(self) -> Listing:
+        listing = self.leases.parse(
+            await self._runner.run(
+                "live_nodes",
+                (self.index_key,),
+                ("list",),
+                context=f"node index {self.index_key!r}",
+                write=False,
+            )
         )
-        valid, refused = split_members(names, skipped)
-        for name in refused:
+        for name in listing.refused:
             self._warn(name)
-        if skipped or refused:
-            self.skipped += int(skipped) + len(refused)
-            self._warn(f"{int(skipped) + len(refused)} invalid members")
-        return valid
+        bad = listing.skipped + len(listing.refused)
+        if bad:
+            self.skipped += bad
+            self._warn(f"{bad} invalid members")
+        return listing
+
+    async def _check(self, listing: Listing, names: list[str]) -> None:
+        """Read ``names``' own leases (``CHECK_BATCH`` per pipeline) into ``leases``."""
+        for first in range(0, len(names), CHECK_BATCH):
+            part = names[first : first + CHECK_BATCH]
+            what = f"node index {self.index_key!r}: reading {len(part)} leases"
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                for name in part:
+                    pipe.execute_command(*lease_command(self.leases.meta_key(name)))
+                replies = await pipe.execute(raise_on_error=False)
+            except REDIS_ERRORS as exc:
+                raise (translate(exc, what, write=False) or exc) from exc
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise (translate(reply, what, write=False) or reply) from reply
+            self.leases.learn(listing, part, replies)
 
     def _warn(self, what: str) -> None:
         if what not in self._warned:

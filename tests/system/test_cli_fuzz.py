@@ -811,7 +811,7 @@ def test_an_unexpected_exception_is_one_internal_error_line(
     def broken(*args: Any) -> Any:
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(NodeIndex, "dead", broken)
+    monkeypatch.setattr(NodeIndex, "collect_dead", broken)
     line = one_line(capsys, 1, "gc", "--redis-url", targets.server.url)
     assert line == "pcr gc: error: internal error: RuntimeError: boom\\nsecond line"
 
@@ -822,7 +822,7 @@ def test_registry_errors_are_runtime_errors(
     def stale(*args: Any) -> Any:
         raise StaleEpochError("node-x", 3, "superseded")
 
-    monkeypatch.setattr(NodeIndex, "dead", stale)
+    monkeypatch.setattr(NodeIndex, "collect_dead", stale)
     line = one_line(capsys, 1, "gc", "--redis-url", targets.server.url)
     assert line == "pcr gc: error: namespace 'node-x': superseded"
 
