@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-busy test-engines lint typecheck wheel-smoke docs redis-server clean
 
-$(STAMP): pyproject.toml constraints.txt Makefile
+$(STAMP): pyproject.toml setup.py registry/core/_blockhash.c constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -c constraints.txt -e '.[test,dev,docs,embedded,gpu,bridge,metrics,serve,gateway]'
 	touch $(STAMP)
@@ -73,6 +73,19 @@ bench-trace: $(STAMP) redis-server
 	    || echo "WARNING: installing vllm-router failed; its rows will be skipped"; fi
 	PCR_ENGINE_VENV="$(ENGINE_VENV)" $(BIN)/python -m tests.engines.bench_trace \
 	  $(if $(TRACE),--trace $(TRACE)) $(BENCH_ARGS)
+
+# Block hashing beside Dynamo's compute_block_hash_for_seq (pcr/bench/hashing.py): 512-block
+# prompts at 16 and 32 tokens per block, the hashers taking turns, ratios inside one run
+# (BENCH_ARGS=--quick: a few seconds). ai-dynamo-runtime goes into .venv without its
+# dependencies (it pins an older pydantic) when missing. Results in
+# benchmarks/results/hashing-DATE-COMMIT.json and a table on stdout.
+.PHONY: bench-hashing
+bench-hashing: $(STAMP)
+	@$(BIN)/python -c "import dynamo._core" 2>/dev/null \
+	  || $(PIP) install --no-deps ai-dynamo-runtime==1.6.1 \
+	  || echo "WARNING: installing ai-dynamo-runtime failed; Dynamo's column stays empty"
+	$(BIN)/python -m pcr.bench.hashing $(BENCH_ARGS) \
+	  --json benchmarks/results/hashing-$$(date +%F)-$$(git rev-parse --short HEAD).json
 
 # make test three times in a row while two CPU-burning processes run (a busy machine).
 test-busy: $(STAMP) redis-server

@@ -12,22 +12,35 @@ A LoRA adapter's name starts the chain from
 (``start``: the salted or zero start, ``len`` 4 bytes big-endian), so blocks an engine
 keys by adapter (vLLM) are listed apart from the base model's (:func:`chain_root`).
 Torch is not imported: tensors are read through ``.tolist()``.
+
+The chain runs in the C extension ``registry.core._blockhash`` where it was built
+(SHA-256 on the CPU's SHA extensions where it has them, else portable C) and in pure
+Python otherwise; both give the same numbers, :func:`implementation` says which runs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import operator
+import struct
 import sys
 from array import array
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from registry.core.types import MAX_HASH
 from registry.core.validation import is_number
 
-ZERO_PARENT = bytes(32)
+_blockhash: ModuleType | None
+try:
+    from registry.core import _blockhash
+except ImportError:  # installed without its C extension: the same chain in Python
+    _blockhash = None
+
+DIGEST_BYTES = 32
+ZERO_PARENT = bytes(DIGEST_BYTES)
 SALT_DOMAIN = b"megatron-prefix-cache-salt-v1\0"
 LORA_DOMAIN = b"prefix-cache-registry-lora-v1\0"
 HASH_MODULUS = MAX_HASH
@@ -60,12 +73,9 @@ def _int64_bytes(tokens: Any) -> bytes:
         raise TypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
     if isinstance(tokens, (list, tuple)) and set(map(type, tokens)) <= {int}:
         try:  # plain ints (no bools, no int subclasses): packed at C speed
-            packed = array("q", tokens)
-        except OverflowError:
+            return struct.pack(f"<{len(tokens)}q", *tokens)
+        except struct.error:  # the only one plain ints can raise: out of range
             raise ValueError("a token id does not fit in int64") from None
-        if sys.byteorder == "big":
-            packed.byteswap()
-        return packed.tobytes()
     packed = array("q")
     try:
         for token in tokens:
@@ -147,7 +157,14 @@ def block_hashes(
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")
     parent = chain_root(salt, lora)
-    return [digest_hash(d) for d in chain_digests(parent, tokens, block_size)]
+    if _blockhash is not None:
+        return _native_chain(parent, tokens, block_size, digests=False)
+    digests = _python_digests(parent, tokens, block_size)
+    # Every digest's first 8 bytes at once: one array over the joined digests.
+    firsts = array("Q", b"".join(digests))
+    if sys.byteorder == "big":
+        firsts.byteswap()
+    return [first % HASH_MODULUS + 1 for first in firsts[:: DIGEST_BYTES // 8]]
 
 
 def request_chain_keys(
@@ -182,12 +199,42 @@ def chain_digests(parent: bytes, tokens: Any, block_size: int) -> list[bytes]:
     chained from ``parent`` (``ZERO_PARENT`` at a prompt's start, or the digest of the
     block before): continuing a chain gives the same digests as hashing the whole prompt.
     """
+    if _blockhash is not None and len(parent) == DIGEST_BYTES:
+        return _native_chain(parent, tokens, block_size, digests=True)
+    return _python_digests(parent, tokens, block_size)
+
+
+def implementation() -> str:
+    """Which code computes the chain here: ``"c (sha-ni)"`` (the C extension on the
+    CPU's SHA extensions), ``"c (portable)"`` or ``"python"`` (built without it)."""
+    return "python" if _blockhash is None else f"c ({_blockhash.SHA256})"
+
+
+def _native_chain(parent: bytes, tokens: Any, block_size: int, *, digests: bool) -> list[Any]:
+    """The chain in the C extension: a list or tuple of plain ints packed there, any
+    other input (or a list holding bools, int subclasses, numpy scalars) packed and
+    checked by :func:`_int64_bytes` first, so both paths accept and refuse alike."""
+    assert _blockhash is not None
+    done: list[Any] | None
+    if type(tokens) is list or type(tokens) is tuple:
+        done = _blockhash.chain(parent, tokens, block_size, digests, False)
+        if done is not None:
+            return done
+    done = _blockhash.chain(parent, _int64_bytes(tokens), block_size, digests, False)
+    assert done is not None  # only a list or tuple is handed back
+    return done
+
+
+def _python_digests(parent: bytes, tokens: Any, block_size: int) -> list[bytes]:
+    """:func:`chain_digests` in pure Python."""
     data = _int64_bytes(tokens)
     step = 8 * block_size
-    digests = []
+    sha256 = hashlib.sha256
+    digests: list[bytes] = []
+    append = digests.append
     for offset in range(0, len(data) - step + 1, step):
-        parent = hashlib.sha256(parent + data[offset : offset + step]).digest()
-        digests.append(parent)
+        parent = sha256(parent + data[offset : offset + step]).digest()
+        append(parent)
     return digests
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from array import array
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -38,11 +39,20 @@ from hypothesis import strategies as st
 
 from registry.core.hashing import block_hashes
 from tests.support import REPO_ROOT
+from tests.support.chains import CHAIN_PATHS, chain_path
 
 MAX_HASH = 2**63 - 1
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 REPO_ROOT = REPO_ROOT
+
+
+@pytest.fixture(autouse=True, scope="module", params=CHAIN_PATHS)
+def each_chain_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test here holds for each way the chain is computed (pure Python, C)."""
+    with chain_path(request.param) as name:
+        yield name
+
 
 # ---------------------------------------------------------------------------
 # 1. Fixed vectors, derived from the specification (see the module docstring).

@@ -19,6 +19,7 @@ LoRA "sql", salt "tenant-a": the same over Megatron-Core's salted start
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import pytest
 
@@ -30,8 +31,16 @@ from registry.core.hashing import (
     chain_root,
     request_chain_keys,
 )
+from tests.support.chains import CHAIN_PATHS, chain_path
 
 TOKENS = list(range(64))
+
+
+@pytest.fixture(autouse=True, scope="module", params=CHAIN_PATHS)
+def each_chain_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test here holds for each way the chain is computed (pure Python, C)."""
+    with chain_path(request.param) as name:
+        yield name
 
 
 def test_fixed_vectors() -> None:
