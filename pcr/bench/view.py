@@ -42,7 +42,7 @@ from registry.core.errors import RegistryUnavailable
 from registry.fleet.view import FleetView
 from registry.routing.plan import least_loaded
 from registry.routing.routing import PrefixRouter
-from registry.transport import scripts
+from registry.transport import lua
 
 SYSTEM_PROMPTS = 8
 SYSTEM_BLOCKS = 128
@@ -487,17 +487,17 @@ def _owner_write_cost(client: Any, rng: random.Random, quick: bool) -> dict[str,
 def _change_records(on: bool) -> Iterator[None]:
     """The write scripts as shipped (``on``), or with their change records left out (the
     prelude's ``record_changes`` and ``add_part`` returning at once): what the fleet view
-    costs a write, measured side by side. Scripts are sent by their SHA, so the two
-    variants live side by side in Redis; the caches of sources and SHAs are cleared at
-    each switch."""
+    costs a write, measured side by side. Scripts are sent by their SHA (and a Functions
+    library is named by its hash), so the two variants live side by side in Redis; the
+    caches of sources, SHAs and the library are cleared at each switch."""
     if on:
         yield
         return
-    read = scripts.read_script
+    read = lua.read_script
 
     def without(name: str) -> str:
         text = read(name)
-        if name != scripts.PRELUDE:
+        if name != lua.PRELUDE:
             return text
         for head in (
             "local function record_changes(meta_key, parts)\n",
@@ -507,15 +507,13 @@ def _change_records(on: bool) -> Iterator[None]:
             text = text.replace(head, head + "  do return end\n", 1)
         return text
 
-    scripts.script_source.cache_clear()
-    scripts.script_sha.cache_clear()
-    scripts.read_script = without
+    lua.clear_caches()
+    lua.read_script = without
     try:
         yield
     finally:
-        scripts.read_script = read
-        scripts.script_source.cache_clear()
-        scripts.script_sha.cache_clear()
+        lua.read_script = read
+        lua.clear_caches()
 
 
 def format_redis(row: dict[str, Any]) -> list[str]:

@@ -4,9 +4,9 @@ On a standalone redis-py client the batch goes on one pooled connection, packed 
 hiredis, written at once and its replies read: several times less client time per
 write than a redis-py pipeline, and one write and one read keep the flusher from taking
 the engine's interpreter lock more often than it must. Anything else (a cluster,
-fakeredis) goes through ``run_batched``. A NOSCRIPT goes through the one runner's reload
-(``ScriptRunner.reloading``): the whole batch is sent again, its request ids making the
-re-sent copies no-ops.
+fakeredis) goes through ``run_batched``. A NOSCRIPT, or a Functions library gone
+missing, goes through the one runner's rule (``ScriptRunner.reloading``): the whole batch
+is sent again, its request ids making the re-sent copies no-ops.
 """
 
 from __future__ import annotations
@@ -60,10 +60,11 @@ class MirrorWire:
             pool.release(connection)
 
     def run(self, commands: Sequence[Routed]) -> list[Any]:
-        """``send(commands)``, sent again after loading the scripts on a NOSCRIPT; a
-        Redis fault raised as the registry error it maps to."""
+        """``send(commands)`` (as the FCALLs of the same functions while Redis holds the
+        registry's Functions library), sent again after loading the scripts on a
+        NOSCRIPT; a Redis fault raised as the registry error it maps to."""
         try:
-            return self.runner.reloading(lambda: self.send(commands))
+            return self.runner.reloading(commands, self.send)
         except REDIS_ERRORS as exc:
             error = translate(exc, f"namespace {self.namespace!r}: mirror flush", write=True)
             raise (error or exc) from exc

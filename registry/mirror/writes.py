@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Any, NamedTuple
 
 from registry.namespace.redis_registry import PrefixCacheRegistry
-from registry.transport.scripts import script_sha
+from registry.transport.lua import script_sha
 
 CALL_WRITES = 100
 CALL_VALUES = 2_000

@@ -1,29 +1,22 @@
-"""The one script runner, and the Lua scripts shipped in ``registry/lua``.
+"""The one script runner.
 
-Each write, membership and routing operation has one ``.lua`` file named after the
-Python method that calls it (reads of one key are plain HMGET/HGET and need none);
-``_prelude.lua`` (shared constants and helpers) is put in front of every body, so
-each loaded script is still one self-contained, atomic unit on the server.
-
-:class:`ScriptRunner` is the only way the project executes a script: EVALSHA of the
-locally computed SHA1, SCRIPT LOAD and a retry on NOSCRIPT (a restart, a failover,
-``SCRIPT FLUSH``; at most ``RELOAD_ROUNDS`` times), pipelines included, and every Redis
-fault translated once through ``registry.core.errors.translate``.
-:class:`AsyncScriptRunner` is its twin on ``redis.asyncio``: the NOSCRIPT rule
-(``needs_reload``, a load and a retry per NOSCRIPT in ``with_reload`` /
-``with_reload_async``), the errors and the batches are shared, only the round trips are
-awaited.
+:class:`ScriptRunner` is the only way the project executes a script, pipelines included,
+with every Redis fault translated once through ``registry.core.errors.translate``. It
+sends FCALL of the operation's function when the server holds this client's Redis
+Functions library (``pcr setup``; the rule, ``registry.transport.functions``), else
+EVALSHA of the script's locally computed SHA1, with SCRIPT LOAD and a retry on NOSCRIPT
+(a restart, a failover, ``SCRIPT FLUSH``; at most ``RELOAD_ROUNDS`` times). The scripts
+themselves, and the library built from them: ``registry.transport.lua``.
+:class:`AsyncScriptRunner` is its twin on ``redis.asyncio``: the route rule
+(``RouteChoice``), the NOSCRIPT rule (``needs_reload``, a load and a retry per NOSCRIPT in
+``with_reload`` / ``with_reload_async``), the errors and the batches are shared, only the
+round trips are awaited.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from functools import cache
-from importlib import resources
-from importlib.resources.abc import Traversable
-from pathlib import Path
 from typing import Any, TypeVar
 
 from redis.exceptions import (
@@ -32,6 +25,7 @@ from redis.exceptions import (
     MaxConnectionsError,
     MovedError,
     NoScriptError,
+    RedisClusterException,
     ResponseError,
     TryAgainError,
 )
@@ -48,6 +42,20 @@ from registry.core.errors import (
     StaleEpochError,
     translate,
 )
+from registry.transport.functions import (
+    Route,
+    RouteChoice,
+    as_function_call,
+    function_missing,
+    probe_command,
+)
+from registry.transport.lua import (
+    OPERATIONS,
+    function_name,
+    function_verb,
+    script_sha,
+    script_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,68 +67,21 @@ try:
 except ImportError:  # pragma: no cover - without hiredis redis-py packs
     _hiredis_pack = None
 
-OPERATIONS = (
-    "register_kv",
-    "evict_kv",
-    "register_mamba",
-    "evict_mamba",
-    "clear_kv",
-    "clear_mamba",
-    "reset",
-    "claim",
-    "renew",
-    "announce",
-    "live_nodes",
-    "gc_namespace",
-    "forget_node",
-    "score",
-    "bridge_apply",
-    "bridge_resume",
-    "mirror_resync",
-    "mirror_apply",
-    "fleet_snapshot",
-    "gateway_load",
-)
-
-PRELUDE = "_prelude"
 STALE_EPOCH = "STALE_EPOCH"
 NAMESPACE_MIRRORED = "NAMESPACE_MIRRORED"
 
 
-@cache
-def lua_folder() -> Traversable:
-    """``registry/lua`` in an installed wheel; the top-level ``lua/`` in a source tree."""
-    shipped = resources.files("registry").joinpath("lua")
-    if shipped.is_dir():
-        return shipped
-    source = Path(__file__).resolve().parents[2] / "lua"
-    if source.is_dir():
-        return source
-    raise FileNotFoundError("the registry's Lua scripts are missing: neither registry/lua nor lua/")
-
-
-def read_script(name: str) -> str:
-    """The text of one file of the Lua folder (``name`` without ``.lua``)."""
-    return lua_folder().joinpath(f"{name}.lua").read_text(encoding="utf-8")
-
-
-@cache
-def script_source(operation: str) -> str:
-    """The full source sent to Redis for ``operation``: prelude, then the body."""
-    if operation not in OPERATIONS:
-        raise ValueError(f"unknown operation {operation!r}; known: {', '.join(OPERATIONS)}")
-    return f"{read_script(PRELUDE)}\n{read_script(operation)}"
-
-
-@cache
-def script_sha(operation: str) -> str:
-    """The SHA1 Redis knows ``operation``'s script by (computed here, no round trip)."""
-    return hashlib.sha1(script_source(operation).encode("utf-8")).hexdigest()
+Routed = tuple[Any, tuple[Any, ...]]
+"""A command and the key that routes it to its Redis node (``run_batched``'s pairs)."""
 
 
 class ScriptRunner:
     """Runs the project's scripts on one redis-py style client (thread-safe: it holds
-    nothing that changes but what the client holds).
+    nothing that changes but what the client holds, and which way its calls go).
+
+    Calls go by FCALL while the server holds this client's Functions library, else by
+    EVALSHA (``registry.transport.functions``: decided by the first call's replies,
+    without a round trip of its own).
 
     ``wait_replicas`` (0: off): each write (``run(write=True)``) is followed, on the same
     connection and in the same round trip, by ``WAIT wait_replicas wait_timeout``, and
@@ -136,14 +97,55 @@ class ScriptRunner:
         self.wait_replicas = wait_replicas
         self.wait_timeout = wait_timeout
         self._wait = ("WAIT", wait_replicas, max(1, round(wait_timeout * 1000)))
+        self._choice = RouteChoice(client)
+
+    @property
+    def route(self) -> Route | None:
+        """How calls go now: ``Route.FUNCTIONS``, ``Route.SCRIPTS``, or None before the
+        first call told."""
+        return self._choice.route
 
     def load(self, operations: Iterable[str] = OPERATIONS) -> None:
-        """SCRIPT LOAD the scripts now, so the first calls need no NOSCRIPT retry."""
+        """Make the first calls need no retry: nothing to do when the server holds the
+        library (one FCALL of its version function tells), else SCRIPT LOAD the
+        scripts."""
         try:
+            if self._choice.route is not Route.SCRIPTS and self._offered():
+                return
             for operation in operations:
-                self.client.script_load(script_source(operation))
+                self._load_script(operation)
         except REDIS_ERRORS as exc:
             raise _translated(exc, "loading the scripts", write=False) from exc
+
+    def _offered(self) -> bool:
+        """Whether the server offers this client's library (the probe decides the route)."""
+        try:
+            reply = self.client.execute_command(*probe_command())
+        except ResponseError as exc:
+            reply = exc
+        if isinstance(reply, Exception) and not function_missing(reply):
+            raise reply
+        return self._choice.after_functions([reply])
+
+    def _load_script(self, operation: str) -> None:
+        """SCRIPT LOAD ``operation``; a user that may not gets the library's hint."""
+        try:
+            self.client.script_load(script_source(operation))
+        except ResponseError as exc:
+            (reply,) = self._choice.after_scripts([exc])
+            raise reply from exc
+
+    def _dispatch(
+        self, send: Callable[[Route], list[Any]], load: Callable[[], object]
+    ) -> list[Any]:
+        """``send(route)``'s replies: by FCALL first unless this runner goes by EVALSHA;
+        by EVALSHA, with NOSCRIPT reloads, when a function is missing."""
+        choice = self._choice
+        if choice.first() is Route.FUNCTIONS:
+            replies = send(Route.FUNCTIONS)
+            if choice.after_functions(replies):
+                return replies
+        return choice.after_scripts(with_reload(lambda: send(Route.SCRIPTS), load))
 
     def run(
         self,
@@ -156,7 +158,7 @@ class ScriptRunner:
         namespace: str | None = None,
         epoch: int | None = None,
     ) -> Any:
-        """EVALSHA ``operation`` with ``keys`` and ``args``; its reply, or a registry error.
+        """Run ``operation`` with ``keys`` and ``args``; its reply, or a registry error.
 
         ``context`` names what is being done in error messages (``namespace`` gives
         "namespace 'NS'"); ``epoch`` is the caller's owner epoch, named in a
@@ -191,11 +193,11 @@ class ScriptRunner:
     ) -> Any:
         durable = write and self.wait_replicas > 0
         try:  # a plain try: this is every write's path
-            replies = with_reload(
-                (lambda: self._send_durably(operation, keys, args))
+            replies = self._dispatch(
+                (lambda route: self._send_durably(route, operation, keys, args))
                 if durable
-                else (lambda: [self._send(operation, keys, args)]),
-                lambda: self.client.script_load(script_source(operation)),
+                else (lambda route: [self._send(route, operation, keys, args)]),
+                lambda: self._load_script(operation),
             )
             reply = replies[0]
             if isinstance(reply, Exception):
@@ -210,14 +212,16 @@ class ScriptRunner:
             )
         return reply
 
-    def _send_durably(self, operation: str, keys: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        """EVALSHA ``operation`` and ``WAIT`` on one connection, in one round trip (WAIT
+    def _send_durably(
+        self, route: Route, operation: str, keys: Sequence[Any], args: Sequence[Any]
+    ) -> list[Any]:
+        """Run ``operation`` and ``WAIT`` on one connection, in one round trip (WAIT
         counts the replicas that have every write of its own connection): on a
         standalone server or Sentinel's master its pooled connection, on a cluster the
         connection to the primary serving the keys. Both replies; a lost connection
         raises (the write's outcome and replication are then unknown: a copy re-sent on
         another connection would prove nothing)."""
-        command = ("EVALSHA", script_sha(operation), len(keys), *keys, *args)
+        command = script_command(route, operation, keys, args)
         # Every write script records its reply under its request id, so it always
         # replicates and WAIT covers everything it saw, even when it changed nothing.
         if self._direct:
@@ -261,9 +265,10 @@ class ScriptRunner:
                 outcome_unknown=True,
             )
 
-    def _send(self, operation: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """One EVALSHA of ``operation``: its reply, an error reply as its exception
-        (NOSCRIPT included, for ``with_reload``); a lost connection raises."""
+    def _send(self, route: Route, operation: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """One call of ``operation``: its reply, an error reply as its exception (NOSCRIPT
+        and a missing function included, for ``_dispatch``); a lost connection raises."""
+        command = script_command(route, operation, keys, args)
         if keys or self._direct:
             # One write and one read of a pooled connection (on a cluster, of the
             # primary serving the keys), packed by hiredis: redis-py's own packing and
@@ -271,7 +276,6 @@ class ScriptRunner:
             # dozen pairs. None on a lost connection, a timeout or a redirection:
             # redis-py's path below then retries and follows it (writes are
             # exactly-once by their request ids).
-            command = ("EVALSHA", script_sha(operation), len(keys), *keys, *args)
             if self._direct:
                 replies = run_on_one_connection(self.client, ((None, command),))
             else:
@@ -279,8 +283,10 @@ class ScriptRunner:
             if replies is not None:
                 return replies[0]
         try:
-            return self.client.evalsha(script_sha(operation), len(keys), *keys, *args)
-        except NoScriptError as exc:
+            if route is Route.SCRIPTS:
+                return self.client.evalsha(*command[1:])
+            return self.client.execute_command(*command)
+        except ResponseError as exc:
             return exc
 
     def run_many(
@@ -292,7 +298,8 @@ class ScriptRunner:
         write: bool = False,
     ) -> list[Any]:
         """Run ``operation`` once per (keys, args) in one pipeline (one round trip per
-        Redis node); the replies in order. A NOSCRIPT reloads and runs the batch again."""
+        Redis node); the replies in order. A NOSCRIPT reloads and runs the batch again,
+        and so does a missing function (by EVALSHA)."""
         if not calls:
             return []
         observer = observe.current
@@ -309,10 +316,13 @@ class ScriptRunner:
         context: str,
         write: bool,
     ) -> list[Any]:
+        def routed(route: Route) -> list[Routed]:
+            return [(keys[0], script_command(route, operation, keys, args)) for keys, args in calls]
+
         try:
-            replies = with_reload(
-                lambda: self._pipeline(operation, calls),
-                lambda: self.client.script_load(script_source(operation)),
+            replies = self._dispatch(
+                lambda route: run_batched(self.client, routed(route)),
+                lambda: self._load_script(operation),
             )
         except REDIS_ERRORS as exc:
             raise script_error(exc, operation, context, write, None, None) from exc
@@ -321,21 +331,36 @@ class ScriptRunner:
                 raise script_error(reply, operation, context, write, None, None) from reply
         return replies
 
-    def _pipeline(
-        self, operation: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]
+    def reloading(
+        self, commands: Sequence[Routed], send: Callable[[Sequence[Routed]], list[Any]]
     ) -> list[Any]:
-        sha = script_sha(operation)
-        return run_batched(
-            self.client,
-            [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls],
-        )
+        """The replies of ``send(commands)``, a batch of EVALSHA commands its caller built
+        and sends its own way (the mirror's flusher), sent as the FCALLs of the same
+        functions while the server holds the library. When one meets NOSCRIPT every
+        script is loaded and the whole batch sent again (``with_reload``), and when one
+        meets a missing function the whole batch goes again by EVALSHA, so each command
+        must tolerate a re-sent copy (a write's request id makes it a no-op). Redis
+        faults propagate."""
+        as_functions: list[Routed] = []
 
-    def reloading(self, send: Callable[[], list[Any]]) -> list[Any]:
-        """The replies of ``send()``, a batch of EVALSHA commands its caller built and
-        sends its own way (the mirror's flusher); when one is NOSCRIPT, every script is
-        loaded and the whole batch sent again (``with_reload``), so each command must tolerate a
-        re-sent copy (a write's request id makes it a no-op). Redis faults propagate."""
-        return with_reload(send, self.load)
+        def by(route: Route) -> list[Any]:
+            if route is Route.SCRIPTS:
+                return send(commands)
+            if not as_functions:
+                as_functions.extend((key, as_function_call(command)) for key, command in commands)
+            return send(as_functions)
+
+        return self._dispatch(by, self.load)
+
+
+def script_command(
+    route: Route, operation: str, keys: Sequence[Any], args: Sequence[Any]
+) -> tuple[Any, ...]:
+    """The command that runs ``operation`` by ``route``: ``FCALL``/``FCALL_RO`` of its
+    function, or ``EVALSHA`` of its script."""
+    if route is Route.FUNCTIONS:
+        return (function_verb(operation), function_name(operation), len(keys), *keys, *args)
+    return ("EVALSHA", script_sha(operation), len(keys), *keys, *args)
 
 
 def script_error(
@@ -616,28 +641,61 @@ def run_per_node(client: Any, routed: Sequence[tuple[Any, tuple[Any, ...]]]) -> 
 
 class AsyncScriptRunner:
     """``ScriptRunner`` on a ``redis.asyncio`` client (standalone or cluster), for the
-    asyncio router: EVALSHA by the same SHA, the same NOSCRIPT rule (``needs_reload``),
-    the same errors and the same published operations; only the round trips are
-    awaited. Use it from the event loop its client belongs to."""
+    asyncio router: FCALL while the server holds the library, else EVALSHA by the same
+    SHA, by the same rules (``RouteChoice``, ``needs_reload``), with the same errors and
+    the same published operations; only the round trips are awaited. Use it from the
+    event loop its client belongs to."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
+        self._choice = RouteChoice(client)
+
+    @property
+    def route(self) -> Route | None:
+        """How calls go now (``ScriptRunner.route``)."""
+        return self._choice.route
 
     async def load(self, operations: Iterable[str] = OPERATIONS, *, context: str = "") -> None:
-        """SCRIPT LOAD ``operations`` now, so the first calls need no NOSCRIPT retry."""
+        """Make the first calls need no retry: nothing when the server holds the library,
+        else SCRIPT LOAD ``operations``."""
         try:
+            if self._choice.route is not Route.SCRIPTS and await self._offered():
+                return
             for operation in operations:
-                await self.client.script_load(script_source(operation))
+                await self._load_one(operation)
         except REDIS_ERRORS as exc:
             raise _translated(exc, context or "loading the scripts", write=False) from exc
 
     async def loaded(self, operations: Iterable[str], *, context: str = "") -> bool:
-        """Whether the server holds every one of ``operations`` (SCRIPT EXISTS)."""
+        """Whether the server holds this client's library, or else every one of
+        ``operations`` as a script (SCRIPT EXISTS)."""
         try:
+            if self._choice.route is not Route.SCRIPTS and await self._offered():
+                return True
             found = await self.client.script_exists(*map(script_sha, operations))
         except REDIS_ERRORS as exc:
             raise _translated(exc, context or "checking the scripts", write=False) from exc
         return all(bool(f) for f in found)
+
+    async def _offered(self) -> bool:
+        try:
+            reply = await self.client.execute_command(*probe_command())
+        except ResponseError as exc:
+            reply = exc
+        if isinstance(reply, Exception) and not function_missing(reply):
+            raise reply
+        return self._choice.after_functions([reply])
+
+    async def _dispatch(
+        self, send: Callable[[Route], Awaitable[list[Any]]], load: Callable[[], Awaitable[object]]
+    ) -> list[Any]:
+        """``ScriptRunner._dispatch``, awaited."""
+        choice = self._choice
+        if choice.first() is Route.FUNCTIONS:
+            replies = await send(Route.FUNCTIONS)
+            if choice.after_functions(replies):
+                return replies
+        return choice.after_scripts(await with_reload_async(lambda: send(Route.SCRIPTS), load))
 
     async def run(
         self,
@@ -648,21 +706,22 @@ class AsyncScriptRunner:
         context: str = "",
         write: bool = True,
     ) -> Any:
-        """``ScriptRunner.run``, awaited: EVALSHA ``operation``; its reply, or a registry
-        error naming ``context``."""
+        """``ScriptRunner.run``, awaited: ``operation``'s reply, or a registry error
+        naming ``context``."""
         return await _counted(operation, self._run, operation, keys, args, context, write)
 
     async def _run(
         self, operation: str, keys: Sequence[Any], args: Sequence[Any], context: str, write: bool
     ) -> Any:
-        async def send() -> list[Any]:
+        async def send(route: Route) -> list[Any]:
+            command = script_command(route, operation, keys, args)
             try:
-                return [await self.client.evalsha(script_sha(operation), len(keys), *keys, *args)]
-            except NoScriptError as exc:
+                return [await execute_routed_async(self.client, keys[0] if keys else None, command)]
+            except ResponseError as exc:
                 return [exc]
 
         try:
-            (reply,) = await with_reload_async(send, lambda: self._load_one(operation))
+            (reply,) = await self._dispatch(send, lambda: self._load_one(operation))
             if isinstance(reply, Exception):
                 raise reply
             return reply
@@ -679,7 +738,7 @@ class AsyncScriptRunner:
     ) -> list[Any]:
         """``ScriptRunner.run_many``, awaited: one pipeline of ``operation`` calls (one
         round trip per Redis node), the replies in order; a NOSCRIPT reloads and runs the
-        batch again."""
+        batch again, and a missing function sends it again by EVALSHA."""
         if not calls:
             return []
         return await _counted(operation, self._run_many, operation, calls, context, write)
@@ -691,11 +750,13 @@ class AsyncScriptRunner:
         context: str,
         write: bool,
     ) -> list[Any]:
-        sha = script_sha(operation)
-        routed = [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls]
+        def routed(route: Route) -> list[Routed]:
+            return [(keys[0], script_command(route, operation, keys, args)) for keys, args in calls]
+
         try:
-            replies = await with_reload_async(
-                lambda: run_batched_async(self.client, routed), lambda: self._load_one(operation)
+            replies = await self._dispatch(
+                lambda route: run_batched_async(self.client, routed(route)),
+                lambda: self._load_one(operation),
             )
         except REDIS_ERRORS as exc:
             raise script_error(exc, operation, context, write, None, None) from exc
@@ -705,7 +766,38 @@ class AsyncScriptRunner:
         return replies
 
     async def _load_one(self, operation: str) -> None:
-        await self.client.script_load(script_source(operation))
+        try:
+            await self.client.script_load(script_source(operation))
+        except ResponseError as exc:
+            (reply,) = self._choice.after_scripts([exc])
+            raise reply from exc
+
+
+async def execute_routed_async(client: Any, key: Any, command: tuple[Any, ...]) -> Any:
+    """``command`` on ``client``; on a cluster an FCALL goes to the primary of ``key``'s
+    slot as redis-py finds it for EVALSHA, by the slot map, without asking a node which
+    of its arguments are keys (``COMMAND GETKEYS``: one round trip more per call). A
+    redirection or a lost connection sends it again through redis-py's own routing,
+    which follows them (every script call tolerates a re-sent copy)."""
+    if key is None or not is_cluster(client) or command[0] == "EVALSHA":
+        return await client.execute_command(*command)
+    node = await slot_primary_async(client, key)
+    if node is not None:
+        try:
+            return await client.execute_command(*command, target_nodes=node)
+        except (*REDIRECTED, RedisConnectionError, RedisTimeoutError):
+            pass
+    return await client.execute_command(*command)
+
+
+async def slot_primary_async(client: Any, key: Any) -> Any | None:
+    """The primary serving ``key``'s slot by an asyncio cluster client's slot map (read
+    first when the client has not connected yet), or None when the map does not say."""
+    try:
+        await client.initialize()  # at once when it already has
+        return client.get_node_from_key(key)
+    except (RedisClusterException, *REDIRECTED, RedisConnectionError, RedisTimeoutError):
+        return None
 
 
 async def run_batched_async(
@@ -714,13 +806,22 @@ async def run_batched_async(
     """``run_batched`` for ``redis.asyncio``: on a standalone server one write and one
     read of one pooled connection (``run_on_one_connection_async``), else (a cluster, a
     lost connection) redis-py's pipeline, whose async cluster flavour sends each primary
-    its share at the same time. Error replies come back as exception objects, in order."""
+    its share at the same time (an FCALL to the primary of its key's slot by the slot
+    map, as EVALSHA goes: ``execute_routed_async``; a redirected one is sent again by
+    redis-py's routing). Error replies come back as exception objects, in order."""
     direct = await run_on_one_connection_async(client, routed)
     if direct is not None:
         return direct
+    cluster = is_cluster(client)
     pipe = client.pipeline(transaction=False)
-    for _key, command in routed:
-        pipe.execute_command(*command)
+    for key, command in routed:
+        node = None
+        if cluster and command[0] != "EVALSHA":
+            node = await slot_primary_async(client, key)
+        if node is not None:
+            pipe.execute_command(*command, target_nodes=node)
+        else:
+            pipe.execute_command(*command)
     replies: list[Any] = await pipe.execute(raise_on_error=False)
     return replies
 

@@ -2,9 +2,12 @@
 its own namespace (keys ``pcr:{NS}:*`` and channel ``pcr:{NS}:mamba-evicted``) plus the
 shared node index ``pcr:nodes``, with exactly the commands a serving node sends.
 
-Redis checks every command a Lua script calls against the ACL of the user that called the
-script, so the grant lists the commands the scripts call (their ``Calls:`` headers) as well
-as those the Python side sends itself. What the tests establish:
+The module's server holds the registry's Redis Functions library, loaded by ``pcr setup``
+as its admin: every recipe grants ``+fcall`` (``+fcall_ro`` for reads) and no ``EVAL``,
+``EVALSHA`` or ``SCRIPT``, so no user can run Lua of its own. Redis checks every command a
+function calls against the ACL of the user that called it, so the grant lists the
+commands the scripts call (their ``Calls:`` headers) as well as those the Python side
+sends itself. What the tests establish:
 
 * node-a's user runs everything a serving node does (claim, renew, every registry call,
   ``live_nodes``, an ``EvictionListener`` freeing a slot of its ``MambaSlotPool``), no
@@ -13,14 +16,20 @@ as those the Python side sends itself. What the tests establish:
   command checks; ``CLIENT SETINFO`` and ``CLIENT MAINT_NOTIFICATIONS`` fail harmlessly);
 * ``PING`` is needed as soon as a client has ``health_check_interval`` set;
 * node-a cannot read, write, evict, publish to or subscribe to node-b's data, not even
-  through a script (a key or channel a script touches is checked like a direct command,
-  declared in KEYS or not), and node-b's keys stay byte-for-byte the same;
+  through a function (a key or channel a function touches is checked like a direct
+  command), cannot run Lua of its own (EVAL, EVALSHA, SCRIPT LOAD, FUNCTION LOAD are
+  refused), and node-b's keys stay byte-for-byte the same;
+* without the library (no ``pcr setup``) a user granted ``+evalsha +script|load`` runs
+  the same scripts by EVALSHA, and a user granted ``+fcall`` only is told to run
+  ``pcr setup`` and works once it has run;
 * the shared node index is not isolated: node-a can rewrite node-b's lease entry there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import re
 import shlex
 import time
@@ -40,7 +49,7 @@ from registry import (
     live_nodes,
 )
 from registry.core.keys import node_index_key
-from registry.transport.scripts import script_source
+from registry.transport.lua import function_name, library_name
 from tests.support import REPO_ROOT
 from tests.support.servers import HOST, RedisServer, require_redis_server
 
@@ -50,15 +59,15 @@ PREFIX = "pcr"
 NODE_INDEX = node_index_key(PREFIX)  # "pcr:nodes"
 PASSWORDS = {"node-a": "node-a-Pw-5Qx", "node-b": "node-b-Pw-8Kd"}
 
-# What a serving node sends. Top level, from the Python side: EVALSHA (every write),
-# SCRIPT LOAD (after NOSCRIPT), HMGET and HGET (reads), XREVRANGE (notice replay),
-# SUBSCRIBE (the eviction listener), PING (redis-py's health check). Inside the scripts
-# (lua/*.lua, "Calls:"): GET and SET (request ids), TIME, HGET, HMGET, HSET, HDEL,
-# HINCRBY, EXISTS, UNLINK, XADD, PUBLISH, and on the node index ZSCORE, ZREM, ZADD
-# (announce) and ZRANGEBYSCORE (live_nodes). Not a node's: HEXISTS (score.lua, routers).
+# What a serving node sends. Top level, from the Python side: FCALL (every write and
+# live_nodes, functions of the library `pcr setup` loaded), HMGET and HGET (reads),
+# XREVRANGE (notice replay), SUBSCRIBE (the eviction listener), PING (redis-py's health
+# check). Inside the functions (lua/*.lua, "Calls:"): GET and SET (request ids), TIME,
+# HGET, HMGET, HSET, HDEL, HINCRBY, EXISTS, UNLINK, XADD, PUBLISH, and on the node index
+# ZSCORE, ZREM, ZADD (announce) and ZRANGEBYSCORE (live_nodes). Not a node's: HEXISTS
+# (score.lua, routers) and FCALL_RO (score and fleet_snapshot, read-only functions).
 NODE_COMMANDS = (
-    "evalsha",
-    "script|load",
+    "fcall",
     "hget",
     "hmget",
     "xrevrange",
@@ -91,18 +100,29 @@ B1, B2, B3 = 2_000_001, 2_000_002, 2_000_003
 
 
 RECIPES = REPO_ROOT / "docs" / "acl"  # one file per role, in aclfile form (the guide shows them)
-ROLES = ("node", "router", "bridge", "gc")
-ROLE_PASSWORDS = {"router": "router-Pw-3Tz", "bridge": "bridge-Pw-7Lm", "gc": "gc-Pw-2Vw"}
+ROLES = ("node", "router", "bridge", "gc", "gateway")
+ROLE_PASSWORDS = {
+    "router": "router-Pw-3Tz",
+    "bridge": "bridge-Pw-7Lm",
+    "gc": "gc-Pw-2Vw",
+    "gateway": "gateway-Pw-4Hs",
+}
 ALL_PASSWORDS = {**PASSWORDS, **ROLE_PASSWORDS}
 
 
 def recipe(role: str) -> tuple[str, list[str]]:
     """The user name and ``ACL SETUSER`` rules of ``docs/acl/<role>.acl`` (one ``user``
-    line, the password written ``>PASSWORD``)."""
+    line, the password written ``>PASSWORD``; a selector ``(...)`` kept as one rule)."""
     lines = (RECIPES / f"{role}.acl").read_text().splitlines()
     assert len(lines) == 1, f"{role}.acl: one user line"
-    keyword, user, *rules = lines[0].split()
+    keyword, user, *words = lines[0].split()
     assert keyword == "user"
+    rules: list[str] = []
+    for word in words:
+        if rules and rules[-1].startswith("(") and not rules[-1].endswith(")"):
+            rules[-1] += " " + word
+        else:
+            rules.append(word)
     assert rules.count(">PASSWORD") == 1, f"{role}.acl: the password is written >PASSWORD"
     return user, rules
 
@@ -199,21 +219,41 @@ def next_message(pubsub: Any, timeout: float = 5.0) -> dict[str, Any]:
 # -- fixtures ---------------------------------------------------------------------------
 
 
+def add_users(server: RedisServer) -> None:
+    """The users node-a and node-b and one user of each other role, from ``docs/acl``."""
+    admin = server.client()
+    try:
+        for user in PASSWORDS:
+            assert command(admin, "ACL", "SETUSER", user, *acl_rules(user)) in OK
+        for role in ROLES[1:]:
+            user, rules = role_rules(role)
+            assert command(admin, "ACL", "SETUSER", user, *rules) in OK
+    finally:
+        admin.close()
+
+
+def pcr_setup(server: RedisServer, *options: str) -> tuple[int, str, str]:
+    """``pcr setup --redis-url`` (the admin's URL) in this process: status, out, err."""
+    from pcr.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["setup", "--redis-url", server.url, *options])
+    return code, out.getvalue(), err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[RedisServer]:
     """A redis-server of this module's own, with the users node-a and node-b and one
-    user of each other role (router, bridge, gc), all from ``docs/acl``."""
+    user of each other role (router, bridge, gc, gateway), all from ``docs/acl``, and the
+    registry's Functions library, loaded by ``pcr setup``."""
     require_redis_server()
     with RedisServer() as started:
-        admin = started.client()
-        try:
-            for user in PASSWORDS:
-                assert command(admin, "ACL", "SETUSER", user, *acl_rules(user)) in OK
-            for role in ROLES[1:]:
-                user, rules = role_rules(role)
-                assert command(admin, "ACL", "SETUSER", user, *rules) in OK
-        finally:
-            admin.close()
+        add_users(started)
+        code, out, err = pcr_setup(started)
+        assert (code, err) == (0, ""), err
+        where = f"Redis at {HOST}:{started.port}"
+        assert out == f"loaded Redis Functions library {library_name()} on {where}\n"
         yield started
 
 
@@ -258,7 +298,12 @@ def test_the_users_hold_exactly_the_recipe(admin: redis.Redis) -> None:
         granted = text(info["commands"]).split()
         assert granted[0] == "-@all"
         assert sorted(granted[1:]) == sorted(f"+{c}" for c in NODE_COMMANDS)
-        assert info["selectors"] == []
+        # The one selector: its own keys and its entry quota, for the functions that add
+        # entries (they read the quota; tests/system/test_quota.py), as a whole.
+        (selector,) = info["selectors"]
+        fields = {text(k): text(v) for k, v in selector.items()}
+        assert fields["keys"] == f"~{PREFIX}:{{{user}}}:* ~{PREFIX}:quota:{{{user}}}"
+        assert sorted(fields["commands"].split()) == ["+fcall", "+get", "+hlen", "-@all"]
 
 
 @pytest.mark.parametrize("protocol", [2, 3])
@@ -286,10 +331,9 @@ def test_connecting_needs_no_grant(admin: redis.Redis, connect: Connect, protoco
 
 
 def test_node_a_can_do_everything_a_serving_node_does(admin: redis.Redis, connect: Connect) -> None:
-    # Whatever ran before: claim() must add node-a to the index (ZADD), and every script
-    # must be loaded by node-a itself (NOSCRIPT, then SCRIPT LOAD).
+    # Whatever ran before: claim() must add node-a to the index (ZADD). Every script runs
+    # as a function of the library pcr setup loaded (FCALL), none by EVALSHA.
     admin.zrem(NODE_INDEX, "node-a")
-    admin.script_flush()
     admin.config_resetstat()
     registry = connect("node-a")
     freed: list[list[int]] = []
@@ -489,10 +533,9 @@ def test_node_a_cannot_reach_node_b(admin: redis.Redis, connect: Connect) -> Non
         finally:
             eavesdropper.close()
 
-        # A script run on node-a's own keys but told to publish on node-b's channel: the
-        # PUBLISH inside the script is checked against node-a's ACL and refused. Redis
-        # does not roll a script back, so node-a's own writes before it stay.
-        sha = client.script_load(script_source("evict_mamba"))
+        # A function run on node-a's own keys but told to publish on node-b's channel:
+        # the PUBLISH inside it is checked against node-a's ACL and refused. Redis does
+        # not roll a function back, so node-a's own writes before it stay.
         own_keys = (
             node_a.keys.reply_prefix + "f0-1",
             node_a.keys.mamba,
@@ -503,19 +546,16 @@ def test_node_a_cannot_reach_node_b(admin: redis.Redis, connect: Connect) -> Non
         forged = (str(node_a.epoch), "f0-1", 30_000, channel, 100, A1)
         seq = node_a.notice_sequence()
         with pytest.raises(ResponseError) as refused:
-            client.evalsha(sha, len(own_keys), *own_keys, *forged)
+            command(
+                client, "FCALL", function_name("evict_mamba"), len(own_keys), *own_keys, *forged
+            )
         assert refused_in_script(refused.value)
         assert "publish to the channel" in str(refused.value)
         assert node_a.mamba_block_ids([A1]) == [None]  # HDEL ran before the PUBLISH
         assert node_a.notice_sequence() == seq + 1  # numbered, streamed, never published
 
-        # node-a may SCRIPT LOAD any code, but what it calls is checked all the same,
-        # including keys a script names without declaring them in KEYS.
-        sneaky = client.script_load("return redis.call('HGET', ARGV[1], 'epoch')")
-        with pytest.raises(ResponseError) as refused:
-            client.evalsha(sneaky, 0, node_b.keys.meta)
-        assert refused_in_script(refused.value)
-        assert "access at least one of the keys" in str(refused.value)
+        # No Lua of node-a's own runs: scripts and libraries are an admin's to load.
+        assert_admin_only_refused(client)
 
         time.sleep(0.1)
         assert watcher.get_message(timeout=0.1) is None  # node-b heard nothing
@@ -533,8 +573,8 @@ def test_node_a_cannot_reach_node_b(admin: redis.Redis, connect: Connect) -> Non
     assert ("key", "toplevel", node_b.keys.meta) in seen
     assert ("key", "toplevel", node_b.keys.kv) in seen  # HMGET of node-b's map
     assert ("channel", "toplevel", channel) in seen  # PUBLISH and SUBSCRIBE
-    assert ("channel", "lua", channel) in seen  # the PUBLISH inside the script
-    assert ("key", "lua", node_b.keys.meta) in seen  # the undeclared key inside the script
+    assert ("channel", "lua", channel) in seen  # the PUBLISH inside the function
+    assert {("command", "toplevel", c) for c in OWN_LUA_COMMANDS} <= seen
     assert {e["reason"] for e in log} <= {"key", "command", "channel"}
     assert refusals(admin, "node-b") == []
 
@@ -570,17 +610,40 @@ def test_the_shared_node_index_is_not_isolated(admin: redis.Redis, connect: Conn
 
 # -- the recipes of the other roles (docs/acl) --------------------------------------------
 
+OWN_LUA = (  # running Lua of one's own, or changing the library: no role may
+    ("EVAL", "while true do end", 0),
+    ("EVAL_RO", "return 1", 0),
+    ("EVALSHA", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", 0),  # SHA1 of "return 1"
+    ("EVALSHA_RO", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", 0),
+    ("SCRIPT", "LOAD", "while true do end"),
+    ("FUNCTION", "LOAD", "#!lua name=mine\nredis.register_function('mine', function() end)"),
+    ("FUNCTION", "DELETE", "pcr_vdeadbeef0000"),
+    ("FUNCTION", "RESTORE", "x"),
+)
+OWN_LUA_COMMANDS = (
+    "eval",
+    "eval_ro",
+    "evalsha",
+    "evalsha_ro",
+    "script|load",
+    "function|load",
+    "function|delete",
+    "function|restore",
+)
+"""How ACL LOG names each refusal of ``OWN_LUA``."""
+
 ADMIN_ONLY = (  # what no role's user may send
     ("FLUSHALL",),
     ("CONFIG", "GET", "maxmemory"),
     ("CONFIG", "SET", "maxmemory", "1"),
-    ("EVAL", "return 1", 0),
+    *OWN_LUA,
     ("SCRIPT", "FLUSH"),
     ("SCRIPT", "KILL"),
     ("ACL", "LIST"),
     ("KEYS", "*"),
     ("FLUSHDB",),
     ("FUNCTION", "FLUSH"),
+    ("FUNCTION", "KILL"),
     ("SHUTDOWN", "NOSAVE"),
 )
 
@@ -698,7 +761,6 @@ def test_the_router_reads_the_fleet_and_writes_nothing(
     node_b.claim(lease_ttl=60.0)
     node_b.register_kv([1], [A1])
     admin.hset("pcr:engines", "node-a", "http://10.0.0.7:8000")
-    admin.script_flush()  # the router loads the scripts it runs itself (SCRIPT LOAD)
     admin.config_resetstat()
 
     router = login(server, "router", health_check_interval=0.001)
@@ -770,10 +832,10 @@ def refused_router_writes(router: redis.Redis, node_a: PrefixCacheRegistry) -> N
         with pytest.raises((ResponseError, RegistryPermissionError)) as refused:
             attempt()
         assert denied(refused.value), f"{name}: {refused.value!r}"
-    # A script of its own runs only the commands the router holds.
-    sneaky = router.script_load("return redis.call('HSET', KEYS[1], 'x', '1')")
+    # A writing function runs only the commands the router holds; no Lua of its own.
+    keys = (k.reply_prefix + "r-1", k.kv, k.meta)
     with pytest.raises(ResponseError) as refused:
-        router.evalsha(sneaky, 1, k.kv)
+        command(router, "FCALL", function_name("clear_kv"), 3, *keys, "", "r-1", 30_000)
     assert refused_in_script(refused.value)
     assert_admin_only_refused(router)
 
@@ -853,7 +915,6 @@ def test_the_bridge_writes_its_engines_namespaces_only(
     commands; it reaches no other namespace and nothing of an admin's."""
     for namespace in BRIDGED:  # whatever ran before: the first round claims afresh
         admin.unlink(*PrefixCacheRegistry(admin, namespace).keys.all_keys())
-    admin.script_flush()
     admin.config_resetstat()
     client = login(server, "bridge", health_check_interval=0.001)
     try:
@@ -900,7 +961,6 @@ def test_gc_deletes_dead_namespaces_and_writes_nothing(
     node_a.register_kv([1], [A1])
     dead = make_dead(admin, "dead-gc")
     admin.zadd(NODE_INDEX, {"not a namespace": 1})
-    admin.script_flush()
     admin.config_resetstat()
     client = login(server, "gc", health_check_interval=0.001)
     try:
@@ -934,3 +994,167 @@ def test_gc_deletes_dead_namespaces_and_writes_nothing(
         assert snapshot(admin, node_a) == before
     finally:
         client.close()
+
+
+GATEWAY_NAMES = ("gw-a", "gw-b")  # the backends' namespaces
+
+
+def test_the_gateway_routes_and_shares_its_load_and_writes_nothing_else(
+    server: RedisServer, admin: redis.Redis, connect: Connect
+) -> None:
+    """``gateway.acl``: ``pcr gateway`` as the gateway user, once following the fleet in
+    a view (one namespace large enough to be loaded in pages, ``HSCAN``) and once
+    scoring in Redis (``--no-view``: ``score.lua``), routes each prompt to the engine
+    that caches it and shares its load with other replicas (``gateway_load.lua``, which
+    also drops an expired replica's entry), with exactly the granted commands; its keys
+    are read-only but for the load table and the node index's scripts."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("aiohttp")
+    from registry import block_hashes
+    from registry.fleet.follower import PAGED_ABOVE
+    from tests.support.fake_engine import FakeEngine
+    from tests.support.serving import ServeProcess
+
+    prompt = list(range(10, 43))  # 8 whole blocks of 4
+    for name in GATEWAY_NAMES:
+        owner = PrefixCacheRegistry(admin, name)
+        owner.claim(lease_ttl=120.0)
+        if name == "gw-b":
+            hashes = block_hashes(prompt, 4)
+            owner.register_kv(list(range(len(hashes))), hashes)
+    large = PrefixCacheRegistry(admin, "gw-large")
+    large.claim(lease_ttl=120.0)
+    large.register_kv(list(range(PAGED_ABOVE + 1)), list(range(1, PAGED_ABOVE + 2)))
+    admin.hset("pcr:gateway:load", "gone-replica", "1 {}")  # expired in 1970
+    admin.config_resetstat()
+
+    engines = [FakeEngine("a").start(), FakeEngine("b").start()]
+    try:
+        for extra in ([], ["--no-view"]):
+            args = ["--redis-url", url_for(server, "gateway"), "--block-size", "4", *extra]
+            for name, engine in zip(GATEWAY_NAMES, engines, strict=True):
+                args += ["--backend", f"{name}={engine.url}"]
+            proc = ServeProcess(*args, path="/health", command="gateway").start()
+            try:
+                for _ in range(3):
+                    reply = httpx_post(
+                        f"{proc.base}/v1/completions", {"model": "tiny", "prompt": prompt}
+                    )
+                    assert reply["by"] == "b", extra
+            finally:
+                proc.stop()
+    finally:
+        for engine in engines:
+            engine.stop()
+    assert refusals(admin, "gateway") == []
+    # PING is redis-py's health check of a connection idle for 30 s (the services'
+    # pools), which a run this short does not reach (test_ping_is_needed_... shows it).
+    assert role_used(admin) | {"ping"} == granted("gateway")
+    assert admin.hget("pcr:gateway:load", "gone-replica") is None
+
+    client = login(server, "gateway")
+    try:
+        node_a = connect("node-a")
+        node_a.claim(lease_ttl=60.0)
+        node_a.register_kv([1], [A1])
+        before = snapshot(admin, node_a)
+        k = node_a.keys
+        as_gateway = PrefixCacheRegistry(client, "node-a")
+        attempts: dict[str, Callable[[], object]] = {
+            "register_kv": lambda: as_gateway.register_kv([2], [A2]),
+            "claim": as_gateway.claim,
+            "HSET": lambda: client.hset(k.kv, str(A2), "2"),
+            "HDEL": lambda: client.hdel(k.kv, str(A1)),
+            "ZADD": lambda: client.zadd(NODE_INDEX, {"node-a": 1}),
+            "PUBLISH notice": lambda: client.publish(k.mamba_evicted_channel, "1 clear"),
+        }
+        for name, attempt in attempts.items():
+            with pytest.raises((ResponseError, RegistryPermissionError)) as refused:
+                attempt()
+            assert denied(refused.value), f"{name}: {refused.value!r}"
+        assert_admin_only_refused(client)
+        assert snapshot(admin, node_a) == before
+    finally:
+        client.close()
+
+
+def httpx_post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+
+    reply = httpx.post(url, json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    answer: dict[str, Any] = reply.json()
+    return answer
+
+
+# -- without pcr setup: the scripts by EVALSHA -------------------------------------------
+
+
+def scripts_rules(rules: list[str], keep_fcall: bool) -> list[str]:
+    """A recipe's rules with ``+evalsha +script|load`` added, ``+evalsha`` in each
+    selector too (and ``+fcall`` dropped unless ``keep_fcall``: the recipe from before
+    Redis Functions)."""
+    out = []
+    for rule in rules:
+        if rule == "+fcall" and not keep_fcall:
+            continue
+        if rule.startswith("("):
+            words = [w for w in rule[1:-1].split() if keep_fcall or w != "+fcall"]
+            rule = "(" + " ".join([*words, "+evalsha"]) + ")"
+        out.append(rule)
+    return [*out, "+evalsha", "+script|load"]
+
+
+@pytest.mark.parametrize("keep_fcall", [True, False], ids=["with-fcall", "scripts-only"])
+def test_without_setup_a_user_granted_evalsha_runs_the_scripts(keep_fcall: bool) -> None:
+    """A server that never ran ``pcr setup``: a node user that may also run EVALSHA and
+    SCRIPT LOAD does everything a serving node does, by EVALSHA. With ``+fcall`` kept,
+    the first call's FCALL is answered "Function not found" (no refusal); with the
+    recipe from before Functions it is refused once, and logged, per runner."""
+    require_redis_server()
+    with RedisServer() as bare:
+        admin = bare.client()
+        try:
+            rules = scripts_rules(acl_rules("node-a"), keep_fcall)
+            assert command(admin, "ACL", "SETUSER", "node-a", *rules) in OK
+            registry = PrefixCacheRegistry.from_url(url_for(bare, "node-a"), "node-a")
+            try:
+                registry.claim(lease_ttl=30.0)
+                registry.register_kv([1, 2], [A1, A2])
+                registry.register_mamba([2], [A2])
+                assert registry.evict_kv([A2]) == {A2}
+                assert registry.match_kv_prefix([A1, A2]) == ([1], A1)
+                assert "node-a" in live_nodes(registry.client)
+                registry.renew()
+            finally:
+                raw(registry).close()
+            stats = used_commands(admin)
+            assert stats["evalsha"]["calls"] >= 5
+            assert stats["script|load"]["calls"] >= 1
+            refused = {entry["object"] for entry in refusals(admin, "node-a")}
+            assert refused == (set() if keep_fcall else {"fcall"})
+        finally:
+            admin.close()
+
+
+def test_without_setup_an_fcall_only_user_is_told_to_run_it() -> None:
+    """The node recipe (``+fcall``, no EVALSHA) on a server without the library: a write
+    fails with a permission error that names ``pcr setup`` and changes nothing; once an
+    admin has run ``pcr setup``, the same registry object works."""
+    require_redis_server()
+    with RedisServer() as bare:
+        add_users(bare)
+        admin = bare.client()
+        registry = PrefixCacheRegistry.from_url(url_for(bare, "node-a"), "node-a")
+        try:
+            with pytest.raises(RegistryPermissionError, match="pcr setup") as refused:
+                registry.claim(lease_ttl=30.0)
+            assert library_name() in str(refused.value)
+            assert admin.keys("*") == []
+            assert pcr_setup(bare)[0] == 0
+            registry.claim(lease_ttl=30.0)
+            registry.register_kv([1], [A1])
+            assert registry.match_kv_prefix([A1]) == ([1], A1)
+        finally:
+            raw(registry).close()
+            admin.close()

@@ -39,6 +39,7 @@ from registry import (
 )
 from registry.fleet.view import FleetView
 from registry.transport.client import CALL_BOUND
+from registry.transport.functions import Route, load_library
 from tests.support.backends import Backend, dump_keys, expire_lease, new_namespace, registry_state
 from tests.support.servers import RedisServer, refused_port, require_redis_server
 
@@ -422,10 +423,18 @@ def test_wrongtype_keys_raise_registry_wrong_type(redis_server: RedisServer) -> 
 
 
 @pytest.mark.redis_server
-def test_out_of_memory_raises_and_changes_nothing_while_evictions_still_work() -> None:
+@pytest.mark.parametrize("functions", [False, True], ids=["scripts", "functions"])
+def test_out_of_memory_raises_and_changes_nothing_while_evictions_still_work(
+    functions: bool,
+) -> None:
+    """The same by EVALSHA and by FCALL (``pcr setup``): a script is refused at its
+    first write that may add memory, a function without ``allow-oom`` before it runs;
+    the removals and the lease's renewal run under ``maxmemory`` either way."""
     require_redis_server()
     with RedisServer(["--maxmemory-policy", "noeviction"]) as server:
         client = server.client()
+        if functions:
+            load_library(client)
         reg = PrefixCacheRegistry(client, new_namespace())
         reg.register_kv(range(10), H)
         reg.register_mamba([1], H[:1])
@@ -449,6 +458,7 @@ def test_out_of_memory_raises_and_changes_nothing_while_evictions_still_work() -
         reg.claim(lease_ttl=60)
         client.config_set("maxmemory", int(client.info("memory")["used_memory"]) - 100_000)
         assert reg.renew() > time.time()  # an owner keeps its lease under maxmemory
+        assert reg._runner.route is (Route.FUNCTIONS if functions else Route.SCRIPTS)
         client.close()
 
 
