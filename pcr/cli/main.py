@@ -77,8 +77,10 @@ from pcr.cli.inspection import (
     command_stats,
     command_watch,
 )
+from pcr.cli.quota import add_parser as add_quota_parser
 from pcr.cli.serve import add_parser as add_serve_parser
-from pcr.cli.simulate import MAMBA_CHECKPOINTS, command_simulate
+from pcr.cli.setup import add_parser as add_setup_parser
+from pcr.cli.simulate import MAMBA_CHECKPOINTS, add_trace_options, command_simulate
 from registry.core.errors import (
     RegistryError,
     translate,
@@ -115,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_match(commands, url)
     _add_watch(commands, url)
     _add_gc(commands, url)
+    add_setup_parser(commands, url)
+    add_quota_parser(commands, _redis_options, url)
     add_bridge_parser(commands, _redis_options, url)
     add_serve_parser(commands, _redis_options, url)
     add_gateway_parser(commands, _redis_options, url)
@@ -175,6 +179,7 @@ def _add_simulate(commands: Any, url_default: str | None) -> None:
         "--no-progress", action="store_true", help="no progress bar (shown only on a terminal)"
     )
     _simulate_modes(sim)
+    add_trace_options(sim)
     sim.set_defaults(handler=command_simulate, command_parser=sim)
 
 
