@@ -64,8 +64,10 @@ PASSWORDS = {"node-a": "node-a-Pw-5Qx", "node-b": "node-b-Pw-8Kd"}
 # XREVRANGE (notice replay), SUBSCRIBE (the eviction listener), PING (redis-py's health
 # check). Inside the functions (lua/*.lua, "Calls:"): GET and SET (request ids), TIME,
 # HGET, HMGET, HSET, HDEL, HINCRBY, EXISTS, UNLINK, XADD, PUBLISH, and on the node index
-# ZSCORE, ZREM, ZADD (announce) and ZRANGEBYSCORE (live_nodes). Not a node's: HEXISTS
-# (score.lua, routers) and FCALL_RO (score and fleet_snapshot, read-only functions).
+# ZADD alone (announce), through a selector of its own (tests/system/test_node_index_trust.py):
+# the index is only where routers look, liveness is each namespace's own meta lease. Not a
+# node's: HEXISTS (score.lua, routers), FCALL_RO (score and fleet_snapshot, read-only
+# functions), and listing live nodes (it reads every namespace's meta).
 NODE_COMMANDS = (
     "fcall",
     "hget",
@@ -81,10 +83,6 @@ NODE_COMMANDS = (
     "unlink",
     "xadd",
     "publish",
-    "zscore",
-    "zadd",
-    "zrem",
-    "zrangebyscore",
     "get",
     "set",
 )
@@ -293,17 +291,21 @@ def test_the_users_hold_exactly_the_recipe(admin: redis.Redis) -> None:
         reply = command(admin, "ACL", "GETUSER", user)
         info = {text(k): v for k, v in reply.items()}
         assert [text(f) for f in info["flags"]] == ["on", "sanitize-payload"]
-        assert text(info["keys"]) == f"~{PREFIX}:{{{user}}}:* ~{NODE_INDEX}"
+        assert text(info["keys"]) == f"~{PREFIX}:{{{user}}}:*"
         assert text(info["channels"]) == f"&{PREFIX}:{{{user}}}:*"
         granted = text(info["commands"]).split()
         assert granted[0] == "-@all"
         assert sorted(granted[1:]) == sorted(f"+{c}" for c in NODE_COMMANDS)
         # The one selector: its own keys and its entry quota, for the functions that add
         # entries (they read the quota; tests/system/test_quota.py), as a whole.
-        (selector,) = info["selectors"]
-        fields = {text(k): text(v) for k, v in selector.items()}
-        assert fields["keys"] == f"~{PREFIX}:{{{user}}}:* ~{PREFIX}:quota:{{{user}}}"
-        assert sorted(fields["commands"].split()) == ["+fcall", "+get", "+hlen", "-@all"]
+        # The selectors: its own keys and its entry quota, for the functions that add
+        # entries (they read the quota; tests/system/test_quota.py), as a whole; and the
+        # node index, where announce adds its member and nothing can be removed.
+        quota, index = ({text(k): text(v) for k, v in sel.items()} for sel in info["selectors"])
+        assert quota["keys"] == f"~{PREFIX}:{{{user}}}:* ~{PREFIX}:quota:{{{user}}}"
+        assert sorted(quota["commands"].split()) == ["+fcall", "+get", "+hlen", "-@all"]
+        assert index["keys"] == f"~{NODE_INDEX}"
+        assert sorted(index["commands"].split()) == ["+fcall", "+zadd", "-@all"]
 
 
 @pytest.mark.parametrize("protocol", [2, 3])
@@ -342,7 +344,6 @@ def test_node_a_can_do_everything_a_serving_node_does(admin: redis.Redis, connec
     epoch = registry.claim(lease_ttl=30.0)
     assert epoch >= 1
     incarnation, base = registry.notice_position()  # notice numbers survive a claim
-    assert "node-a" in live_nodes(registry.client)
     lease_end = registry.renew()
     assert lease_end > time.time()
 
@@ -406,7 +407,8 @@ def test_node_a_can_do_everything_a_serving_node_does(admin: redis.Redis, connec
     # Besides the admin's own INFO / CONFIG RESETSTAT / ACL LOG and the login (HELLO or AUTH, no
     # grant needed), node-a used every granted command and nothing else.
     node_a_used = set(stats) - {"info", "config|resetstat", "acl|log", "hello", "auth"}
-    assert node_a_used == set(NODE_COMMANDS)
+    assert node_a_used == {*NODE_COMMANDS, "zadd"}  # ZADD: the index selector's
+    assert "node-a" in live_nodes(admin)  # announced: a router finds it
 
 
 def test_ping_is_needed_for_redis_py_health_checks(
@@ -579,33 +581,30 @@ def test_node_a_cannot_reach_node_b(admin: redis.Redis, connect: Connect) -> Non
     assert refusals(admin, "node-b") == []
 
 
-def test_the_shared_node_index_is_not_isolated(admin: redis.Redis, connect: Connect) -> None:
-    """``~pcr:nodes`` with ZADD lets node-a rewrite any member of the index: here it
-    marks node-b dead, so routers stop scoring node-b until node-b's next renew()
-    announces it again. gc keeps node-b's keys: it re-checks the lease in node-b's meta."""
+def test_the_node_index_no_longer_lets_one_node_hide_another(
+    admin: redis.Redis, connect: Connect
+) -> None:
+    """``(~pcr:nodes +fcall +zadd)``: node-a may still move node-b's score in the index,
+    but liveness is node-b's own meta lease, so routers keep scoring it; node-a may not
+    remove members or the index (tests/system/test_node_index_trust.py has the rest)."""
     node_b = connect("node-b")
     node_b.claim(lease_ttl=60.0)
     node_b.register_kv([11, 12], [B1, B2])
-    node_b.register_mamba([12], [B2])
     node_a = connect("node-a")
     node_a.claim(lease_ttl=60.0)
     router = PrefixRouter(admin, live_cache_ttl=0.0)
-    assert "node-b" in router.score([B1, B2])
-    before = snapshot(admin, node_b)
-
-    assert raw(node_a).zadd(NODE_INDEX, {"node-b": 1}) == 0  # lease end moved to 1970
-    assert "node-b" not in live_nodes(node_a.client)
-    assert "node-b" not in router.score([B1, B2])
-    assert "node-b" not in collect_dead(admin)
-    assert snapshot(admin, node_b) == {**before, NODE_INDEX: 1.0}
-    assert raw(node_a).zrem(NODE_INDEX, "node-b") == 1  # ZREM is granted (announce uses it)
-    assert "node-b" not in router.score([B1, B2])
-    assert snapshot(admin, node_b) == {**before, NODE_INDEX: None}
-
-    node_b.renew()
-    assert "node-b" in live_nodes(node_a.client)
     assert router.score([B1, B2])["node-b"].kv_prefix == 2
-    assert node_b.match_kv_prefix([B1, B2]) == ([11, 12], B2)
+
+    assert raw(node_a).zadd(NODE_INDEX, {"node-b": 1}) == 0  # lease end "moved" to 1970
+    assert router.score([B1, B2])["node-b"].kv_prefix == 2
+    assert "node-b" in live_nodes(admin)
+    assert "node-b" not in collect_dead(admin)
+    for args in (("ZREM", NODE_INDEX, "node-b"), ("UNLINK", NODE_INDEX), ("DEL", NODE_INDEX)):
+        with pytest.raises(ResponseError) as refused:
+            command(raw(node_a), *args)
+        assert is_noperm(refused.value), args
+    assert admin.zscore(NODE_INDEX, "node-b") == 1.0
+    assert router.score([B1, B2])["node-b"].kv_prefix == 2
 
 
 # -- the recipes of the other roles (docs/acl) --------------------------------------------
@@ -920,7 +919,7 @@ def test_the_bridge_writes_its_engines_namespaces_only(
     try:
         assert bridge_session(client, admin, ["claims", "resumes"]) == [1, 1]
         assert refusals(admin, "bridge") == []
-        assert role_used(admin) == granted("bridge")
+        assert role_used(admin) == granted("bridge") | {"zadd"}  # the index selector's
         assert admin.hget("pcr:engines", "engine-1") == b"http://10.0.0.2:8000"
         live = live_nodes(admin)
         assert set(BRIDGED) <= set(live)
@@ -1124,10 +1123,10 @@ def test_without_setup_a_user_granted_evalsha_runs_the_scripts(keep_fcall: bool)
                 registry.register_mamba([2], [A2])
                 assert registry.evict_kv([A2]) == {A2}
                 assert registry.match_kv_prefix([A1, A2]) == ([1], A1)
-                assert "node-a" in live_nodes(registry.client)
                 registry.renew()
             finally:
                 raw(registry).close()
+            assert "node-a" in live_nodes(admin)  # announced by EVALSHA too
             stats = used_commands(admin)
             assert stats["evalsha"]["calls"] >= 5
             assert stats["script|load"]["calls"] >= 1

@@ -124,11 +124,6 @@ def recipe(role: str, user: str | None = None) -> list[str]:
     return rules
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/acl/{node,bridge}.acl get their index selector with the Functions and "
-    "quota recipes (issue 43): remove this mark then",
-)
 def test_the_node_and_bridge_recipes_grant_the_index_by_this_selector_alone() -> None:
     """docs/acl says what this module tests: the index in no root key pattern of a node
     or bridge user (so their UNLINK, DEL, HSET never reach it), and on it the scripts
