@@ -433,7 +433,7 @@ def test_compose_commands_exist() -> None:
         parser.parse_args(words[1:])  # exits (SystemExit) on an unknown command or flag
         checked += 1
         assert "build" in service, name
-    assert checked == 4  # simulate, serve, gateway, simulate-cluster
+    assert checked == 5  # setup, simulate, serve, gateway, simulate-cluster
     assert {"redis", "simulate", "serve", "gateway", "redis-cluster-init"} <= set(
         compose["services"]
     )

@@ -196,12 +196,14 @@ def test_every_pcr_command_parses_and_reads_redis_url(monkeypatch: pytest.Monkey
         assert args.redis_url == url, name
         options = {word.lstrip("-").replace("-", "_") for word in command if word.startswith("--")}
         assert options <= set(vars(args)), name
+        if service.get("depends_on", {}).get("redis"):  # the standalone server's services
+            assert "setup" in service["depends_on"] or name == "setup", name
         if "--port" in command:
             assert args.host == "0.0.0.0"  # inside the container; the host sees loopback
             (published,) = service["ports"]
             assert published.endswith(f":{args.port}"), name
         checked.append(name)
-    assert sorted(checked) == ["gateway", "serve", "simulate", "simulate-cluster"]
+    assert sorted(checked) == ["gateway", "serve", "setup", "simulate", "simulate-cluster"]
 
 
 def test_grafana_asks_for_a_login() -> None:
