@@ -56,6 +56,12 @@ from registry.transport.lua import (
     script_sha,
     script_source,
 )
+from registry.transport.lua import (  # here before registry.transport.lua held them
+    lua_folder as lua_folder,
+)
+from registry.transport.lua import (
+    read_script as read_script,
+)
 
 log = logging.getLogger(__name__)
 
