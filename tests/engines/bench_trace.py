@@ -442,10 +442,11 @@ def run(args: argparse.Namespace) -> int:
         say(f"WARNING: no vllm-router launcher: {', '.join(skipped)} not run")
         keys = [k for k in keys if k not in skipped]
     today = datetime.date.today().isoformat()
+    revision = commit()  # now: other work may commit while the rows run
     out = (
         Path(args.json)
         if args.json
-        else ROOT / "benchmarks" / "results" / (f"trace-{today}-{commit()}.json")
+        else ROOT / "benchmarks" / "results" / (f"trace-{today}-{revision}.json")
     )
     pcr_env = None
     if args.pcr_source:
@@ -501,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
                 fleet.stop()
     document = {
         "date": today,
-        "commit": commit(),
+        "commit": revision,
         "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
         "vllm_router": {"launcher": router_bin, "version": ROUTER_VERSION if router_bin else None},
         "engines": args.engines,
