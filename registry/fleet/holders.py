@@ -23,7 +23,7 @@ between two writes).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,28 @@ class Position:
 
     incarnation: bytes
     seq: int
+
+
+@dataclass(frozen=True)
+class HeldChange:
+    """What a record or a load changed of one namespace's entries, told to the table's
+    observers (``HolderTable.observers``): a gateway drops the blocks it counted as
+    arriving at an engine once the view lists them, or sees them go."""
+
+    namespace: str
+    added: Collection[int] = ()
+    removed: Collection[int] = ()
+    mamba: bool = False
+    """The Mamba map's entries; else the KV map's."""
+    cleared: bool = False
+    """Every entry of that map went (a claim or a clear: the engine restarted or reset its
+    cache; the namespace collected); with ``mamba`` False, the KV map's and so every
+    Mamba state's use too."""
+
+
+Observer = Callable[[HeldChange], None]
+"""Called on the thread that changes the table (the view's follower), once per change;
+it must be quick and must not raise (what it raises is logged and dropped)."""
 
 
 @dataclass
@@ -106,6 +128,8 @@ class HolderTable:
         self._live = _Live(0, (), {})
         self._naming = Naming(())
         self._hybrid = 0  # the bit of every hybrid model's namespace
+        self.observers: list[Observer] = []
+        """Told of every change to a namespace's entries (``HeldChange``)."""
 
     # -- what it holds -----------------------------------------------------------------
 
@@ -266,6 +290,9 @@ class HolderTable:
         source = self._source(name)
         kv = set(map(int, as_bytes(reply[3]).split()))
         mamba = set(map(int, as_bytes(reply[4]).split()))
+        if self.observers:
+            self._tell(HeldChange(name, kv - source.kv, source.kv - kv))
+            self._tell(HeldChange(name, mamba - source.mamba, source.mamba - mamba, mamba=True))
         self._set(source, kv, mamba)
         source.incarnation = incarnation
         source.seq = int(reply[1])
@@ -301,40 +328,58 @@ class HolderTable:
             if op == Part.COLLECTED:
                 self._drop(name)
                 return None
-            if not self._part(source, op, hashes):
+            if not self._part(name, source, op, hashes):
                 return name
         return None
 
-    def _part(self, source: _Source, op: bytes, hashes: list[int]) -> bool:
+    def _part(self, name: str, source: _Source, op: bytes, hashes: list[int]) -> bool:
         """Apply one part but ``G``; False for a part that asks for a load (``L``, or
         one this table does not know)."""
+        change: HeldChange
         if op == Part.KV_ADDED:
             fresh = set(hashes) - source.kv
             self._change(source, fresh, (), self.kv)
             source.kv |= fresh
+            change = HeldChange(name, added=fresh)
         elif op == Part.KV_REMOVED:
             gone = source.kv.intersection(hashes)
             self._change(source, (), gone, self.kv)
             source.kv -= gone
+            change = HeldChange(name, removed=gone)
         elif op == Part.MAMBA_ADDED:
             fresh = set(hashes) - source.mamba
             self._change(source, fresh, (), self.mamba)
             source.mamba |= fresh
             self._set_hybrid(source, True)
+            change = HeldChange(name, added=fresh, mamba=True)
         elif op == Part.MAMBA_REMOVED:
             gone = source.mamba.intersection(hashes)
             self._change(source, (), gone, self.mamba)
             source.mamba -= gone
+            change = HeldChange(name, removed=gone, mamba=True)
         elif op == Part.KV_CLEARED:
             self._set(source, set(), source.mamba)
+            change = HeldChange(name, cleared=True)
         elif op == Part.MAMBA_CLEARED:
             self._set(source, source.kv, set())
+            change = HeldChange(name, mamba=True, cleared=True)
         elif op == Part.CLAIMED:
             self._set(source, set(), set())
             self._set_hybrid(source, False)
+            change = HeldChange(name, cleared=True)
         else:
             return False
+        if self.observers:
+            self._tell(change)
         return True
+
+    def _tell(self, change: HeldChange) -> None:
+        """Every observer, told of ``change`` (one that raises is logged, not stopped)."""
+        for observer in self.observers:
+            try:
+                observer(change)
+            except Exception:  # an observer's fault never stops the view following
+                log.exception("fleet view: an observer failed")
 
     def _source(self, name: str) -> _Source:
         source = self._sources.get(name)
@@ -358,6 +403,11 @@ class HolderTable:
         """Whether any namespace the table holds is a hybrid model's (held Mamba state)."""
         return self._hybrid != 0
 
+    def hybrid_names(self) -> frozenset[str]:
+        """The namespaces held that are a hybrid model's (held Mamba state since their
+        owner's claim)."""
+        return frozenset(self._naming.named(self._hybrid)) if self._hybrid else frozenset()
+
     def _set_hybrid(self, source: _Source, hybrid: bool) -> None:
         source.hybrid = hybrid
         bit = self._bits[source.slot]
@@ -368,6 +418,8 @@ class HolderTable:
         if source is None:
             return
         self._set(source, set(), set())
+        if self.observers:
+            self._tell(HeldChange(name, cleared=True))
         names = list(self._naming.names)
         names[source.slot] = None
         self._naming = Naming(tuple(names))

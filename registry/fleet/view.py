@@ -31,7 +31,7 @@ from registry.core.keys import DEFAULT_KEY_PREFIX
 from registry.core.scores import NodeScore
 from registry.core.validation import is_number
 from registry.fleet.follower import RecordFollower
-from registry.fleet.holders import HolderTable, ViewCounts
+from registry.fleet.holders import HolderTable, Observer, ViewCounts
 from registry.fleet.matches import Matches
 
 STALE_S = 3.0
@@ -115,6 +115,14 @@ class FleetView:
         """Apply one change record, as if it came from the channel."""
         self._follower.apply(record)
 
+    def observe(self, observer: Observer) -> None:
+        """Tell ``observer`` of every change to a namespace's entries from now on
+        (``registry.fleet.holders.HeldChange``: entries added, removed, a map cleared),
+        on the follower's thread, as each record or load is applied: a gateway drops the
+        blocks it counted as arriving at an engine once the view lists them there, and
+        those of an engine seen evicting them or restarting."""
+        self._table.observers.append(observer)
+
     # -- scoring -----------------------------------------------------------------------
 
     def match(
@@ -135,6 +143,10 @@ class FleetView:
         """Whether any namespace the view holds is a hybrid model's (it held Mamba state
         since its owner's claim): where none is, a KV prefix is all a node reuses."""
         return self._table.any_hybrid()
+
+    def hybrid_nodes(self) -> frozenset[str]:
+        """The namespaces the view holds that are a hybrid model's (``any_hybrid``)."""
+        return self._table.hybrid_names()
 
     def score(
         self,
