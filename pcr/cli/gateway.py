@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pcr.cli.common import UsageError, block_size_arg, number_in, shown_url
+from pcr.cli.common import UsageError, block_size_arg, int_in, number_in, shown_url
 from pcr.cli.service_options import (
     access_options,
     access_policy,
@@ -112,6 +112,7 @@ def add_parser(commands: Any, redis_options: Any, url_default: str) -> None:
     listen_options(gateway, 8080)
     _backend_options(gateway)
     _balance_options(gateway)
+    _pending_options(gateway)
     _wait_options(gateway)
     limit_options(gateway)
     transport_options(gateway)
@@ -292,6 +293,35 @@ def _balance_options(gateway: argparse.ArgumentParser) -> None:
     )
 
 
+def _pending_options(gateway: argparse.ArgumentParser) -> None:
+    """How long and how much requests in flight count as cached where they were sent."""
+    gateway.add_argument(
+        "--pending-ttl",
+        type=_number(0, "--pending-ttl", zero=True),
+        default=30.0,
+        metavar="SECONDS",
+        help="a prompt sent to a backend counts as cached there for the next requests "
+        "until the engine's events list its blocks, the request fails, or this many "
+        "seconds pass (default 30; 0: requests in flight count nowhere)",
+    )
+    gateway.add_argument(
+        "--pending-grace",
+        type=_number(0, "--pending-grace", zero=True),
+        default=2.0,
+        metavar="SECONDS",
+        help="after a request succeeded, seconds its blocks still count for the engine's "
+        "events to arrive (default 2)",
+    )
+    gateway.add_argument(
+        "--pending-blocks",
+        type=int_in(1, 1 << 30, "--pending-blocks"),
+        default=32_768,
+        metavar="N",
+        help="blocks counted as arriving at one backend at most; past it the oldest "
+        "requests' stop counting (default 32768)",
+    )
+
+
 def _wait_options(gateway: argparse.ArgumentParser) -> None:
     """How a routing decision asks Redis, and how long a backend may take."""
     gateway.add_argument(
@@ -361,6 +391,7 @@ def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
     """The ``pcr.gateway.config.GatewayConfig`` of the command line."""
     from pcr.gateway.balance import BalanceRule
     from pcr.gateway.config import GatewayConfig
+    from pcr.gateway.pending import PendingBounds
 
     rule = BalanceRule(
         queue_weight=args.queue_weight,
@@ -376,6 +407,7 @@ def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
         block_size=args.block_size,
         policy=args.policy,
         rule=rule,
+        pending=PendingBounds(args.pending_ttl, args.pending_grace, args.pending_blocks),
         replica_id=args.replica_id or "",
         scrape_interval=args.scrape_interval,
         registry_timeout=args.registry_timeout,

@@ -15,8 +15,10 @@ term that keeps the fleet's caches from collapsing onto one engine; the lowest c
 - ``prefill(b) = prompt - cached(b)``; ``cached(b)`` is the prefix the registry says b's
   engine can reuse (``AsyncPrefixRouter.score``: the Mamba-usable prefix on a hybrid
   model's node, the KV prefix otherwise), in whole blocks, never the prompt's last token
-  (the engine computes at least one). A backend the registry does not score (its lease
-  lapsed, or Redis is away) has ``cached = 0``: it is still chosen by load.
+  (the engine computes at least one), continued through the blocks of the requests in
+  flight sent to b that the registry does not list yet (``pcr.gateway.pending``). A
+  backend the registry does not score (its lease lapsed, or Redis is away) has
+  ``cached = 0``: it is still chosen by load.
 - ``queued(b) = pending(b) + request_tokens * max(in_flight(b), engine_requests(b))``:
   the uncached prompt tokens of the requests every gateway replica has in flight at b,
   plus a fixed cost per request (decoding, scheduling); ``engine_requests`` is what the
@@ -76,6 +78,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pcr.gateway.pending import Reach
 from registry.core.validation import is_number
 
 REPLICA_ID = re.compile(r"[!-~]{1,200}")
@@ -180,6 +183,9 @@ class Choice:
     cached: int
     queued: float
     share: float
+    reach: Reach | None = None
+    """Its prefix in blocks, for what a request sent there leaves pending
+    (``pcr.gateway.pending``); None where no prefix was scored."""
 
 
 def ranked(

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pcr.gateway.balance import POLICIES, REPLICA_ID, BalanceRule
+from pcr.gateway.pending import PendingBounds
 from registry.core.validation import checked_number, is_number
 from registry.fleet.membership import validate_engine_url
 
@@ -27,6 +28,9 @@ class GatewayConfig:
     block_size: int = 16
     policy: str = "prefix"
     rule: BalanceRule = field(default_factory=BalanceRule)
+    pending: PendingBounds = field(default_factory=PendingBounds)
+    """How long and how much the blocks of requests in flight count as cached where they
+    were sent (``pcr.gateway.pending``; ``ttl`` 0: not at all)."""
     replica_id: str = ""
     scrape_interval: float = 1.0
     share_interval: float = 0.1
@@ -64,6 +68,8 @@ class GatewayConfig:
             raise TypeError("view must be True or False")
         if not isinstance(self.announced, bool):
             raise TypeError("announced must be True or False")
+        if not isinstance(self.pending, PendingBounds):
+            raise TypeError("pending must be a PendingBounds")
         if not isinstance(self.tenant_salts, bool):
             raise TypeError("tenant_salts must be True or False")
         if self.backend_api_key is not None:

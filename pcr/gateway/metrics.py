@@ -90,6 +90,17 @@ class GatewayMetrics:
         self.in_flight = prometheus.Gauge(
             "pcr_gateway_in_flight", "Requests this gateway has in flight", ["backend"]
         )
+        self.pending_blocks = prometheus.Gauge(
+            "pcr_gateway_pending_blocks",
+            "Blocks of the requests this gateway sent that count as arriving at a backend "
+            "(its engine's events not yet in the fleet view)",
+            ["backend"],
+        )
+        self.pending_changed = prometheus.Counter(
+            "pcr_gateway_pending_decisions",
+            "Routing decisions whose first choice the pending prefixes changed (ranked "
+            "without them, another backend would have come first)",
+        )
         self.registry_up.set(1)
         self.routed_as = {outcome: self.routed.labels(outcome) for outcome in ROUTING_OUTCOMES}
 
@@ -120,3 +131,4 @@ class BackendMetrics:
         self.first_byte = metrics.first_byte.labels(name)
         self.latency = metrics.latency.labels(name)
         self.in_flight = metrics.in_flight.labels(name)
+        self.pending_blocks = metrics.pending_blocks.labels(name)

@@ -1,21 +1,27 @@
 """One proxied request's bookkeeping: its start and end in the backend's load (and so in
-what the load exchange tells the other replicas), and its outcome in the metrics."""
+what the load exchange tells the other replicas) and in the blocks counted as arriving
+there (``pcr.gateway.pending``), and its outcome in the metrics."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from pcr.gateway.backends import Backend
 from pcr.gateway.balance import Choice
+from pcr.gateway.pending import Sent
 from pcr.gateway.state import GatewayState
+from pcr.gateway.tokens import PromptIds
 
 
 def started(
-    state: GatewayState, backend: Backend, prefill: int, choice: Choice, prompt: int, root: Any
-) -> None:
+    state: GatewayState, backend: Backend, prefill: int, choice: Choice, ids: PromptIds | None
+) -> Sent | None:
     """The request sent to ``backend``: its load, the prompt root's kin and the mean
-    prefill count it; the exchange is nudged; the metrics count its prompt."""
+    prefill count it, its blocks count as arriving there (the record returned, for its
+    end); the exchange is nudged; the metrics count its prompt."""
+    prompt = ids.count if ids else 0
+    root = ids.root if ids else None
+    sent = state.sent(backend, choice, ids)
     load = backend.load
     load.in_flight += 1
     load.pending += prefill
@@ -32,10 +38,20 @@ def started(
         if prompt:
             counted.prompt_tokens.inc(prompt)
             counted.predicted.inc(choice.cached)
+    return sent
 
 
-def ended(state: GatewayState, backend: Backend, prefill: int, nudge: bool = True) -> None:
-    """The request over at ``backend``: its load no longer counts it."""
+def ended(
+    state: GatewayState,
+    backend: Backend,
+    prefill: int,
+    nudge: bool = True,
+    sent: Sent | None = None,
+    ok: bool = False,
+) -> None:
+    """The request over at ``backend``: its load no longer counts it; its blocks no
+    longer count as arriving there (``ok``: a success, after the grace)."""
+    state.unsent(backend, sent, ok)
     load = backend.load
     load.in_flight = max(0, load.in_flight - 1)
     load.pending = max(0.0, load.pending - prefill)
@@ -46,26 +62,31 @@ def ended(state: GatewayState, backend: Backend, prefill: int, nudge: bool = Tru
 
 
 class Ending:
-    """``ended`` once: awaited (``told``) before a reply's last bytes go to the client,
-    so the other replicas hear of the end before the client can send its next request
-    to one of them; called again, as a no-op, when the exchange is over whatever
-    happened (then the others are told in the background)."""
+    """``ended`` once: awaited (``told``, with whether the reply succeeded) before a
+    reply's last bytes go to the client, so the other replicas hear of the end before the
+    client can send its next request to one of them; called again, as a no-op, when the
+    exchange is over whatever happened (then the others are told in the background; a
+    request that ends there never reached ``told``: a failure, its pending blocks
+    dropped at once)."""
 
-    def __init__(self, state: GatewayState, backend: Backend, prefill: int) -> None:
+    def __init__(
+        self, state: GatewayState, backend: Backend, prefill: int, sent: Sent | None = None
+    ) -> None:
         self.state = state
         self.backend = backend
         self.prefill = prefill
+        self.sent = sent
         self.done = False
 
     def __call__(self) -> None:
         if not self.done:
             self.done = True
-            ended(self.state, self.backend, self.prefill)
+            ended(self.state, self.backend, self.prefill, sent=self.sent)
 
-    async def told(self) -> None:
+    async def told(self, ok: bool) -> None:
         if not self.done:
             self.done = True
-            ended(self.state, self.backend, self.prefill, nudge=False)
+            ended(self.state, self.backend, self.prefill, nudge=False, sent=self.sent, ok=ok)
             await self.state.exchange.tell_peers()
 
 

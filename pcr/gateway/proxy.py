@@ -199,7 +199,6 @@ async def _forward(
     first byte; answer with the reply, or the error."""
     stream = body.get("stream") is True
     prompt = ids.count if ids else 0
-    root = ids.root if ids else None
     headers = forwarded_headers(scope["headers"], state.config.backend_api_key)
     query = scope.get("query_string", b"")
     path = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
@@ -210,13 +209,13 @@ async def _forward(
             continue
         tried += 1
         prefill = max(0, prompt - choice.cached)
-        started(state, backend, prefill, choice, prompt, root)
+        sent = started(state, backend, prefill, choice, ids)
         try:
             if state.metrics.on:
                 state.metrics.overhead.observe(time.perf_counter() - arrived)
             upstream = await _send(state, scope["method"], backend, path, raw, headers)
         except _Failed as failed:
-            ended(state, backend, prefill)
+            ended(state, backend, prefill, sent=sent)
             count_error(state, backend, failed.kind)
             if failed.kind == "connect":
                 backend.mark(state.metrics, up=False)
@@ -228,11 +227,11 @@ async def _forward(
             await answer_error(send, 502, f"backend {backend.namespace!r} failed: {failed.kind}")
             return
         except asyncio.CancelledError:
-            ended(state, backend, prefill)
+            ended(state, backend, prefill, sent=sent)
             if watch.left:
                 client_closed(state, backend)
             raise
-        end = Ending(state, backend, prefill)
+        end = Ending(state, backend, prefill, sent)
         try:
             if stream:
                 await _streamed(state, backend, upstream, send, arrived, watch, end)
@@ -298,7 +297,7 @@ async def _whole(
         return
     upstream.release()
     watch.stop()
-    await end.told()
+    await end.told(ok=200 <= upstream.status < 300)
     answered(state, backend, upstream.status, arrived, first_byte=True)
     await respond(send, upstream.status, content, raw_reply_headers(upstream))
 
@@ -339,7 +338,7 @@ async def _streamed(
             broken = True
             count_error(state, backend, "protocol")
         watch.stop()
-        await end.told()
+        await end.told(ok=complete and 200 <= upstream.status < 300)
         last = _stream_error(backend) if broken and events else b""
         await send({"type": "http.response.body", "body": last})  # say so, as engines do
     finally:

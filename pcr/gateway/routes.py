@@ -61,6 +61,15 @@ async def health(request: Request) -> JSONResponse:
             for b in state.backends.values()
         },
     }
+    if state.pending.on:  # blocks counted as arriving; chains the other replicas told of
+        pending = state.pending
+        body["pending"] = {
+            b.namespace: {
+                "blocks": pending.blocks(b.namespace),
+                "other_replicas_chains": pending.told_chains(b.namespace),
+            }
+            for b in state.backends.values()
+        }
     if state.tokenizer is not None:  # prompts in each lane, tokenizing or queued
         body["tokenizing"] = {
             "short": state.tokenizer.short.held,

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ from pcr.gateway.config import GatewayConfig
 from pcr.gateway.exchange import LoadExchange, RegistryHealth, discover
 from pcr.gateway.metrics import GatewayMetrics
 from pcr.gateway.models import REFRESH_S, ModelCatalog
+from pcr.gateway.pending import Listed, PendingPrefixes, Sent, checkpoints
 from pcr.gateway.replies import backend_auth
 from pcr.gateway.tokens import BodyParser, PromptIds, PromptTokenizer
 from pcr.web.tls import client_context
@@ -29,8 +31,21 @@ from registry.core.errors import RegistryError
 from registry.core.validation import prefix_hashes
 from registry.fleet.view import FleetView
 
-Cached = tuple[dict[str, int], dict[str, int]]
-"""Each backend's cached prefix in tokens, and each hybrid node's longer KV prefix."""
+
+@dataclass(frozen=True)
+class Scored:
+    """One decision's prefixes: each backend's cached prefix in tokens and each hybrid
+    node's longer KV prefix (``balance.ranked``'s ``cached`` and ``kv``), counting the
+    blocks pending there (``pcr.gateway.pending``); the same in blocks (``listed``) and
+    as the registry alone lists them (``registry``); ``alone``: ``cached`` and ``kv``
+    without the pending blocks, where those changed them."""
+
+    cached: dict[str, int]
+    kv: dict[str, int]
+    listed: Listed
+    registry: Listed
+    alone: tuple[dict[str, int], dict[str, int]] | None = None
+
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +110,9 @@ class GatewayState:
         self.metrics = GatewayMetrics.get()
         self.http: aiohttp.ClientSession | None = None
         self.health = RegistryHealth(self.metrics)
+        # Requests in flight counted as cached where they were sent (prefix policy only)
+        bounds = config.pending if config.policy == "prefix" else replace(config.pending, ttl=0)
+        self.pending = PendingPrefixes(bounds)
         self.exchange = LoadExchange(
             self.replica,
             self.backends,
@@ -141,7 +159,10 @@ class GatewayState:
         )
         if self.config.view and self.config.policy == "prefix":
             client = await asyncio.to_thread(self.registry.sync)
-            self.view = FleetView(client, self.registry.key_prefix).start(timeout=None)
+            self.view = FleetView(client, self.registry.key_prefix)
+            if self.pending.on:  # confirmations, evictions and restarts seen
+                self.view.observe(self.pending.heard)
+            self.view.start(timeout=None)
             # Its first load before the first request (at most VIEW_START_S: with Redis
             # away the gateway starts anyway, routing by load until the view follows).
             await asyncio.to_thread(self.view.ready.wait, VIEW_START_S)
@@ -213,6 +234,12 @@ class GatewayState:
         """The periodic exchange (``LoadExchange.tick``), after asking the fleet view
         whether it still follows Redis."""
         self.registry_reachable()
+        if self.pending.on:
+            self.pending.expire(time.monotonic())
+            if self.metrics.on:
+                for backend in list(self.backends.values()):
+                    counted = backend.metrics(self.metrics).pending_blocks
+                    counted.set(self.pending.blocks(backend.namespace))
         await self.exchange.tick()
 
     # -- choosing ------------------------------------------------------------------------
@@ -228,19 +255,48 @@ class GatewayState:
         ready = [b for b in backends if b.refused_until <= now]
         return ready or backends
 
-    async def cached(self, names: list[str], ids: PromptIds) -> Cached | None:
-        """Each backend's cached prefix of the prompt in tokens, from the registry, and
-        each hybrid node's KV prefix where it is longer (``balance.ranked``'s ``kv``);
-        None when Redis is away (or slower than ``registry_timeout``)."""
+    async def cached(self, names: list[str], ids: PromptIds) -> Scored | None:
+        """Each backend's cached prefix of the prompt, from the registry, with the
+        blocks of requests in flight counted where they were sent (``Scored``); None
+        when Redis is away (or slower than ``registry_timeout``)."""
         now = time.monotonic()
         if not self.health.up and now < self.health.retry_at:
             return None
-        size = self.config.block_size
-        if self.view is not None:
-            return self._viewed(names, ids)
         assert ids.hashes is not None
+        if self.view is not None:
+            listed = self._viewed(names, ids.hashes)
+        else:
+            listed = await self._asked(names, ids.hashes)
+        if listed is None:
+            return None
+        cached, kv = self._tokens(listed, ids.count)
+        if not self.pending.on:
+            return Scored(cached, kv, listed, listed)
+        self.pending.expire(now)
+        extended = self.pending.extend(names, ids.hashes, listed)
+        if extended is None:
+            return Scored(cached, kv, listed, listed)
+        more, more_kv = self._tokens(extended, ids.count)
+        return Scored(more, more_kv, extended, listed, (cached, kv))
+
+    def _tokens(self, listed: Listed, count: int) -> tuple[dict[str, int], dict[str, int]]:
+        """``listed``'s prefixes in tokens: whole blocks, never the prompt's last token;
+        the KV prefixes only where longer than the usable ones."""
+        size = self.config.block_size
+        usable = {n: cached_tokens(b, size, count) for n, b in listed.usable.items()}
+        kv = {
+            n: tokens
+            for n, blocks in listed.kv.items()
+            if (tokens := cached_tokens(blocks, size, count)) > usable.get(n, 0)
+        }
+        return usable, kv
+
+    async def _asked(self, names: list[str], hashes: list[int]) -> Listed | None:
+        """``cached`` from Redis (``--no-view``): one round trip. A node counts as a
+        hybrid model's where the registry ranks it below its KV prefix or found Mamba
+        state in it."""
         try:
-            wanted = prefix_hashes(ids.hashes)
+            wanted = prefix_hashes(hashes)
             router, gate = self.registry.ready()
             async with asyncio.timeout(self.config.registry_timeout), gate.turn():
                 scores = await router.score(wanted, namespaces=names)
@@ -248,16 +304,19 @@ class GatewayState:
             self.health.mark(False, exc)
             return None
         self.health.mark(True)
-        usable = {n: cached_tokens(s.usable, size, ids.count) for n, s in scores.items()}
-        kv = {
-            n: tokens
-            for n, s in scores.items()
-            if s.kv_prefix > s.usable
-            and (tokens := cached_tokens(s.kv_prefix, size, ids.count)) > usable[n]
-        }
-        return usable, kv
+        hybrid = self.registry.hybrid
+        return Listed(
+            {n: s.usable for n, s in scores.items()},
+            {n: s.kv_prefix for n, s in scores.items() if s.kv_prefix > s.usable},
+            frozenset(
+                n
+                for n, s in scores.items()
+                if hybrid is True
+                or (hybrid is None and (s.mamba_prefix > 0 or s.kv_prefix > s.usable))
+            ),
+        )
 
-    def _viewed(self, names: list[str], ids: PromptIds) -> Cached | None:
+    def _viewed(self, names: list[str], hashes: list[int]) -> Listed | None:
         """``cached`` from the fleet view: memory work, no Redis round trip. None while
         the view is not ``fresh`` (it has not heard from Redis for ``STALE_S`` seconds and
         may hold what the engines no longer do). The KV prefixes are matched only where
@@ -266,19 +325,17 @@ class GatewayState:
         assert view is not None
         if not self.registry_reachable():
             return None
-        size = self.config.block_size
-        assert ids.hashes is not None
         hybrid = self.registry.hybrid
-        matched = view.match(ids.hashes, names, hybrid=hybrid)
+        matched = view.match(hashes, names, hybrid=hybrid)
         self.health.mark(True)
-        usable = {n: cached_tokens(blocks, size, ids.count) for n, blocks in matched.items()}
-        kv: dict[str, int] = {}
+        listed = Listed(dict(matched.items()))
         if hybrid is not False and view.any_hybrid():
-            for n, blocks in view.match(ids.hashes, names, hybrid=False).items():
-                tokens = cached_tokens(blocks, size, ids.count)
-                if tokens > usable.get(n, 0):
-                    kv[n] = tokens
-        return usable, kv
+            usable = listed.usable
+            for n, blocks in view.match(hashes, names, hybrid=False).items():
+                if blocks > usable.get(n, 0):
+                    listed.kv[n] = blocks
+            listed.hybrid = frozenset(names) if hybrid else view.hybrid_nodes()
+        return listed
 
     def registry_reachable(self) -> bool:
         """Whether routing can use the registry now (with the fleet view: whether it is
@@ -309,16 +366,50 @@ class GatewayState:
         cached: dict[str, int] = {}
         kv: dict[str, int] = {}
         outcome = "load"
+        found = None
         if self.config.policy == "prefix" and ids:
             found = await self.cached(names, ids)
             if found is None:
                 outcome = "registry_away"
             else:
-                cached, kv = found
+                cached, kv = found.cached, found.kv
                 if any(cached.values()) or kv:
                     outcome = "prefix"
         loads = {b.namespace: b.load for b in backends}
         now = time.monotonic()
-        kin = self.kin.counts(root, now, self.config.rule.half_life)
-        order = ranked(names, prompt, cached, loads, self.config.rule, now, kin, kv)
+        rule = self.config.rule
+        kin = self.kin.counts(root, now, rule.half_life)
+        order = ranked(names, prompt, cached, loads, rule, now, kin, kv)
+        if found is None:
+            return order, outcome
+        if found.alone is not None and self.metrics.on:  # what the pending blocks changed
+            alone = ranked(names, prompt, found.alone[0], loads, rule, now, kin, found.alone[1])
+            if alone[0].namespace != order[0].namespace:
+                self.metrics.pending_changed.inc()
+        listed, registry = found.listed, found.registry
+        order[:2] = [replace(c, reach=listed.reach(c.namespace, registry)) for c in order[:2]]
         return order, outcome
+
+    def sent(self, backend: Backend, choice: Choice, ids: PromptIds | None) -> Sent | None:
+        """The prompt's blocks counted as arriving at ``backend`` (``pcr.gateway.pending``),
+        with the Mamba states it leaves there on a hybrid model's node; None: nothing
+        counts (pending off, no prompt hashed, nothing new)."""
+        reach = choice.reach
+        if not self.pending.on or reach is None or ids is None or not ids.hashes:
+            return None
+        marks = checkpoints(reach.hybrid, ids.count, self.config.block_size, reach.kv, reach.usable)
+        name = backend.namespace
+        record = self.pending.sent(name, ids.hashes, reach.held, marks, time.monotonic())
+        if record is not None and self.metrics.on:
+            backend.metrics(self.metrics).pending_blocks.set(self.pending.blocks(name))
+        return record
+
+    def unsent(self, backend: Backend, record: Sent | None, ok: bool) -> None:
+        """``record``'s request ended (``ok``: a success; its blocks count ``grace``
+        seconds more, for the engine's events to arrive)."""
+        if record is None:
+            return
+        self.pending.ended(record, ok, time.monotonic())
+        if self.metrics.on:
+            counted = backend.metrics(self.metrics).pending_blocks
+            counted.set(self.pending.blocks(backend.namespace))

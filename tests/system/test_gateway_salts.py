@@ -93,11 +93,14 @@ def test_a_salted_request_goes_where_its_salted_blocks_are(
 ) -> None:
     """Engine a holds the prompt unsalted, engine b holds it under tenant-1's salt: the
     salted request goes to b with b's prefix predicted, the unsalted one to a; a
-    request salted for another tenant matches neither and predicts nothing anywhere."""
+    request salted for another tenant matches neither and predicts nothing anywhere,
+    and the next ones of that tenant only its own blocks, sent with the first (pending
+    where it went: ``pcr.gateway.pending``; a grace of 10 minutes, as these engines
+    publish no events)."""
     client = redis_server.client()
     cache(client, names[0], PROMPT)
     cache(client, names[1], PROMPT, salt="tenant-1")
-    proc = gateway(redis_server, engines, names)
+    proc = gateway(redis_server, engines, names, "--pending-grace", "600")
     try:
         assert [served_by(proc.base, {"prompt": PROMPT, "cache_salt": "tenant-1"})
                 for _ in range(4)] == ["b"] * 4  # fmt: skip
@@ -106,11 +109,15 @@ def test_a_salted_request_goes_where_its_salted_blocks_are(
         assert [served_by(proc.base, {"prompt": PROMPT}) for _ in range(4)] == ["a"] * 4
         assert metric(proc.base, PREDICTED, backend=names[0]) == 4 * 32
         assert metric(proc.base, DECISIONS, outcome="prefix") == 8
-        for _ in range(4):  # another tenant: the same tokens, a chain no engine holds
-            served_by(proc.base, {"prompt": PROMPT, "cache_salt": "tenant-2"})
+        # another tenant: the same tokens, a chain no engine holds
+        first = served_by(proc.base, {"prompt": PROMPT, "cache_salt": "tenant-2"})
         assert metric(proc.base, PREDICTED, backend=names[0]) == 4 * 32
         assert metric(proc.base, PREDICTED, backend=names[1]) == 4 * 32
-        assert metric(proc.base, DECISIONS, outcome="load") == 4
+        assert metric(proc.base, DECISIONS, outcome="load") == 1
+        for _ in range(3):  # drawn by the first one's own blocks alone
+            assert served_by(proc.base, {"prompt": PROMPT, "cache_salt": "tenant-2"}) == first
+        where = names[["a", "b"].index(first)]
+        assert metric(proc.base, PREDICTED, backend=where) == 4 * 32 + 3 * 32
         # the engines got the salt as it was sent
         assert [r.get("cache_salt") for r in engines[1].received[:4]] == ["tenant-1"] * 4
     finally:
@@ -205,7 +212,8 @@ def test_a_request_goes_only_to_backends_serving_its_model(
     engines[0].models = model_list("tiny", "only-a")
     client = redis_server.client()
     cache(client, names[1], PROMPT)
-    proc = gateway(redis_server, engines, names)
+    # the registry's prefixes alone: a's own requests in flight count nowhere
+    proc = gateway(redis_server, engines, names, "--pending-ttl", "0")
     try:
         assert [served_by(proc.base, {"prompt": PROMPT, "model": "only-a"})
                 for _ in range(6)] == ["a"] * 6  # fmt: skip
