@@ -6,7 +6,7 @@ table of backends is the configured ones plus those announced in Redis
 (``merge_announced``). An announced backend whose announcement is gone is kept (the
 last known set): Redis restarted empty forgets every announcement until the bridges
 make theirs again, and a gateway that dropped them would have nothing to send
-requests to. It goes only once the node index says its namespace's lease has run out
+requests to. It goes only once its namespace's own lease (in its ``meta``) has run out
 (``pcr.gateway.exchange.ended_leases``); while Redis holds no lease for it at all, it
 stays, and ``/health`` lists it under ``kept``. ``engine_load`` reads an engine's queue
 and KV-cache usage from its Prometheus text. Nothing here does I/O (``pcr.gateway.state``
@@ -67,7 +67,7 @@ def merge_announced(
     """Bring ``backends`` in line with the engine table in Redis (namespace -> URL): new
     namespaces added, announced ones moved; configured ones kept as they are. An
     announced one missing from the table is kept (``kept_since``) unless its namespace
-    is in ``ended`` (the node index says its lease has run out): then it is dropped."""
+    is in ``ended`` (its namespace's lease has run out): then it is dropped."""
     for namespace, url in table.items():
         known = backends.get(namespace)
         if known is None:

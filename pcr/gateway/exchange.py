@@ -7,6 +7,11 @@ before a reply's last bytes (``tell_peers``). ``LoadExchange`` sums the others' 
 into each backend's ``BackendLoad``; ``RegistryHealth`` is what routing and the exchange
 learn of Redis (away: routing by load alone, said by ``pcr_gateway_registry_up``).
 ``ended_leases`` tells which backends no longer announced may go.
+
+With the load goes what each replica's requests in flight leave pending at each backend
+(``pcr.gateway.pending``: per backend its newest chains, each as a few hashes at a
+ladder of positions, under ``"pending"``), so a replica counts the others' requests as
+arriving where they were sent, as its own; in the same payload, so no round trip more.
 """
 
 from __future__ import annotations
@@ -18,14 +23,16 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pcr.gateway.backends import Backend, gone_from, merge_announced
 from pcr.gateway.metrics import GatewayMetrics
+from pcr.gateway.pending import PendingPrefixes, parse_wire
 from registry.core.errors import REDIS_ERRORS, RegistryError, translate
-from registry.core.keys import gateway_load_channel, node_index_key
+from registry.core.keys import NamespaceKeys, gateway_load_channel
 from registry.core.validation import is_number, text
+from registry.fleet.leases import lease_command, lease_of
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +63,23 @@ class RegistryHealth:
 
 
 async def ended_leases(client: Any, key_prefix: str, namespaces: Sequence[str]) -> set[str]:
-    """Those of ``namespaces`` whose lease in the node index has run out (server clock);
-    one the index does not list (Redis lost it, or nobody claimed it yet) is not."""
+    """Those of ``namespaces`` whose own lease (``lease_until`` in their meta, which only
+    their owner writes; never the node index, which any node may write) has run out
+    (server clock); one without a lease (Redis lost it, or nobody claimed it yet) is not."""
     if not namespaces:
         return set()
-    key = node_index_key(key_prefix)
     try:
-        scores = await client.zmscore(key, list(namespaces))
-        seconds, micros = await client.time()
+        pipe = client.pipeline(transaction=False)
+        for name in namespaces:
+            pipe.execute_command(*lease_command(NamespaceKeys(name, key_prefix).meta))
+        pipe.time()
+        *leases, (seconds, micros) = await pipe.execute()
     except REDIS_ERRORS as exc:
-        raise (translate(exc, f"node index {key!r}: leases", write=False) or exc) from exc
+        what = f"the leases of {len(namespaces)} namespaces"
+        raise (translate(exc, what, write=False) or exc) from exc
     now_ms = int(seconds) * 1000 + int(micros) // 1000
-    return {n for n, s in zip(namespaces, scores, strict=True) if s is not None and s < now_ms}
+    ended = (0 < lease_of(lease) < now_ms for lease in leases)
+    return {name for name, over in zip(namespaces, ended, strict=True) if over}
 
 
 async def discover(router: Any, client: Any, key_prefix: str, backends: dict[str, Backend]) -> None:
@@ -81,15 +93,18 @@ async def discover(router: Any, client: Any, key_prefix: str, backends: dict[str
 @dataclass(frozen=True)
 class _Peer:
     """Another replica's load as last heard: its number, per backend ``[in flight,
-    pending tokens, recent tokens]``, and when it was heard (this clock)."""
+    pending tokens, recent tokens]``, when it was heard (this clock), and the chains
+    its requests leave pending (``pcr.gateway.pending.parse_wire``)."""
 
     seq: int
     load: dict[str, list[float]]
     received: float
+    pending: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _peer(payload: str, received: float) -> _Peer | None:
-    """A replica's published load, or None for a payload that is not one."""
+    """A replica's published load, or None for a payload that is not one (its pending
+    chains left out where they are not well formed)."""
     try:
         data = json.loads(payload)
         seq = data["seq"]
@@ -103,7 +118,11 @@ def _peer(payload: str, received: float) -> _Peer | None:
         return None
     if not all(math.isfinite(v) for values in load.values() for v in values):
         return None
-    return _Peer(seq, load, received)
+    try:
+        pending = parse_wire(data.get("pending", {}))
+    except ValueError:
+        pending = {}
+    return _Peer(seq, load, received, pending)
 
 
 class LoadExchange:
@@ -123,8 +142,10 @@ class LoadExchange:
         share_interval: float,
         registry_timeout: float,
         half_life: float,
+        pending: PendingPrefixes | None = None,
     ) -> None:
         self.replica = replica
+        self.pending = pending
         self.backends = backends
         self.registry = registry
         self.health = health
@@ -176,7 +197,7 @@ class LoadExchange:
     def _mine(self, now: float) -> str:
         """This replica's load, numbered, as the exchange publishes it."""
         self._seq += 1
-        mine = {
+        mine: dict[str, Any] = {
             "seq": self._seq,
             "load": {
                 ns: [
@@ -187,6 +208,10 @@ class LoadExchange:
                 for ns, b in self.backends.items()
             },
         }
+        if self.pending is not None and self.pending.on:
+            chains = self.pending.wire()
+            if chains:
+                mine["pending"] = chains
         return json.dumps(mine, separators=(",", ":"))
 
     def _heard(self, others: Mapping[str, str], now: float) -> None:
@@ -304,3 +329,5 @@ class LoadExchange:
             backend.load.remote_pending = pending
             backend.load.remote_recent = recent
             backend.load.remote_at = now
+        if self.pending is not None and self.pending.on:
+            self.pending.set_remote(p.pending for p in self.peers.values() if p.pending)

@@ -121,6 +121,7 @@ class GatewayState:
             share_interval=config.share_interval,
             registry_timeout=config.registry_timeout,
             half_life=config.rule.half_life,
+            pending=self.pending,
         )
         self.turn = 0  # round-robin position
         self.kin = Kin()  # per prompt root, the requests sent to each backend lately

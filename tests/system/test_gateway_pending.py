@@ -2,7 +2,8 @@
 through ``pcr gateway`` in front of two fake engines that publish no events and a real
 redis-server: a request held open at one engine draws the next request sharing its
 prefix there (balanced apart with ``--pending-ttl 0``), a failure stops it counting at
-once, and the engine's blocks listed in the registry confirm it."""
+once, the engine's blocks listed in the registry confirm it, and a second replica counts
+the first one's request as its own."""
 
 from __future__ import annotations
 
@@ -177,3 +178,59 @@ def test_blocks_the_registry_lists_where_they_were_sent_stop_counting(
         held.release()
         proc.stop()
         client.close()
+
+
+def test_a_replica_counts_another_replicas_request_in_flight_as_cached_there(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    """A request held open through replica one; replica two hears of it with the load
+    (its chain of hashes), and sends the next turn to the same engine."""
+    from pcr.gateway.config import GatewayConfig
+    from tests.system.test_serve import Served
+
+    prefix = f"gq{uuid.uuid4().hex[:6]}"
+    backends = dict(zip(names, (e.url for e in engines), strict=True))
+    replicas = [
+        Served(
+            redis_server.url,
+            prefix,
+            gateway=GatewayConfig(backends=backends, block_size=BLOCK, replica_id=rid),
+        )
+        for rid in ("one", "two")
+    ]
+    one, two = replicas
+    held = Held(engines)
+    threads: list[threading.Thread] = []
+    try:
+        sent = threading.Thread(
+            target=one.http.post,
+            args=("/v1/completions",),
+            kwargs={"json": {"model": "tiny", "prompt": FIRST}, "timeout": 120},
+        )
+        sent.start()
+        threads.append(sent)
+        wait_until(lambda: any(e.in_flight for e in engines), 60, "the request at an engine")
+        first = next(e for e in engines if e.in_flight)
+        where = names[engines.index(first)]
+
+        def heard() -> bool:
+            state = two.http.get("/health").json()
+            told = state["pending"][where]["other_replicas_chains"]
+            return bool(told == 1 and state["in_flight"][where]["other_replicas"] == 1)
+
+        wait_until(heard, 60, "replica two hearing of replica one's request")
+        second = threading.Thread(
+            target=two.http.post,
+            args=("/v1/completions",),
+            kwargs={"json": {"model": "tiny", "prompt": NEXT}, "timeout": 120},
+        )
+        second.start()
+        threads.append(second)
+        wait_until(lambda: sum(e.in_flight for e in engines) == 2, 60, "both requests held")
+        assert first.in_flight == 2
+    finally:
+        held.release()
+        for thread in threads:
+            thread.join(120)
+        for served in replicas:
+            served.close()
