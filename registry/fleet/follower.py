@@ -2,14 +2,25 @@
 in Redis, and the reads it makes.
 
 It subscribes to every namespace's channel (one pattern, ``pcr:{*}:changes``; a record
-that names another namespace than its channel's is skipped), loads each namespace it
-follows in one read-only script (``lua/fleet_snapshot.lua``: both maps' hashes and the
-number of the last record they include, ``LOAD_BATCH`` namespaces a round trip), and
-applies the records after it. A number skipped, a new incarnation, a reconnect or the
-periodic resync make it load the namespace (or every namespace) again. The live
+that names another namespace than its channel's is skipped), has each namespace it
+follows loaded (``registry.fleet.snapshots``: the maps' hashes and the number of the
+last record they include, read by a loader thread of its own in batches), and applies
+the records after it. A number skipped, a new incarnation, a reconnect or the periodic
+resync have the namespace (or every namespace) loaded again.
+
+Loads never stop the following. While a namespace's load is under way the follower
+goes on applying its records to what it holds (a resync: the view stays as exact as it
+was) and keeps each of them; the snapshot, once it lands, is held and those records
+numbered after it applied again, in order, so a namespace that changed during its own
+load ends equal to its maps (a number missing among them: loaded again). The live
 namespaces come from the node index, read every ``live_cache_ttl`` seconds (or at once
 when ``sync`` asks), each member checked against its own lease as the routers do
-(``NodeIndex.live``: a member someone else wrote or pushed back changes nothing).
+(``NodeIndex.live``: a member someone else wrote or pushed back changes nothing), and
+each read is followed by a ``PING`` on the subscription, answered in order after every
+record published before it: ``followed_at`` is the older of the last live read and the
+last ping answered, the clock of ``FleetView.fresh``. It is not fresh before the first
+load of every live namespace has landed (``ready``), nor after a reconnect until what
+it held is loaded again: records may have been missed meanwhile.
 
 A follower built without a client (a detached view's) reads nothing: a record that
 needs the server raises ``RegistryError``.
@@ -19,34 +30,39 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from registry.core.errors import REDIS_ERRORS, RegistryError, translate
+from registry.core.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
 from registry.core.keys import NamespaceKeys, fleet_changes_pattern
 from registry.fleet.holders import HolderTable, Position, ViewCounts, as_bytes
 from registry.fleet.membership import NodeIndex
-from registry.transport.scripts import ScriptRunner
+from registry.fleet.snapshots import Landed, SnapshotLoader, SnapshotReader
 
 log = logging.getLogger(__name__)
 
-LOAD_BATCH = 64
-"""Namespaces loaded per round trip (``fleet_snapshot``), at a cold start or a resync."""
-PAGED_ABOVE = 20_000
-"""Entries (both maps) above which a namespace is loaded in pages (``HSCAN``) instead of
-one ``fleet_snapshot`` call: one script reading a million entries holds the server for
-seconds, and outlasts the client's read timeout, so the load failed and started again
-for good (issue 43)."""
-PAGE = 1_000
-"""Entries asked for per ``HSCAN`` call of a paged load."""
+HOLD_ROUND_S = 0.05
+"""Seconds of holding landed snapshots after which the follower reads the channel again
+(a batch is held whole; a batch of ``LOAD_BATCH`` namespaces of 4,096 blocks takes tens
+of ms)."""
+POLL_LOADING_S = 0.005
+"""How long the follower waits on the channel while loads are under way (else 0.1 s):
+it is woken by a message only, and a landed batch should not wait."""
+SILENT_S = 30.0
+"""Seconds a ping on the subscription may go unanswered before the follower subscribes
+again (records wait behind nothing that long on a live connection)."""
+PING = b"pcr-view "
+"""The heartbeat's prefix, followed by its number (a ``PING`` on the subscription)."""
 
 
 class RecordFollower:
     """Follows the change records of every namespace into ``table`` in a daemon thread
-    (``start``), loading namespaces where records do not suffice; says how far it got
-    (``ready``, ``live_read_at``, ``changed``) for the view's ``fresh`` and ``sync``."""
+    (``start``), loading namespaces where records do not suffice in a loader thread;
+    says how far it got (``ready``, ``live_read_at``, ``followed_at``, ``changed``) for
+    the view's ``fresh`` and ``sync``."""
 
     def __init__(
         self,
@@ -65,17 +81,27 @@ class RecordFollower:
         self.counts = counts
         self.live_cache_ttl = live_cache_ttl
         self.resync_interval = resync_interval
-        self.ready = threading.Event()  # set once subscribed and loaded
+        self.ready = threading.Event()  # every live namespace loaded, a ping answered
         self.changed = threading.Condition()  # notified after each round of work
         self.read_live = threading.Event()  # sync() asks for the live namespaces now
+        self.resync = threading.Event()  # load every namespace again now (as the timer does)
         self.live_read_at = float("-inf")  # when the live namespaces were last read
+        self.pinged_at = float("-inf")  # when the last ping answered was sent
         self._channel_start = f"{key_prefix}:{{".encode()
-        self._runner: ScriptRunner | None = None
         self._index: NodeIndex | None = None
+        self._loader: SnapshotLoader | None = None
         if client is not None:
-            self._runner = ScriptRunner(client)
             self._index = NodeIndex(client, key_prefix)
+            self._loader = SnapshotLoader(SnapshotReader(client, key_prefix, counts))
         self._keys: dict[str, NamespaceKeys] = {}
+        self._round = 0  # one per subscription: loads of an older one are dropped
+        self._loading: dict[str, list[bytes]] = {}  # asked for: the records heard since
+        self._awaited: set[str] = set()  # to land before the view is fresh (again)
+        self._subscribed_at = float("-inf")  # a ping sent since must be answered, too
+        self._live_names: list[str] = []  # the live namespaces as last read
+        self._pings: dict[bytes, float] = {}  # heartbeats sent, not answered yet
+        self._pinged = 0
+        self._following = False  # subscribed: the live reads and pings go on
         self._away = False  # said that it stopped following Redis
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,101 +112,60 @@ class RecordFollower:
     def start(self) -> None:
         """Follow in a daemon thread (once)."""
         if self._thread is None:
+            if self._loader is not None:
+                self._loader.start()
             self._thread = threading.Thread(target=self._follow, name="fleet-view", daemon=True)
             self._thread.start()
 
     def close(self) -> None:
         """Stop following (the table keeps what it holds)."""
         self._stop.set()
+        if self._loader is not None:
+            self._loader.close()
         if self._thread is not None:
             self._thread.join(10)
         if self._pubsub is not None:
             with contextlib.suppress(*REDIS_ERRORS):
                 self._pubsub.close()
 
+    def followed_at(self) -> float:
+        """Since when the view is known to follow Redis: the older of the last live read
+        and the last ping answered on the subscription; -inf while a load it must have
+        (the first, or after a reconnect) is under way or the first ping since the
+        subscription was made is not answered yet."""
+        if self._awaited or self.pinged_at < self._subscribed_at:
+            return float("-inf")
+        return min(self.live_read_at, self.pinged_at)
+
     # -- the reads ---------------------------------------------------------------------
 
     def apply(self, record: Any) -> None:
-        """Apply one change record, loading its namespace where the record says too
-        little (a gap, a new incarnation, a namespace not held yet, ``L``)."""
+        """Apply one change record, having its namespace loaded where the record says
+        too little (a gap, a new incarnation, a namespace not held yet, ``L``). A record
+        of a namespace being loaded is also kept, to be applied again after the
+        snapshot."""
+        record = as_bytes(record)
+        heard = self._loading.get(record.partition(b" ")[0].decode("utf-8", "replace"))
+        if heard is not None:
+            heard.append(record)
+            self.table.apply(record)  # a resync: what it holds follows meanwhile
+            return
         again = self.table.apply(record)
         if again is not None:
-            self.load([again])
+            self.request([again])
 
-    def load(self, names: Sequence[str]) -> None:
-        """Read ``names`` from their maps (``LOAD_BATCH`` per round trip) and hold
-        exactly that, at the record number it includes."""
-        for first in range(0, len(names), LOAD_BATCH):
-            part = names[first : first + LOAD_BATCH]
-            large = self._large(part)
-            for name in large:
-                self.table.hold(name, self._paged(name))
-            part = [n for n in part if n not in large]
-            if not part:
-                continue
-            calls = []
-            for name in part:
-                keys = self._keys_of(name)
-                calls.append(((keys.kv, keys.mamba, keys.meta), ()))
-            replies = self._server()[0].run_many(
-                "fleet_snapshot", calls, context="loading the fleet view", write=False
-            )
-            for name, reply in zip(part, replies, strict=True):
-                self.table.hold(name, reply)
-        self._notify()
-
-    def _large(self, names: Sequence[str]) -> set[str]:
-        """Those of ``names`` whose maps hold more than ``PAGED_ABOVE`` entries."""
-        pipe = self.client.pipeline(transaction=False)
-        for name in names:
-            keys = self._keys_of(name)
-            pipe.hlen(keys.kv)
-            pipe.hlen(keys.mamba)
-        sizes = self._read(pipe.execute, "fleet view: the sizes of the namespaces to load")
-        return {
-            name
-            for i, name in enumerate(names)
-            if int(sizes[2 * i]) + int(sizes[2 * i + 1]) > PAGED_ABOVE
-        }
-
-    def _paged(self, name: str) -> list[Any]:
-        """A large namespace read as ``fleet_snapshot`` reads it (its reply's shape), in
-        pages: the record number first, then each map with ``HSCAN``. A scan sees every
-        entry that stays put while it runs; an entry added or removed meanwhile is named
-        in a record numbered after the one read first, which the view applies next (a
-        record gives each hash's state after its write), so the view converges on the
-        maps as a snapshot would. Each call is short: nothing holds the server."""
-        keys = self._keys_of(name)
-        what = f"fleet view: loading {name!r} in pages"
-        meta = self._read(
-            lambda: self.client.hmget(keys.meta, "incarnation", "change_seq", "mamba_seen"), what
-        )
-        if not meta[0]:
-            return [b"", b"0", b"", b"", b""]
-        self.counts.paged_loads += 1
-        maps = [
-            b" ".join(
-                as_bytes(field)
-                for field, _ in self._read(
-                    lambda key=key: list(self.client.hscan_iter(key, count=PAGE)), what
-                )
-            )
-            for key in (keys.kv, keys.mamba)
-        ]
-        return [as_bytes(meta[0]), as_bytes(meta[1]) or b"0", as_bytes(meta[2]), *maps]
-
-    @staticmethod
-    def _read(call: Any, what: str) -> Any:
-        """``call()``, its Redis faults as the registry's errors."""
-        try:
-            return call()
-        except REDIS_ERRORS as exc:
-            error = translate(exc, what)
-            raise (error or exc) from exc
+    def request(self, names: Sequence[str]) -> None:
+        """Have ``names`` loaded in the background (those not asked for already); their
+        records are kept from now until the load lands."""
+        loader = self._server()[1]
+        wanted = [name for name in names if name not in self._loading]
+        for name in wanted:
+            self._loading[name] = []
+        loader.request(wanted)
 
     def live(self) -> list[str]:
         """The live namespaces in the node index, read now."""
-        return self._server()[1].live()
+        return self._server()[0].live()
 
     def positions(self, names: list[str]) -> dict[str, Position]:
         """Each namespace's incarnation and last record number as Redis holds it now."""
@@ -197,20 +182,23 @@ class RecordFollower:
         return {name: Position(as_bytes(inc), int(seq or 0)) for name, (inc, seq) in pairs}
 
     def refresh_live(self, again: Sequence[str] = ()) -> None:
-        """Read the live namespaces; load those not followed yet (and ``again``)."""
+        """Read the live namespaces; have those not followed yet (and ``again``) loaded.
+        A live namespace is answered for once its load has landed."""
         names = self.live()
         table = self.table
         unknown = sorted({n for n in names if not table.holds(n)}.union(again))
         if unknown:
-            self.load(unknown)
-        table.set_live(names)
+            self.request(unknown)
+        with self.changed:  # sync() sees a namespace held and live at once
+            self._live_names = names
+            table.set_live(names)
         self.live_read_at = time.monotonic()
         self._notify()
 
-    def _server(self) -> tuple[ScriptRunner, NodeIndex]:
-        if self._runner is None or self._index is None:
+    def _server(self) -> tuple[NodeIndex, SnapshotLoader]:
+        if self._index is None or self._loader is None:
             raise RegistryError("a detached fleet view has no server to read")
-        return self._runner, self._index
+        return self._index, self._loader
 
     def _keys_of(self, name: str) -> NamespaceKeys:
         keys = self._keys.get(name)
@@ -221,6 +209,47 @@ class RecordFollower:
     def _notify(self) -> None:
         with self.changed:
             self.changed.notify_all()
+
+    # -- the loads landing (the follower's thread) -------------------------------------
+
+    def _land(self) -> None:
+        """Hold the batches the loader read (for ``HOLD_ROUND_S`` at most), each
+        namespace with the records heard since it was asked for applied after it."""
+        loader = self._server()[1]
+        until = time.monotonic() + HOLD_ROUND_S
+        while time.monotonic() < until:
+            try:
+                landed = loader.landed.get_nowait()
+            except queue.Empty:
+                return
+            self._hold(landed)
+
+    def _hold(self, landed: Landed) -> None:
+        if landed.round != self._round:
+            return  # asked for before a reconnect: asked for again since
+        if landed.fault is not None:
+            raise landed.fault
+        again = []
+        with self.changed:  # sync() sees a namespace held and live at once
+            for name, reply in landed.replies:
+                heard = self._loading.pop(name, [])
+                self.table.hold(name, reply)
+                for record in heard:  # those the snapshot includes change nothing
+                    if self.table.apply(record) is not None:
+                        again.append(name)  # a number missing after the snapshot
+                        break
+            self.table.set_live(self._live_names)
+        if again:
+            self.request(again)
+        self._awaited.difference_update(name for name, _ in landed.replies)
+        self._settle()
+        self._notify()
+
+    def _settle(self) -> None:
+        """Ready once the loads the first subscription asked for have landed and its
+        first ping was answered: from then on, ``fresh``."""
+        if not self.ready.is_set() and self.followed_at() > float("-inf"):
+            self.ready.set()
 
     # -- following (its own thread) ----------------------------------------------------
 
@@ -247,19 +276,24 @@ class RecordFollower:
     def _subscribe_and_follow(self) -> None:
         pubsub = self.client.pubsub()
         self._pubsub = pubsub
+        self._following = False
         try:
             pubsub.psubscribe(self.pattern)
             resync_at = time.monotonic() + self.resync_interval
             while not self._stop.is_set():
                 self._drain(pubsub)
+                self._land()
                 now = time.monotonic()
-                if self.ready.is_set() and (
+                if self._following and (
                     now - self.live_read_at >= self.live_cache_ttl or self.read_live.is_set()
                 ):
                     self.read_live.clear()
                     self.refresh_live()
-                if now >= resync_at:
-                    self.load(self.table.held_names())
+                    self._ping(pubsub)
+                if now >= resync_at or self.resync.is_set():
+                    self.resync.clear()
+                    self.counts.resyncs += 1
+                    self.request(self.table.held_names())
                     resync_at = now + self.resync_interval
                 self._notify()
         finally:
@@ -268,27 +302,64 @@ class RecordFollower:
                 pubsub.close()
 
     def _drain(self, pubsub: Any) -> None:
-        """Handle what arrived (waiting a little for the first message)."""
-        message = pubsub.get_message(timeout=0.1)
+        """Handle what arrived (waiting a little for the first message, less while
+        loads are under way: a landed batch does not wake this)."""
+        wait = POLL_LOADING_S if self._loading else 0.1
+        message = pubsub.get_message(timeout=wait)
         while message is not None:
             kind = as_bytes(message.get("type"))
             if kind == b"pmessage":
                 self._received(message.get("channel"), message["data"])
+            elif kind == b"pong":
+                self._answered(as_bytes(message.get("data")))
             elif kind == b"psubscribe":
-                self._subscribed()
+                self._subscribed(pubsub)
             message = pubsub.get_message(timeout=0)
 
-    def _subscribed(self) -> None:
+    def _ping(self, pubsub: Any) -> None:
+        """A heartbeat on the subscription: its answer comes after every record
+        published before it. One unanswered for ``SILENT_S`` seconds (a connection
+        that died without a word) has it subscribe again."""
+        oldest = min(self._pings.values(), default=None)
+        if oldest is not None and time.monotonic() - oldest > SILENT_S:
+            raise RegistryUnavailable(
+                f"fleet view: the subscription answered no ping for {SILENT_S:.0f} s"
+            )
+        self._pinged += 1
+        token = PING + str(self._pinged).encode()
+        self._pings[token] = time.monotonic()
+        pubsub.ping(token)
+
+    def _answered(self, token: bytes) -> None:
+        sent = self._pings.pop(token, None)
+        if sent is None:
+            return  # not ours (or of a subscription before)
+        self.pinged_at = max(self.pinged_at, sent)
+        for older in [t for t, at in self._pings.items() if at <= sent]:
+            del self._pings[older]  # answered in order: one lost with its connection
+        self._settle()
+
+    def _subscribed(self, pubsub: Any) -> None:
         """The subscription is (again) in place: the first time, or after redis-py
         reconnected by itself. Records may have been missed while it was not: everything
-        held is read again, with the live namespaces. A record written meanwhile waits
-        in the socket and is applied or skipped by its number."""
+        held is loaded again, with the live namespaces, and the view is not fresh until
+        those loads have landed and a ping sent now is answered. A record written
+        meanwhile is kept and applied after its namespace's snapshot, or skipped by its
+        number."""
         self.counts.reconnects += 1
-        self.refresh_live(again=self.table.held_names())
+        self._round += 1
+        self._server()[1].restart(self._round)
+        self._loading.clear()
+        self._pings.clear()
+        self._following = True
+        self._subscribed_at = time.monotonic()
+        held = self.table.held_names()
+        self.refresh_live(again=held)
+        self._awaited = set(self._loading)
+        self._ping(pubsub)
         if self._away:
             log.warning("fleet view: following Redis again")
             self._away = False
-        self.ready.set()
 
     def _received(self, channel: Any, data: Any) -> None:
         """A record from the channel: applied only when the namespace it names is the

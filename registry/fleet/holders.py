@@ -91,6 +91,7 @@ class ViewCounts:
     reconnects: int = 0  # subscriptions (re)made, each followed by loading everything
     errors: int = 0  # Redis faults the follower waited out
     skipped: int = 0  # records that were not records, or named another namespace
+    resyncs: int = 0  # rounds of loading every namespace again (the timer, ``resync``)
 
 
 @dataclass

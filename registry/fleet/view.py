@@ -10,10 +10,15 @@ returns before it, so a fenced owner's writes never reach a view.
 
 A ``FleetView`` composes the table of holders (``registry.fleet.holders``: block hash ->
 holder bits, changed by records and snapshots, walked to match and score, no I/O) and
-its follower (``registry.fleet.follower``: the subscription, the snapshots, gaps,
-resyncs and the live namespaces read from the node index). The maps in Redis stay the
-truth, the view a copy that may lag (by the time a record takes to arrive) but
-converges.
+its follower (``registry.fleet.follower``: the subscription, gaps, resyncs and the
+live namespaces read from the node index; the loads in a thread of their own,
+``registry.fleet.snapshots``, so that a cold start or a resync never stops it following).
+The maps in Redis stay the truth, the view a copy that may lag (by the time a record
+takes to arrive) but converges.
+
+It answers once every namespace live when it subscribed has loaded (``ready``; a
+namespace that appears later is answered for once its own load lands, milliseconds
+after the live read or the record that named it), and only while it is ``fresh``.
 
 One thread (``start``) follows the channel; scoring may run on any thread, at the same
 time (each lookup is one atomic dict operation; a decision may see a record half
@@ -35,9 +40,10 @@ from registry.fleet.holders import HolderTable, Observer, ViewCounts
 from registry.fleet.matches import Matches
 
 STALE_S = 3.0
-"""Seconds without a successful read of the live namespaces after which a view is not
-``fresh``: routers ask Redis instead, the gateway routes by load. It reads them every
-second."""
+"""Seconds without a read of the live namespaces, or without an answer to the ping it
+sends on its subscription after each (which comes after every record published before
+it), after which a view is not ``fresh``: routers ask Redis instead, the gateway routes
+by load. It reads them every second, loads or not."""
 
 
 class FleetView:
@@ -107,7 +113,8 @@ class FleetView:
         for name in namespaces:
             view._table.add_empty(name)
         view._table.set_live(view._table.held_names())
-        view._follower.live_read_at = float("inf")  # nothing to follow: always as fresh
+        follower = view._follower
+        follower.live_read_at = follower.pinged_at = float("inf")  # nothing to follow: fresh
         view.ready.set()
         return view
 
@@ -162,11 +169,18 @@ class FleetView:
         return self._table.score(hashes, namespaces, hybrid=hybrid, everyone=everyone)
 
     def fresh(self, max_age: float = STALE_S) -> bool:
-        """Whether the view has loaded and read the live namespaces from Redis within
-        the last ``max_age`` seconds (it does every ``live_cache_ttl``): a view that has
-        not may hold what the engines no longer do. The routers and the gateway score
-        from it only while it is fresh by the default ``STALE_S``."""
-        return self.ready.is_set() and time.monotonic() - self._follower.live_read_at <= max_age
+        """Whether the view has loaded, and within the last ``max_age`` seconds read the
+        live namespaces and had its ping answered on the subscription, past every record
+        published before it (it does both every ``live_cache_ttl``, a resync under way
+        or not): a view that has not may hold what the engines no longer do. Not fresh
+        after a reconnect until what it held has loaded again. The routers and the
+        gateway score from it only while it is fresh by the default ``STALE_S``."""
+        return self.ready.is_set() and time.monotonic() - self._follower.followed_at() <= max_age
+
+    def resync(self) -> None:
+        """Load every namespace held again, in the background, as the timer does every
+        ``resync_interval``: the view keeps following and answering meanwhile."""
+        self._follower.resync.set()
 
     def live_nodes(self) -> list[str]:
         """The live namespaces as the view last read them (sorted)."""

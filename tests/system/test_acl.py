@@ -747,11 +747,11 @@ def test_the_router_reads_the_fleet_and_writes_nothing(
     ``HSCAN``: the threshold lowered here so node-a's two entries count as large) all
     work, with exactly the granted commands; no write of any kind does."""
     from registry import NodeIndex
-    from registry.fleet import follower
+    from registry.fleet import snapshots
     from registry.fleet.view import FleetView
     from tests.support.waiting import wait_until
 
-    monkeypatch.setattr(follower, "PAGED_ABOVE", 1)
+    monkeypatch.setattr(snapshots, "PAGED_ABOVE", 1)
 
     node_a = connect("node-a")
     node_a.claim(lease_ttl=60.0)
@@ -1010,7 +1010,7 @@ def test_the_gateway_routes_and_shares_its_load_and_writes_nothing_else(
     pytest.importorskip("fastapi")
     pytest.importorskip("aiohttp")
     from registry import block_hashes
-    from registry.fleet.follower import PAGED_ABOVE
+    from registry.fleet.snapshots import PAGED_ABOVE
     from tests.support.fake_engine import FakeEngine
     from tests.support.serving import ServeProcess
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from registry import PrefixCacheRegistry
-from registry.fleet.follower import PAGED_ABOVE
+from registry.fleet.snapshots import PAGED_ABOVE
 from registry.fleet.view import FleetView
 from tests.support.servers import RedisServer
 
