@@ -87,6 +87,16 @@ bench-hashing: $(STAMP)
 	$(BIN)/python -m pcr.bench.hashing $(BENCH_ARGS) \
 	  --json benchmarks/results/hashing-$$(date +%F)-$$(git rev-parse --short HEAD).json
 
+# The fleet view under resyncs (pcr/bench/resync.py, issue 45): decisions made while the
+# view is not fresh over a run with the resync every 15 s and owners writing 100 times a
+# second, at 256 and 1,024 workers of about 4,100 blocks, and the cold start; a redis-server
+# of its own, about 6 minutes (BENCH_ARGS=--quick: 64 workers for 20 s; --duration 600 for
+# the issue's 10-minute run). Results in benchmarks/results/resync-DATE-COMMIT.json.
+.PHONY: bench-resync
+bench-resync: $(STAMP) redis-server
+	$(BIN)/python -m pcr.bench.resync $(BENCH_ARGS) \
+	  --json benchmarks/results/resync-$$(date +%F)-$$(git rev-parse --short HEAD).json
+
 # make test three times in a row while two CPU-burning processes run (a busy machine).
 test-busy: $(STAMP) redis-server
 	bash .ci/busy-test 3
