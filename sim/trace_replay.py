@@ -22,8 +22,20 @@ eviction is published), never the engines' caches themselves:
   the engine whose prefill has not been published yet (what issue 44 proposes: the
   registry hears of a prompt's blocks only after the engine has prefilled them).
 
-These are the simulation's own rules, not ``pcr gateway``'s (that is measured on the
-simulated engines over HTTP by ``make bench-trace``). Figures: the hit rate as the
+* ``gateway``: ``pcr gateway``'s own rule (``registry.routing.balance.ranked``, the code
+  the gateway runs, with ``ReplayConfig.rule``'s weights) from what the gateway would
+  know: the published view with the pending blocks, its requests in flight and their
+  uncached tokens, each engine's waiting queue, the recent work and the prompts' kin;
+* ``cache-aware``: vllm-router ``cache_aware`` at its defaults on a trace: the longest
+  match in each engine's tree of sent blocks, over ``CACHE_THRESHOLD`` of the prompt
+  there, else the engine with the smallest tree.
+
+``prefix`` and ``prefix+pending`` are the simulation's own rules; ``make bench-trace``
+measures the real gateway and routers over HTTP. Each run also says where hits went
+against the infinite cache (``lost``, tokens): ``evicted`` (no engine held them),
+``away`` (another engine listed a longer prefix than the chosen one; ``requests_away``,
+and for ``gateway`` ``away_queue`` / ``away_spread`` / ``away_kin``, the term that
+decided), and ``copies``, the mean engines holding each cached block at the end. Figures: the hit rate as the
 engines count it (hit tokens over prompt tokens), its fraction of one infinite cache's
 (``sim.trace.ideal``), the balance (most requests on one engine over the mean) and the
 simulated TTFT.
@@ -39,10 +51,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from registry.routing.balance import BackendLoad, BalanceRule, Choice, Kin, cached_tokens, ranked
 from sim.engine_cache import Admission, Cleared, EngineCache, Removed, Stored
 from sim.trace import PromptMaker, TraceRequest, full_blocks, hit_limit, ideal, prefix_keys
 
-POLICIES = ("round-robin", "least-load", "prefix", "prefix+pending")
+POLICIES = ("round-robin", "least-load", "prefix", "prefix+pending", "gateway", "cache-aware")
+CACHE_THRESHOLD = 0.3
+"""vllm-router ``cache_aware``'s default: a prompt whose best match in a worker's tree of
+sent text is over this share of it goes to that worker, else to the smallest tree."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,8 @@ class ReplayConfig:
     prefill_ms: float = 6.0
     decode_ms: float = 4.0
     max_output_tokens: int = 16
+    rule: BalanceRule = field(default_factory=BalanceRule)
+    """The ``gateway`` policy's weights (``pcr gateway``'s options)."""
 
     def blocks_per_engine(self, distinct_blocks: int, largest: int = 1) -> int:
         """``kv_blocks``, or the share of ``distinct_blocks`` but at least ``largest``
@@ -97,6 +115,8 @@ class _Job:
     generated: int
     admission: Admission | None = None
     first: float = 0.0
+    prefill: int = 0
+    """Its uncached prompt tokens as the router predicted them (the gateway's load)."""
 
 
 @dataclass
@@ -110,6 +130,12 @@ class _Engine:
     """Block id -> when the prefill computing it ends."""
     served: int = 0
     assigned: int = 0
+    load: BackendLoad = field(default_factory=BackendLoad)
+    """What the gateway knows of its load (the ``gateway`` policy)."""
+    sent: set[int] = field(default_factory=set)
+    """The blocks sent to it (the ``cache-aware`` policy's tree of sent text)."""
+    tree: int = 0
+    """Tokens in that tree."""
 
     def outstanding(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -129,6 +155,10 @@ class _Replay:
         self.order = itertools.count()
         self.sent = 0
         self.ttfts: list[float] = []
+        self.kin = Kin()
+        self.seen: set[int] = set()
+        self.counts: Counter[str] = Counter()
+        """Where hits were lost (``diagnose``)."""
 
     def at(self, when: float, kind: str, what: Any) -> None:
         heapq.heappush(self.events, (when, next(self.order), kind, what))
@@ -141,13 +171,13 @@ class _Replay:
             if kind == "arrive":
                 engine = self.engines[self.route(what)]
                 engine.waiting.append(what)
-                if self.policy == "prefix+pending":
+                if self.policy in ("prefix+pending", "gateway"):
                     engine.pending.update(what.keys)
                 self.start(engine)
             elif kind == "prefilled":
                 engine, job = what
                 self.publish(engine)
-                if self.policy == "prefix+pending":
+                if self.policy in ("prefix+pending", "gateway"):
                     engine.pending.subtract(job.keys)
                 job.first = self.clock
                 self.ttfts.append(self.clock - job.arrival)
@@ -159,6 +189,8 @@ class _Replay:
                 assert job.admission is not None
                 engine.cache.release(job.admission)
                 engine.running.remove(job)
+                engine.load.in_flight -= 1
+                engine.load.pending = max(0.0, engine.load.pending - job.prefill)
                 engine.served += 1
                 self.start(engine)
 
@@ -196,7 +228,12 @@ class _Replay:
         """The engine for ``job``; ties go to the engine sent the fewest requests."""
         self.sent += 1
         engines = self.engines
-        if self.policy == "round-robin":
+        views = [self.viewed(e, job) for e in engines]
+        if self.policy == "gateway":
+            chosen = self.balance(job, views)
+        elif self.policy == "cache-aware":
+            chosen = self.cache_aware(job)
+        elif self.policy == "round-robin":
             chosen = (self.sent - 1) % len(engines)
         elif self.policy == "least-load":
             chosen = min(
@@ -206,7 +243,103 @@ class _Replay:
         else:
             chosen = min(range(len(engines)), key=lambda i: (*self.cost(i, job), i))
         engines[chosen].assigned += 1
+        self.diagnose(job, views, chosen)
         return chosen
+
+    def viewed(self, engine: _Engine, job: _Job) -> int:
+        """The prompt's leading blocks the published view lists on ``engine``, continued
+        through those of requests sent there and not yet published."""
+        limit = min(len(job.keys), hit_limit(job.prompt, self.config.block_size))
+        cached = 0
+        while cached < limit and (
+            engine.published[job.keys[cached]] > 0 or engine.pending[job.keys[cached]] > 0
+        ):
+            cached += 1
+        return cached
+
+    def balance(self, job: _Job, views: list[int]) -> int:
+        """``pcr gateway``'s choice (``registry.routing.balance.ranked``) from what it
+        would know: the view, the requests it has in flight and their uncached tokens,
+        each engine's waiting queue, the recent work and the prompts' kin."""
+        config, rule, now = self.config, self.config.rule, self.clock
+        names = [f"{i:03d}" for i in range(len(self.engines))]
+        cached = {
+            n: cached_tokens(v, config.block_size, job.prompt)
+            for n, v in zip(names, views, strict=True)
+        }
+        loads = {}
+        for name, engine in zip(names, self.engines, strict=True):
+            engine.load.engine_requests = float(len(engine.waiting))
+            loads[name] = engine.load
+        root = job.keys[0] if job.keys else None
+        order = ranked(
+            names, job.prompt, cached, loads, rule, now, self.kin.counts(root, now, rule.half_life)
+        )
+        best = order[0]
+        chosen = int(best.namespace)
+        load = self.engines[chosen].load
+        job.prefill = job.prompt - best.cached
+        load.in_flight += 1
+        load.pending += job.prefill
+        load.recent.add(float(job.prefill or 1), now, rule.half_life)
+        self.kin.record(root, best.namespace, now, rule.half_life)
+        if best.cached < max(cached.values()):
+            runner = next(c for c in order if c.cached == max(cached.values()))
+            self.counts["away_" + self.why(job, best, runner)] += 1
+        return chosen
+
+    def why(self, job: _Job, chosen: Choice, runner: Choice) -> str:
+        """The term of the cost that most favoured ``chosen`` over ``runner`` (the
+        engine listing the longest prefix): ``queue``, ``spread`` or ``kin``."""
+        rule = self.config.rule
+        fresh = job.prompt - runner.cached
+        terms = {
+            "queue": rule.queue_weight * (runner.queued - chosen.queued),
+            "spread": rule.spread_weight
+            * fresh
+            * len(self.engines)
+            * (runner.share - chosen.share),
+        }
+        gap = runner.cost - chosen.cost - (runner.cached - chosen.cached) * -1
+        terms["kin"] = gap - terms["queue"] - terms["spread"]
+        return max(terms, key=lambda k: terms[k])
+
+    def cache_aware(self, job: _Job) -> int:
+        """vllm-router ``cache_aware`` as it works on a trace: the longest match in each
+        engine's tree of sent blocks; over ``CACHE_THRESHOLD`` of the prompt, that engine,
+        else the engine with the smallest tree; the prompt joins the chosen tree."""
+        size = self.config.block_size
+        best, best_match = 0, -1
+        for i, engine in enumerate(self.engines):
+            match = 0
+            while match < len(job.keys) and job.keys[match] in engine.sent:
+                match += 1
+            if match > best_match:
+                best, best_match = i, match
+        if best_match * size <= CACHE_THRESHOLD * job.prompt:
+            best = min(range(len(self.engines)), key=lambda i: (self.engines[i].tree, i))
+        engine = self.engines[best]
+        engine.tree += sum(size for k in job.keys if k not in engine.sent)
+        engine.sent.update(job.keys)
+        return best
+
+    def diagnose(self, job: _Job, views: list[int], chosen: int) -> None:
+        """Tokens lost against one infinite cache, by where: ``evicted`` (cached nowhere
+        the view lists, though seen before), ``away`` (another engine listed more),
+        ``predicted`` (the view's prefix there, to be set against the engine's hit)."""
+        size = self.config.block_size
+        limit = min(len(job.keys), hit_limit(job.prompt, size))
+        ideal_hit = 0
+        while ideal_hit < limit and job.keys[ideal_hit] in self.seen:
+            ideal_hit += 1
+        self.seen.update(job.keys)
+        top = max(views)
+        held = max(e.cache.hit(job.keys, job.prompt) for e in self.engines)
+        self.counts["ideal"] += ideal_hit * size
+        self.counts["evicted"] += max(0, ideal_hit - held) * size
+        self.counts["away"] += max(0, top - views[chosen]) * size
+        self.counts["requests_away"] += top > views[chosen]
+        self.counts["predicted"] += views[chosen] * size
 
     def cost(self, index: int, job: _Job) -> tuple[float, int, int]:
         """Estimated seconds to the first token on engine ``index``, then its load."""
@@ -296,6 +429,12 @@ def replay(
                 "ttft_p50_ms": _ms(_quantile(run.ttfts, 0.5)),
                 "ttft_p99_ms": _ms(_quantile(run.ttfts, 0.99)),
                 "seconds": round(run.clock, 2),
+                "lost": {k: v for k, v in sorted(run.counts.items())},
+                "copies": round(
+                    sum(len(e.cache.copies) for e in run.engines)
+                    / max(1, len(set().union(*(e.cache.copies for e in run.engines)))),
+                    2,
+                ),
             }
         )
     return {

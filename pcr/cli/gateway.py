@@ -266,6 +266,13 @@ def _balance_options(gateway: argparse.ArgumentParser) -> None:
         "(default 0.5; 0: none)",
     )
     gateway.add_argument(
+        "--affinity-bound",
+        type=_number(1, "--affinity-bound", zero=True),
+        default=1.3,
+        help="the affinity pulls only towards a backend serving at most this many times "
+        "the mean share of the recent requests (default 1.3)",
+    )
+    gateway.add_argument(
         "--checkpoint-weight",
         type=_number(0, "--checkpoint-weight", zero=True),
         default=0.5,
@@ -397,6 +404,7 @@ def _gateway_config(args: argparse.Namespace, backends: dict[str, str]) -> Any:
         queue_weight=args.queue_weight,
         spread_weight=args.spread_weight,
         affinity_weight=args.affinity_weight,
+        affinity_bound=args.affinity_bound,
         checkpoint_weight=args.checkpoint_weight,
         half_life=args.half_life,
     )

@@ -1,85 +1,36 @@
-"""How ``pcr gateway`` chooses a backend: the balance rule, without I/O.
-
-Every candidate backend ``b`` (known, not refusing connections) gets a cost in tokens,
-an estimate of the prefill work the engine does before this request's first token, plus a
-term that keeps the fleet's caches from collapsing onto one engine; the lowest cost wins
-(ties: fewer requests in flight, then the namespace's sort order)::
-
-    cost(b) = prefill(b)                                  # the prompt's uncached tokens
-            + queue_weight  * queued(b)                   # work ahead of it on b
-            + spread_weight * fresh * (N * share(b) - 1)  # b's share of recent work
-            - affinity_weight * fresh * N * (kin(b) - sent(b))  # b's kin, beyond its share
-            - checkpoint_weight * (kv(b) - cached(b))       # a hybrid checkpoint it would make
-            + prompt * [kv_usage(b) >= kv_usage_limit]
-
-- ``prefill(b) = prompt - cached(b)``; ``cached(b)`` is the prefix the registry says b's
-  engine can reuse (``AsyncPrefixRouter.score``: the Mamba-usable prefix on a hybrid
-  model's node, the KV prefix otherwise), in whole blocks, never the prompt's last token
-  (the engine computes at least one), continued through the blocks of the requests in
-  flight sent to b that the registry does not list yet (``pcr.gateway.pending``). A
-  backend the registry does not score (its lease lapsed, or Redis is away) has
-  ``cached = 0``: it is still chosen by load.
-- ``queued(b) = pending(b) + request_tokens * max(in_flight(b), engine_requests(b))``:
-  the uncached prompt tokens of the requests every gateway replica has in flight at b,
-  plus a fixed cost per request (decoding, scheduling); ``engine_requests`` is what the
-  engine itself reports waiting (``vllm:num_requests_waiting``, scraped), which also
-  counts requests that did not come through a gateway (not its running requests:
-  scraped a moment ago, those are often this gateway's own, already finished).
-- ``share(b)`` is b's part of the prefill tokens sent lately by all replicas, decayed with
-  a half-life of ``half_life`` seconds, each backend counted as if it had done one more
-  prompt's worth (so that a little work, or none, is no imbalance: a fully cached prompt
-  adds almost nothing). Without it a greedy choice sends everything to the
-  engine that first cached a shared system prompt whenever requests come one at a time
-  (nothing is ever in flight), and that engine's cache must then hold every conversation
-  while the other's sits idle. With two engines and the default weight 1, a backend
-  doing all the recent work costs twice the ``fresh`` tokens more than an idle one.
-- ``fresh = prompt - max over b of cached(b)``: the tokens no backend caches, the work
-  that may go anywhere. The spread moves only that: a turn of a conversation cached on
-  one engine stays there however the recent work is shared (after an engine restarted
-  empty, the other holds every conversation and has done all the recent work: spreading
-  whole prompts would move even fully cached turns to the empty engine), while a new
-  conversation, cached nowhere but for a shared system prompt, goes where the work is
-  lighter.
-- ``kin(b)`` is b's part of the recent requests whose prompt starts with the same block
-  as this one (a shared system prompt, a template's preamble), ``sent(b)`` its part of
-  all recent requests, both decayed by the same half-life, each backend counted as if it
-  had one more. Where b serves more of this prompt's kin than of the traffic at large,
-  new work is pulled there, so engines specialize by shared prefix: each keeps its own
-  system prompts hot instead of both keeping every one half as hot, and their caches
-  hold conversations that share more. With one prefix shared by everything, ``kin`` is
-  ``sent`` and the term is 0.
-- ``kv(b)`` is b's KV prefix of the prompt in tokens (as ``cached``, whole blocks, never
-  the last token), given only for a hybrid model's nodes, where it can exceed ``cached``
-  (KV blocks with no Mamba state at their end: the engine reuses none of them). Sent
-  there, the request costs as much prefill as anywhere, but vLLM keeps a Mamba state
-  where a request's prompt leaves a prefix it shares with the cache (its shared-prefix
-  checkpoint), so the request's siblings then hit ``kv(b)`` tokens there; sent to an
-  engine without that KV, no checkpoint is made. Measured on running vLLM hybrid
-  engines, ranking by the usable prefix alone then lost to ranking by the KV prefix
-  (BENCHMARKS.md, "Hybrid engines"); at the default weight 0.5 the future hit counts
-  half, so a real hit now still wins over a checkpoint of up to twice its length.
-- ``kv_usage(b)`` (``vllm:kv_cache_usage_perc``, scraped): an engine whose KV cache is
-  full queues or preempts, so it costs one more prompt.
-
-Compared with vllm-router's ``cache_aware`` (a match ratio over ``cache_threshold`` goes
-to the best match, else to the least loaded; ``balance_abs_threshold`` and
-``balance_rel_threshold`` switch to shortest-queue when the queues differ by both): the
-trade is made in tokens, continuously, and from what the engines really hold.
-
-With ``queue_weight = spread_weight = 0`` the rule is the greedy prefix choice; with
-every ``cached = 0`` it is least-load.
-"""
+"""How ``pcr gateway`` chooses a backend: the balance rule lives in
+``registry.routing.balance`` (no I/O; ``pcr simulate --trace`` replays it too); here, what
+only the gateway's command line and load exchange need beside it."""
 
 from __future__ import annotations
 
-import math
 import re
-from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
-from pcr.gateway.pending import Reach
-from registry.core.validation import is_number
+from registry.routing.balance import (
+    BackendLoad,
+    BalanceRule,
+    Choice,
+    Decayed,
+    Kin,
+    Reach,
+    cached_tokens,
+    prompt_root,
+    ranked,
+)
+
+__all__ = [
+    "POLICIES",
+    "REPLICA_ID",
+    "BackendLoad",
+    "BalanceRule",
+    "Choice",
+    "Decayed",
+    "Kin",
+    "Reach",
+    "cached_tokens",
+    "prompt_root",
+    "ranked",
+]
 
 REPLICA_ID = re.compile(r"[!-~]{1,200}")
 """A gateway replica's id: its field in ``pcr:gateway:load`` and the first word of what
@@ -87,213 +38,3 @@ it publishes on the load channel."""
 POLICIES = ("prefix", "least-load", "round-robin")
 """``prefix``: the balance rule; ``least-load``: the rule without cached prefixes;
 ``round-robin``: each backend in turn (a baseline)."""
-
-
-@dataclass(frozen=True)
-class BalanceRule:
-    """The weights of the cost (module docstring)."""
-
-    queue_weight: float = 0.1
-    """An engine batches the requests it runs: work queued ahead delays a request's first
-    token by a part of it, not all; a heavier weight moves turns off the engine that caches
-    their conversation (BENCHMARKS.md, "What moved the figures", compares weights)."""
-    spread_weight: float = 1.0
-    affinity_weight: float = 0.5
-    checkpoint_weight: float = 0.5
-    """Of the KV tokens beyond the usable prefix on a hybrid model's node, the part that
-    counts as cached (the siblings' future hit at the checkpoint the request makes)."""
-    half_life: float = 30.0
-    """Seconds over which a backend's recent work counts half."""
-    request_tokens: float = 32.0
-    """The cost of one request in flight beyond its prompt (decoding, scheduling)."""
-    kv_usage_limit: float = 0.95
-
-    def __post_init__(self) -> None:
-        for name in (
-            "queue_weight",
-            "spread_weight",
-            "affinity_weight",
-            "checkpoint_weight",
-            "request_tokens",
-        ):
-            value = getattr(self, name)
-            if not is_number(value):
-                raise TypeError(f"{name} must be a number")
-            if not 0 <= value < math.inf:
-                raise ValueError(f"{name} must be a finite number >= 0")
-        if not 0 < self.half_life < math.inf:
-            raise ValueError("half_life must be a positive finite number of seconds")
-        if not 0 < self.kv_usage_limit <= 1:
-            raise ValueError("kv_usage_limit must be in (0, 1]")
-
-
-@dataclass
-class Decayed:
-    """A sum that halves every ``half_life`` seconds (``value`` as of ``at``)."""
-
-    value: float = 0.0
-    at: float = 0.0
-
-    def now(self, now: float, half_life: float) -> float:
-        if self.value == 0.0 or now <= self.at:
-            return self.value
-        return self.value * math.pow(0.5, (now - self.at) / half_life)
-
-    def add(self, amount: float, now: float, half_life: float) -> None:
-        self.value = self.now(now, half_life) + amount
-        self.at = max(now, self.at)
-
-
-@dataclass
-class BackendLoad:
-    """What one backend carries, as this replica knows it."""
-
-    in_flight: int = 0
-    """Requests this replica has in flight there."""
-    pending: float = 0.0
-    """Their uncached prompt tokens."""
-    recent: Decayed = field(default_factory=Decayed)
-    """Prefill tokens this replica sent there lately."""
-    remote_in_flight: int = 0
-    remote_pending: float = 0.0
-    remote_recent: float = 0.0
-    """The other replicas' share (as last exchanged), decayed to ``remote_at``."""
-    remote_at: float = 0.0
-    engine_requests: float = 0.0
-    """Requests waiting in the engine's queue, as it last reported (scraped)."""
-    engine_running: float = 0.0
-    """Requests it was running then (shown, not weighed)."""
-    kv_usage: float = 0.0
-
-
-def cached_tokens(usable_blocks: int, block_size: int, prompt_tokens: int) -> int:
-    """Tokens an engine serves from its cache for a prompt whose first ``usable_blocks``
-    blocks it holds: whole blocks, never the prompt's last token."""
-    if prompt_tokens <= 0:
-        return 0
-    return max(0, min(usable_blocks, (prompt_tokens - 1) // block_size)) * block_size
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One candidate's cost and its parts (for metrics and tests)."""
-
-    namespace: str
-    cost: float
-    cached: int
-    queued: float
-    share: float
-    reach: Reach | None = None
-    """Its prefix in blocks, for what a request sent there leaves pending
-    (``pcr.gateway.pending``); None where no prefix was scored."""
-
-
-def ranked(
-    candidates: Iterable[str],
-    prompt_tokens: int,
-    cached: Mapping[str, int],
-    loads: Mapping[str, BackendLoad],
-    rule: BalanceRule,
-    now: float,
-    kin: tuple[Mapping[str, float], Mapping[str, float]] | None = None,
-    kv: Mapping[str, int] | None = None,
-) -> list[Choice]:
-    """The candidates from best to worst by the rule (module docstring); ``kin``: each
-    backend's recent requests that share this prompt's first block, and its recent
-    requests of any kind (``Kin.counts``); ``kv``: each hybrid node's KV prefix in
-    tokens, where it exceeds ``cached``."""
-    names = sorted(set(candidates))
-    if not names:
-        return []
-    recent = {n: _recent(loads.get(n), now, rule.half_life) for n in names}
-    total = sum(recent.values())
-    count = len(names)
-    hits = {n: min(max(0, cached.get(n, 0)), max(0, prompt_tokens)) for n in names}
-    fresh = float(max(0, prompt_tokens) - max(hits.values()))
-    kinned, sent = kin or ({}, {})
-    kin_total = sum(kinned.get(n, 0.0) for n in names)
-    sent_total = sum(sent.get(n, 0.0) for n in names)
-    out = []
-    for name in names:
-        load = loads.get(name) or BackendLoad()
-        hit = hits[name]
-        in_flight = load.in_flight + load.remote_in_flight
-        queued = load.pending + load.remote_pending
-        queued += rule.request_tokens * max(float(in_flight), load.engine_requests)
-        share = (recent[name] + prompt_tokens) / (total + count * prompt_tokens)
-        cost = float(prompt_tokens - hit)
-        cost += rule.queue_weight * queued
-        cost += rule.spread_weight * fresh * (count * share - 1.0)
-        if kin_total:
-            kin_share = (kinned.get(name, 0.0) + 1.0) / (kin_total + count)
-            sent_share = (sent.get(name, 0.0) + 1.0) / (sent_total + count)
-            cost -= rule.affinity_weight * fresh * count * (kin_share - sent_share)
-        if kv:
-            cost -= rule.checkpoint_weight * max(0, min(kv.get(name, 0), prompt_tokens) - hit)
-        if load.kv_usage >= rule.kv_usage_limit:
-            cost += prompt_tokens
-        out.append(Choice(name, cost, hit, queued, share))
-    flights = {n: (loads.get(n) or BackendLoad()) for n in names}
-    out.sort(
-        key=lambda c: (
-            c.cost,
-            flights[c.namespace].in_flight + flights[c.namespace].remote_in_flight,
-            c.namespace,
-        )
-    )
-    return out
-
-
-def _recent(load: BackendLoad | None, now: float, half_life: float) -> float:
-    if load is None:
-        return 0.0
-    remote = load.remote_recent
-    if remote and now > load.remote_at:
-        remote *= math.pow(0.5, (now - load.remote_at) / half_life)
-    return load.recent.now(now, half_life) + remote
-
-
-class Kin:
-    """Per prompt root (its first block), the requests sent to each backend lately, and
-    all requests sent to each, decayed: what ``ranked``'s ``kin`` reads. Remembers the
-    ``limit`` roots used last."""
-
-    def __init__(self, limit: int = 4_096) -> None:
-        self.limit = limit
-        self._roots: OrderedDict[Hashable, dict[str, Decayed]] = OrderedDict()
-        self._all: dict[str, Decayed] = {}
-
-    def counts(
-        self, root: Hashable | None, now: float, half_life: float
-    ) -> tuple[dict[str, float], dict[str, float]] | None:
-        kinned = self._roots.get(root) if root is not None else None
-        if not kinned:
-            return None
-        return (
-            {name: decayed.now(now, half_life) for name, decayed in kinned.items()},
-            {name: decayed.now(now, half_life) for name, decayed in self._all.items()},
-        )
-
-    def record(self, root: Hashable | None, backend: str, now: float, half_life: float) -> None:
-        self._all.setdefault(backend, Decayed()).add(1.0, now, half_life)
-        if root is None:
-            return
-        sent = self._roots.get(root)
-        if sent is None:
-            sent = self._roots[root] = {}
-            if len(self._roots) > self.limit:
-                self._roots.popitem(last=False)
-        else:
-            self._roots.move_to_end(root)
-        sent.setdefault(backend, Decayed()).add(1.0, now, half_life)
-
-    def __len__(self) -> int:
-        return len(self._roots)
-
-
-def prompt_root(tokens: Sequence[int] | None, block_size: int) -> Hashable | None:
-    """What a prompt's kin share: its first block of tokens (None for a prompt shorter
-    than a block, or none known)."""
-    if not tokens or len(tokens) <= block_size:
-        return None
-    return tuple(tokens[:block_size])

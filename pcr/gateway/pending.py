@@ -46,6 +46,7 @@ from typing import Any
 
 from registry.core.validation import is_number
 from registry.fleet.holders import HeldChange
+from registry.routing.balance import Reach
 
 MAX_HASH = (1 << 63) - 1
 WIRE_CHAINS = 8
@@ -102,18 +103,6 @@ class Listed:
         return Reach(
             registry.held(name), self.held(name), self.usable.get(name, 0), name in self.hybrid
         )
-
-
-@dataclass(frozen=True)
-class Reach:
-    """A chosen backend's prefix of the prompt in blocks, for the blocks its request
-    leaves pending there: ``held`` listed by the registry, ``kv`` with the pending ones,
-    ``usable`` what its engine reuses, ``hybrid`` a hybrid model's node."""
-
-    held: int = 0
-    kv: int = 0
-    usable: int = 0
-    hybrid: bool = False
 
 
 @dataclass

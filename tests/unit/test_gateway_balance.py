@@ -3,6 +3,7 @@ what it must never do (pile every request onto one engine while another idles)."
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -241,3 +242,29 @@ def test_a_hit_now_beats_a_checkpoint_up_to_twice_its_length() -> None:
     assert ranked(["a", "b"], 300, cached, loads, RULE, 0.0, None, {"a": 96})[0].cost == (
         ranked(["a", "b"], 300, cached, loads, RULE, 0.0)[0].cost
     )
+
+
+def test_the_affinity_pulls_no_further_than_its_bound() -> None:
+    """Bounded loads: kin pulls new work towards b only while b serves at most
+    ``affinity_bound`` times the mean share of the recent requests; past it b's cost is
+    what it would be without the term."""
+    kin = ({"a": 0.0, "b": 10.0}, {"a": 10.0, "b": 20.0})  # b: 21/32 of the requests, 1.31x
+    loads = {"a": BackendLoad(), "b": BackendLoad()}
+    cached = {"a": 0, "b": 0}
+
+    def cost_of_b(rule: BalanceRule) -> float:
+        order = ranked(["a", "b"], 300, cached, loads, rule, 0.0, kin)
+        return next(c.cost for c in order if c.namespace == "b")
+
+    unpulled = cost_of_b(BalanceRule(affinity_weight=0))
+    assert cost_of_b(BalanceRule(affinity_bound=1.5)) < unpulled
+    assert cost_of_b(BalanceRule(affinity_bound=math.inf)) < unpulled
+    assert cost_of_b(BalanceRule()) == unpulled  # the default 1.3
+    assert (
+        ranked(["a", "b"], 300, cached, loads, BalanceRule(affinity_bound=1.5), 0.0, kin)[
+            0
+        ].namespace
+        == "b"
+    )
+    with pytest.raises(ValueError, match="affinity_bound"):
+        BalanceRule(affinity_bound=0.5)

@@ -88,3 +88,80 @@ def test_bad_configurations_and_requests_too_big_are_refused() -> None:
         replay(requests, [0.0], ReplayConfig(), ["greedy"])
     with pytest.raises(ValueError, match="2 arrivals for 1 requests"):
         replay(requests, [0.0, 1.0], ReplayConfig())
+
+
+def test_the_gateway_policy_is_the_gateways_own_rule() -> None:
+    """``pcr gateway`` and the replay's ``gateway`` policy rank with one function, so a
+    rule tried in the simulation is the rule the gateway runs."""
+    from pcr.gateway import balance as gateway_balance
+    from registry.routing import balance as shared
+
+    assert gateway_balance.ranked is shared.ranked
+    assert gateway_balance.BalanceRule is shared.BalanceRule
+    assert gateway_balance.Kin is shared.Kin
+
+
+def test_the_gateway_keeps_turns_and_bursts_where_their_prefix_is() -> None:
+    """The gateway's rule on the replay: a conversation's turns, one at a time, stay
+    where its prefix is cached (the ideal's hit rate); a burst sharing 40 blocks stays
+    where the first was sent (its blocks count as arriving there), and no decision goes
+    away from the engine listing the longest prefix."""
+    talk: list[TraceRequest] = []
+    ids: tuple[int, ...] = ()
+    for turn in range(12):
+        ids = (*ids[:-1], 1000 + 3 * turn, 1001 + 3 * turn, 1002 + 3 * turn)
+        talk.append(request(turn + 1, ids))
+    config = ReplayConfig(engines=3, kv_blocks=200)
+    spaced = by_policy(replay(talk, [float(n) for n in range(len(talk))], config, ["gateway"]))
+    assert spaced["gateway"]["hit_rate"] == round(ideal(talk, 16).hit_rate, 4)
+    assert spaced["gateway"]["lost"]["away"] == 0
+    assert spaced["gateway"]["lost"]["evicted"] == 0
+
+    shared = tuple(range(40))
+    burst = [request(n + 1, (*shared, 100 + n)) for n in range(4)]
+    config = ReplayConfig(engines=4, kv_blocks=400, max_running=4)
+    runs = by_policy(replay(burst, [0.0, 0.001, 0.002, 0.003], config, ["gateway"]))
+    assert sorted(runs["gateway"]["requests_per_engine"]) == [0, 0, 0, 4]
+    assert runs["gateway"]["ideal_fraction"] == 1.0
+
+
+def test_lost_hits_are_counted_by_where_they_went() -> None:
+    """Against one infinite cache: round-robin sends each turn away from the engine that
+    lists its conversation (``away``); one engine too small for the conversation loses
+    its older blocks (``evicted``: held by no engine)."""
+    talk: list[TraceRequest] = []
+    ids: tuple[int, ...] = ()
+    for turn in range(6):
+        ids = (*ids[:-1], 1000 + 3 * turn, 1001 + 3 * turn, 1002 + 3 * turn)
+        talk.append(request(turn + 1, ids))
+    times = [float(n) for n in range(len(talk))]
+    rr = replay(talk, times, ReplayConfig(engines=2, kv_blocks=200), ["round-robin"])
+    lost = rr["runs"][0]["lost"]
+    assert lost["ideal"] == sum(2 * turn for turn in range(1, 6)) * 16
+    # Turn n (from 0) lists 2n blocks on the other engine, 2n - 2 on its own.
+    assert lost["away"] == 2 * 16 * 5
+    assert lost["requests_away"] == 5
+    assert lost["evicted"] == 0
+    first, flood = request(1, tuple(range(11))), request(2, tuple(range(100, 120)))
+    again = request(3, (*range(10), 50, 51))
+    small = replay([first, flood, again], [0.0, 1.0, 2.0], ReplayConfig(engines=1, kv_blocks=20))
+    for run in small["runs"]:  # the flood took every block the first prompt cached
+        assert run["lost"]["ideal"] == run["lost"]["evicted"] == 10 * 16
+        assert run["lost"]["away"] == 0
+        assert run["hit_rate"] == 0
+
+
+def test_cache_aware_follows_its_tree_over_the_threshold_else_the_smallest_tree() -> None:
+    """vllm-router ``cache_aware`` as replayed: a prompt matching over 30% of a tree goes
+    there; one matching less goes to the engine with the smallest tree of sent text."""
+    long = request(1, tuple(range(20)))
+    other = request(2, (500, 501, 502))
+    sibling = request(3, (*range(10), 900, 901))  # 10 of 11 full blocks: that tree
+    stranger = request(4, (0, 700, 701, 702, 703, 704, 705))  # 1 of 6: the smaller tree
+    config = ReplayConfig(engines=2, kv_blocks=200)
+    run = replay([long, other, sibling, stranger], [0.0, 1.0, 2.0, 3.0], config, ["cache-aware"])
+    assert run["runs"][0]["requests_per_engine"] == [2, 2]
+    hits = run["runs"][0]["hit_rate"]
+    maker = PromptMaker(16)
+    prompts = sum(maker.prompt_length(r) for r in (long, other, sibling, stranger))
+    assert hits == round(10 * 16 / prompts, 4)  # the sibling's 10 blocks, nothing else
