@@ -430,7 +430,8 @@ def add_trace_options(sim: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--policies",
-        help="comma-separated: round-robin, least-load, prefix, prefix+pending (default all)",
+        help="comma-separated: round-robin, least-load, prefix, prefix+pending, gateway, "
+        "cache-aware (default all)",
     )
     # --nodes and --kv-blocks take other defaults with a trace (8 engines, a share of the
     # distinct blocks): None here, resolved by the mode.

@@ -32,8 +32,12 @@ def test_a_generated_trace_is_written_then_replayed(
         "least-load",
         "prefix",
         "prefix+pending",
+        "gateway",
+        "cache-aware",
     ]
     runs = {r["policy"]: r for r in figures["runs"]}
+    assert runs["gateway"]["hit_rate"] > runs["round-robin"]["hit_rate"]
+    assert set(runs["gateway"]["lost"]) >= {"ideal", "evicted", "away"}
     assert runs["prefix"]["hit_rate"] > runs["round-robin"]["hit_rate"]
     assert all(r["hit_rate"] <= figures["ideal_hit_rate"] for r in figures["runs"])
     assert len(load_trace(trace)) == 300
