@@ -87,6 +87,17 @@ bench-hashing: $(STAMP)
 	$(BIN)/python -m pcr.bench.hashing $(BENCH_ARGS) \
 	  --json benchmarks/results/hashing-$$(date +%F)-$$(git rev-parse --short HEAD).json
 
+# The gateway's cost per request beside vllm-router cache_aware (pcr/bench/gateway_load.py,
+# issue 45): instant stub engines, a filled registry, a closed loop at 16/64/256 connections
+# of chat and token-id bodies through one gateway process, two replicas, --workers 2 and
+# vllm-router (rows skipped without it; PCR_VLLM_ROUTER names its launcher), each router
+# pinned to core 0 and the rest to core 1; about 8 minutes (BENCH_ARGS=--quick: 2).
+# Results in benchmarks/results/gateway-load-DATE-COMMIT.json and a table on stdout.
+.PHONY: bench-gateway-load
+bench-gateway-load: $(STAMP) redis-server
+	$(BIN)/python -m pcr.bench.gateway_load $(BENCH_ARGS) \
+	  --json benchmarks/results/gateway-load-$$(date +%F)-$$(git rev-parse --short HEAD).json
+
 # The fleet view under resyncs (pcr/bench/resync.py, issue 45): decisions made while the
 # view is not fresh over a run with the resync every 15 s and owners writing 100 times a
 # second, at 256 and 1,024 workers of about 4,100 blocks, and the cold start; a redis-server
