@@ -34,6 +34,9 @@ class GatewayConfig:
     replica_id: str = ""
     scrape_interval: float = 1.0
     share_interval: float = 0.1
+    share_batch: float = 0.01
+    """Seconds a request's start or end waits to be told to the other replicas, with every
+    other change of that window in one exchange (``pcr.gateway.exchange``)."""
     discover_interval: float = 2.0
     registry_timeout: float = 0.25
     connect_timeout: float = 2.0
@@ -87,6 +90,7 @@ class GatewayConfig:
             checked_number(self.max_model_len, "max_model_len", 1, 1 << 40, integer=True)
         for name in (
             "share_interval",
+            "share_batch",
             "discover_interval",
             "registry_timeout",
             "connect_timeout",

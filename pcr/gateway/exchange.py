@@ -2,10 +2,12 @@
 
 Every replica publishes the load it has in flight per backend and takes the others' in
 one round trip (``lua/gateway_load.lua``, which also pushes each entry it writes on the
-gateway load channel): periodically, when a request starts or ends (``nudge``), and
-before a reply's last bytes (``tell_peers``). ``LoadExchange`` sums the others' load
-into each backend's ``BackendLoad``; ``RegistryHealth`` is what routing and the exchange
-learn of Redis (away: routing by load alone, said by ``pcr_gateway_registry_up``).
+gateway load channel), in batches: the requests that start and end within ``batch``
+seconds (``nudge``) are told in one exchange, never one per request; with nothing changed
+only a keep-alive before the entry's TTL runs out, so an idle replica sends next to
+nothing. ``LoadExchange`` sums the others' load into each backend's ``BackendLoad``;
+``RegistryHealth`` is what routing and the exchange learn of Redis (away: routing by load
+alone, said by ``pcr_gateway_registry_up``).
 ``ended_leases`` tells which backends no longer announced may go.
 
 With the load goes what each replica's requests in flight leave pending at each backend
@@ -35,6 +37,10 @@ from registry.core.validation import is_number, text
 from registry.fleet.leases import lease_command, lease_of
 
 log = logging.getLogger(__name__)
+
+BATCH_S = 0.01
+"""Seconds a start or end waits to be told to the other replicas, with every other change
+of that window in the same exchange."""
 
 
 class RegistryHealth:
@@ -143,8 +149,10 @@ class LoadExchange:
         registry_timeout: float,
         half_life: float,
         pending: PendingPrefixes | None = None,
+        batch: float = BATCH_S,
     ) -> None:
         self.replica = replica
+        self.batch = batch
         self.pending = pending
         self.backends = backends
         self.registry = registry
@@ -161,11 +169,17 @@ class LoadExchange:
         self._exchanging = asyncio.Lock()
         self._sharing: asyncio.Task[None] | None = None
         self._share_again = False
-        self._untold_until = 0.0  # replies wait for no exchange until then (Redis slow)
+        self._changed = False  # a request started or ended since the last exchange
+        self._flush: asyncio.TimerHandle | None = None
+        self.exchanges = 0
+        """Exchanges made (each one round trip to Redis)."""
 
     def stop(self) -> list[asyncio.Task[None]]:
         """No more exchanges; returns the one under way in the background, if any."""
         self.stopping = True
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
         return [self._sharing] if self._sharing is not None else []
 
     async def share(self) -> None:
@@ -179,6 +193,8 @@ class LoadExchange:
             if self._shared_at > asked:
                 return  # an exchange that started after this was asked for sent it
             now = self._shared_at = time.monotonic()
+            self._changed = False
+            self.exchanges += 1
             mine = self._mine(now)
             router, gate = self.registry.ready()
             try:
@@ -230,8 +246,10 @@ class LoadExchange:
                 self.peers[replica] = held
 
     async def tick(self) -> None:
-        """The periodic exchange, unless a nudged one ran within half an interval."""
-        if time.monotonic() - self._shared_at >= self.share_interval / 2:
+        """The periodic exchange: what changed and was not told yet (a batch cut short
+        by Redis away), else only a keep-alive a third of the TTL after the last one."""
+        since = time.monotonic() - self._shared_at
+        if (self._changed and since >= self.batch) or since >= self.ttl_ms() / 3000:
             await self.share()
 
     def ttl_ms(self) -> int:
@@ -239,31 +257,25 @@ class LoadExchange:
         return max(1000, min(60_000, round(self.share_interval * 10_000)))
 
     def nudge(self) -> None:
-        """Share now, in the background (a request started or ended): the other replicas
-        see it as it happens, not at the next 100 ms tick. One exchange at a time; a
-        nudge during one makes one more after it."""
+        """A request started or ended: told to the other replicas within ``batch``
+        seconds, in one exchange with every other change of that window (never a round
+        trip per request); nothing while no other replica is known."""
+        self._changed = True
+        if self.stopping or self._flush is not None or not self.peers:
+            return
         health = self.health
-        if self.stopping or (not health.up and time.monotonic() < health.retry_at):
+        if not health.up and time.monotonic() < health.retry_at:
             return  # Redis known away: the periodic exchange finds out when it is back
-        if not self.peers:
-            return  # nobody to tell; a replica that starts learns it at the next exchange
+        self._flush = asyncio.get_running_loop().call_later(self.batch, self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush = None
+        if self.stopping:
+            return
         if self._sharing is not None and not self._sharing.done():
-            self._share_again = True
+            self._share_again = True  # one more after it, with what changed meanwhile
             return
         self._sharing = asyncio.ensure_future(self._share_nudged())
-
-    async def tell_peers(self) -> None:
-        """Share this replica's load now, when other replicas are known, and wait until
-        Redis has it (at most ``registry_timeout``; the exchange goes on behind): a
-        reply's end is then known to them before its client can send the next request to
-        one of them, so two replicas choose as one would. Redis away or slower than that:
-        not waited for again for a second."""
-        if self.stopping or not self.peers or time.monotonic() < self._untold_until:
-            return
-        told = asyncio.ensure_future(self.share_quietly())
-        done, _ = await asyncio.wait({told}, timeout=self.registry_timeout)
-        if not done or not self.health.up:
-            self._untold_until = time.monotonic() + 1.0
 
     async def share_quietly(self) -> None:
         """``share``, its failure left for the periodic exchange to report."""
@@ -309,6 +321,8 @@ class LoadExchange:
         if peer is not None and (held is None or peer.seq > held.seq):
             self.peers[replica] = peer
             self._apply_peers()
+            if held is None:  # a replica new to this one: tell it this one's load soon
+                self.nudge()
 
     def _apply_peers(self) -> None:
         """The other replicas' load summed per backend (entries older than the TTL, from

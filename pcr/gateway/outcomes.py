@@ -45,7 +45,6 @@ def ended(
     state: GatewayState,
     backend: Backend,
     prefill: int,
-    nudge: bool = True,
     sent: Sent | None = None,
     ok: bool = False,
 ) -> None:
@@ -55,19 +54,17 @@ def ended(
     load = backend.load
     load.in_flight = max(0, load.in_flight - 1)
     load.pending = max(0.0, load.pending - prefill)
-    if nudge:
-        state.exchange.nudge()
+    state.exchange.nudge()
     if state.metrics.on:
         backend.metrics(state.metrics).in_flight.dec()
 
 
 class Ending:
-    """``ended`` once: awaited (``told``, with whether the reply succeeded) before a
-    reply's last bytes go to the client, so the other replicas hear of the end before the
-    client can send its next request to one of them; called again, as a no-op, when the
-    exchange is over whatever happened (then the others are told in the background; a
-    request that ends there never reached ``told``: a failure, its pending blocks
-    dropped at once)."""
+    """``ended`` once: ``told`` (with whether the reply succeeded) before a reply's last
+    bytes go to the client; called again, as a no-op, when the exchange is over whatever
+    happened (a request that ends there never reached ``told``: a failure, its pending
+    blocks dropped at once). The other replicas hear of the end in the exchange's next
+    batch (``LoadExchange.nudge``), never by a round trip of its own."""
 
     def __init__(
         self, state: GatewayState, backend: Backend, prefill: int, sent: Sent | None = None
@@ -83,11 +80,10 @@ class Ending:
             self.done = True
             ended(self.state, self.backend, self.prefill, sent=self.sent)
 
-    async def told(self, ok: bool) -> None:
+    def told(self, ok: bool) -> None:
         if not self.done:
             self.done = True
-            ended(self.state, self.backend, self.prefill, nudge=False, sent=self.sent, ok=ok)
-            await self.state.exchange.tell_peers()
+            ended(self.state, self.backend, self.prefill, sent=self.sent, ok=ok)
 
 
 def count_error(state: GatewayState, backend: Backend, kind: str) -> None:

@@ -297,7 +297,7 @@ async def _whole(
         return
     upstream.release()
     watch.stop()
-    await end.told(ok=200 <= upstream.status < 300)
+    end.told(ok=200 <= upstream.status < 300)
     answered(state, backend, upstream.status, arrived, first_byte=True)
     await respond(send, upstream.status, content, raw_reply_headers(upstream))
 
@@ -338,7 +338,7 @@ async def _streamed(
             broken = True
             count_error(state, backend, "protocol")
         watch.stop()
-        await end.told(ok=complete and 200 <= upstream.status < 300)
+        end.told(ok=complete and 200 <= upstream.status < 300)
         last = _stream_error(backend) if broken and events else b""
         await send({"type": "http.response.body", "body": last})  # say so, as engines do
     finally:

@@ -119,6 +119,7 @@ class GatewayState:
             registry,
             self.health,
             share_interval=config.share_interval,
+            batch=config.share_batch,
             registry_timeout=config.registry_timeout,
             half_life=config.rule.half_life,
             pending=self.pending,
@@ -171,8 +172,8 @@ class GatewayState:
             with contextlib.suppress(RegistryError, TimeoutError):
                 await self._discover()
         # Announce this replica at once: the others learn of it from the push, it of
-        # them from the reply (a replica tells its peers of each request's start and end
-        # only once it knows of some).
+        # them from the reply (a replica tells its peers of its requests' starts and ends,
+        # in batches, only once it knows of some).
         await self.exchange.share_quietly()
         await self.models.refresh(self.http, self.backends)
         loops = [self._every(self.config.share_interval, self._tick)]

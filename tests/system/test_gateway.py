@@ -7,7 +7,6 @@ announced in Redis. Faults (refusals, retries, Redis away, bad input) are in
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -244,16 +243,17 @@ def test_a_replica_sees_another_replicas_request_as_it_starts_and_ends(
             served.close()
 
 
-def test_a_lone_replica_exchanges_no_load_per_request_and_replicas_hear_each_end_first(
+def test_a_lone_replica_exchanges_nothing_per_request_and_replicas_exchange_in_batches(
     redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
 ) -> None:
     """A replica that knows no other sends nothing to Redis per request (its periodic
     exchange is a minute apart here: no load message while it serves five requests); once
-    a second replica has announced itself, each reply through the first leaves only after
-    Redis holds the first's load without that request, so the next request, sent to
-    either replica, is chosen knowing it ended."""
+    a second replica is known, the starts and ends of many requests are told in batches
+    (``share_batch`` apart, 2 s here): far fewer exchanges than requests, counted by the
+    server (``INFO commandstats`` after ``CONFIG RESETSTAT``: each exchange publishes
+    once), and the other replica still hears the last end."""
     from pcr.gateway.config import GatewayConfig
-    from registry.core.keys import gateway_load_channel, gateway_load_key
+    from registry.core.keys import gateway_load_channel
     from tests.system.test_serve import Served
 
     prefix = f"gt{uuid.uuid4().hex[:6]}"
@@ -265,7 +265,7 @@ def test_a_lone_replica_exchanges_no_load_per_request_and_replicas_hear_each_end
     def replica(rid: str) -> Served:
         config = GatewayConfig(
             backends=backends, block_size=BLOCK, replica_id=rid, share_interval=60,
-            registry_timeout=30,
+            share_batch=2.0, registry_timeout=30,
         )  # fmt: skip
         return Served(redis_server.url, prefix, gateway=config)
 
@@ -280,6 +280,10 @@ def test_a_lone_replica_exchanges_no_load_per_request_and_replicas_hear_each_end
                 ids.append(message["data"].decode().split(" ", 1)[0])
         return ids
 
+    def publishes() -> int:
+        stats = client.info("commandstats").get("cmdstat_publish", {})
+        return int(stats.get("calls", 0)) if isinstance(stats, dict) else 0
+
     made: list[Served] = []
     try:
         made.append(replica("one"))
@@ -290,14 +294,25 @@ def test_a_lone_replica_exchanges_no_load_per_request_and_replicas_hear_each_end
         made.append(replica("two"))
         assert heard_until("two") == ["two"]  # nothing from one meanwhile
         one = made[0].app.state.gateway
+        two = made[1].app.state.gateway
         wait_until(lambda: one.exchange.peers, 30, "replica one hearing of two")
-        for n in range(3):
+        wait_until(lambda: one.exchange._flush is None, 30, "replica one's first batch told")
+        client.config_resetstat()
+        began = time.monotonic()
+        requests = 30
+        for n in range(requests):
             reply = made[0].http.post("/v1/completions", json={"model": "tiny", "prompt": [n] * 9})
             assert reply.status_code == 200
-            entry = client.hget(gateway_load_key(prefix), "one")
-            assert entry is not None
-            load = json.loads(entry.decode().split(" ", 1)[1])["load"]
-            assert all(values[0] == 0 for values in load.values()), load
+        took = time.monotonic() - began
+        told = publishes()  # per request the old exchange made two: start and end
+        assert told <= took / 2.0 + 2, (told, took)
+        assert told < requests, told
+        in_flight = lambda: {  # noqa: E731
+            ns: v["other_replicas"]
+            for ns, v in made[1].http.get("/health").json()["in_flight"].items()
+        }
+        wait_until(lambda: not any(in_flight().values()), 30, "replica two hearing the last end")
+        assert two.exchange.peers["one"].seq > 0
     finally:
         for served in made:
             served.close()
