@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from pcr.cli.service_options import (
     transport_options,
 )
 from pcr.gateway.balance import POLICIES, REPLICA_ID
-from pcr.web.server import enable_metrics, listen_url, run_app
+from pcr.web.server import enable_metrics, listen_url, run_app, serve_workers
 from registry.core.keys import validate_namespace
 from registry.fleet.membership import validate_engine_url
 
@@ -42,6 +43,7 @@ NEEDED = {
     "aiohttp": "aiohttp",
 }  # module: package
 MAX_BACKENDS = 4_096
+MAX_WORKERS = 256
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -293,6 +295,14 @@ def _balance_options(gateway: argparse.ArgumentParser) -> None:
         help="this replica's name in the shared load table (default: host-pid)",
     )
     gateway.add_argument(
+        "--workers",
+        type=int_in(1, MAX_WORKERS, "--workers"),
+        default=1,
+        help="processes serving the one port (SO_REUSEPORT, the kernel spreads the "
+        "connections), each a replica of its own sharing its load with the others through "
+        "Redis, so a gateway uses every core (default 1)",
+    )
+    gateway.add_argument(
         "--scrape-interval",
         type=_number(0, "--scrape-interval", zero=True),
         default=1.0,
@@ -451,12 +461,59 @@ def command_gateway(args: argparse.Namespace) -> int:
     tls = tls_settings(args)
     access = access_policy("gateway", args)
     backend_tls(args)
+    config = _gateway_config(args, backends)
+    enable_metrics()
+    workers = args.workers
+    if workers == 1:  # the app (its tokenizer checked) before the port is taken
+        app = _gateway_app(args, config, access)
+        sock = bind(args.host, args.port)
+        _say_routing(args, backends, sock, bool(tls), workers)
+        return run_app(app, sock, args, "gateway", openai_errors=True, **tls)
+    sock = bind(args.host, args.port, reuse_port=True)
+    port = sock.getsockname()[1]
+    _say_routing(args, backends, sock, bool(tls), workers)
+
+    def worker(index: int) -> int:
+        """One of the processes: its own app, its own replica id, its own socket on the
+        port (the first, the one bound here)."""
+        mine = sock
+        if index > 0:
+            sock.close()
+            mine = bind(args.host, port, reuse_port=True)
+        rid = f"{args.replica_id}-w{index}" if args.replica_id else ""
+        try:
+            app = _gateway_app(args, replace(config, replica_id=rid), access)
+        except BaseException:
+            mine.close()
+            raise
+        return run_app(app, mine, args, "gateway", openai_errors=True, **tls)
+
+    code = serve_workers(workers, worker)
+    sock.close()
+    return 0 if code is None else code
+
+
+def _say_routing(
+    args: argparse.Namespace, backends: dict[str, str], sock: Any, tls: bool, workers: int
+) -> None:
+    host, port = sock.getsockname()[:2]
+    where_from = listen_url(host, port, "https" if tls else "http")
+    known = ", ".join(f"{n}={u}" for n, u in sorted(backends.items())) or "none configured"
+    where = "registry in" if args.no_announced else "and engines announced in"
+    processes = f", {workers} worker processes" if workers > 1 else ""
+    print(
+        f"pcr gateway: routing on {where_from} to {known} ({where} Redis at "
+        f"{shown_url(args.redis_url)}), policy {args.policy}{processes}",
+        flush=True,
+    )
+
+
+def _gateway_app(args: argparse.Namespace, config: Any, access: Any) -> Any:
+    """The gateway's app of ``config`` (its tokenizer loaded: a bad one is a usage error)."""
     from pcr.gateway.service import create_gateway_app
     from pcr.gateway.tokens import TokenizerError
     from pcr.serve.cors import allow_origins
 
-    config = _gateway_config(args, backends)
-    enable_metrics()
     try:
         app = create_gateway_app(
             config,
@@ -469,15 +526,4 @@ def command_gateway(args: argparse.Namespace) -> int:
         )
     except TokenizerError as exc:
         raise UsageError(f"argument --tokenizer: {exc}") from None
-    app = allow_origins(app, args.allowed_origins, openai=True)
-    sock = bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    where_from = listen_url(host, port, "https" if tls else "http")
-    known = ", ".join(f"{n}={u}" for n, u in sorted(backends.items())) or "none configured"
-    where = "registry in" if args.no_announced else "and engines announced in"
-    print(
-        f"pcr gateway: routing on {where_from} to {known} ({where} Redis at "
-        f"{shown_url(args.redis_url)}), policy {args.policy}",
-        flush=True,
-    )
-    return run_app(app, sock, args, "gateway", openai_errors=True, **tls)
+    return allow_origins(app, args.allowed_origins, openai=True)

@@ -296,7 +296,10 @@ def _key_file(command: str, path: Path) -> list[Any]:
     return grants
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A socket bound to ``host:port`` (not yet listening); ``reuse_port``: with
+    ``SO_REUSEPORT``, so that several processes listen on one port, the kernel spreading
+    the connections between them."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError) as exc:
@@ -305,6 +308,8 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError as exc:
         sock.close()

@@ -52,6 +52,7 @@ async def health(request: Request) -> JSONResponse:
     up = state.registry_reachable()
     body: dict[str, Any] = {
         "status": "ok" if status == 200 else "unavailable",
+        "replica": state.replica,
         "registry": "reachable" if up else "away",
         "routing": state.config.policy if up else "load",
         "backends": backends,

@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
+import os
 import signal
 import socket
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -392,3 +395,54 @@ def run_app(
     finally:
         sock.close()
     return 0
+
+
+def serve_workers(count: int, serve: Callable[[int], int]) -> int | None:
+    """Fork ``count`` worker processes, each returning ``serve(index)`` (None is returned
+    in the parent only: a worker returns its own exit status, up through the caller, so
+    its errors are reported as a single process's are). The parent supervises: SIGTERM,
+    SIGINT and SIGHUP go to every worker; when one exits the others are stopped; its
+    status is the first failing worker's, else 0. Fork before any thread or event loop
+    starts (each worker builds its own app). A worker dies with the parent (Linux)."""
+    children: dict[int, int] = {}
+    for index in range(count):
+        pid = os.fork()
+        if pid == 0:
+            _die_with_parent()
+            return serve(index)
+        children[pid] = index
+
+    told: set[int] = set()  # the workers asked to stop (once each: a second SIGTERM
+    # during a worker's shutdown, its handlers restored, would kill it mid-way)
+
+    def stop(_signum: int = 0, _frame: Any = None) -> None:
+        for pid in children:
+            if pid not in told:
+                told.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, stop)
+    code = 0
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        children.pop(pid, None)
+        exit_code = os.waitstatus_to_exitcode(status)
+        if exit_code == -signal.SIGTERM and pid in told:
+            exit_code = 0  # asked to stop before its own handlers were in place
+        if exit_code != 0 and code == 0:
+            code = exit_code if exit_code > 0 else 1
+        stop()  # one worker gone: the others stop too (a supervisor above restarts all)
+    return code
+
+
+def _die_with_parent() -> None:
+    """SIGTERM to this process when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)

@@ -1,0 +1,80 @@
+"""``pcr gateway --workers N``: N processes on one port (SO_REUSEPORT), each a replica of
+its own, all serving and all routing by cached prefix, stopped together."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.support.fake_engine import FakeEngine
+from tests.support.servers import RedisServer
+from tests.support.serving import ServeProcess
+from tests.support.waiting import wait_until
+from tests.system.test_gateway import BLOCK, cache, complete
+
+pytest.importorskip("fastapi")
+
+
+@pytest.fixture
+def engines() -> Iterator[list[FakeEngine]]:
+    made = [FakeEngine("a").start(), FakeEngine("b").start()]
+    try:
+        yield made
+    finally:
+        for engine in made:
+            engine.stop()
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    stat = handle.read()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(b")") + 2 :].split()[1]) == pid:
+                found.add(int(entry))
+    return found
+
+
+def test_two_workers_share_one_port_and_both_route_by_prefix(
+    redis_server: RedisServer, engines: list[FakeEngine]
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    names = [f"gw-a-{tag}", f"gw-b-{tag}"]
+    client = redis_server.client()
+    prompt = list(range(10, 43))  # 8 whole blocks, cached on b alone
+    cache(client, names[1], prompt)
+    args = ["--redis-url", redis_server.url, "--block-size", str(BLOCK), "--workers", "2"]
+    for name, engine in zip(names, engines, strict=True):
+        args += ["--backend", f"{name}={engine.url}"]
+    proc = ServeProcess(*args, path="/health", command="gateway").start()
+    try:
+        assert proc.process is not None
+        wait_until(lambda: len(_children(proc.process.pid)) == 2, 30, "two workers")
+        replicas: set[str] = set()
+
+        def both_answered() -> bool:
+            # a new connection each time: the kernel spreads them over the two sockets
+            reply = httpx.get(f"{proc.base}/health", timeout=10)
+            if reply.status_code == 200:
+                replicas.add(reply.json()["replica"])
+            return len(replicas) == 2
+
+        wait_until(both_answered, 60, "both workers answering on the one port")
+        workers = {f"{os.uname().nodename}-{pid}" for pid in _children(proc.process.pid)}
+        assert replicas == workers
+        served = [complete(proc.base, {"prompt": prompt})["by"] for _ in range(8)]
+        assert served == ["b"] * 8
+        pids = _children(proc.process.pid)
+    finally:
+        code = proc.stop()
+        client.close()
+    assert code == 0
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
