@@ -35,6 +35,13 @@ No request stalls another:
   ``LONG_PROMPT_CHARS`` go to a short lane of ``SHORT_WORKERS`` threads, longer ones to a
   long lane of one thread, so long prompts never starve short ones; while
   ``LONG_WAITING`` long prompts are in the long lane, more are routed by load untokenized.
+- A text is encoded in its pieces between the tokenizer's added tokens (``<|im_start|>``
+  and the like, which the tokenizer itself splits on before anything else), each piece's
+  tokens remembered (``SEGMENTS`` of them, least recently used out): a chat's system
+  prompt, shared by many requests, is encoded once. Only where a self-test at load shows
+  the pieces' tokens joined equal to the whole text's (no added token strips its
+  neighbours' spaces or is normalized, no pre-tokenizer treats a text's start apart);
+  else, and with special tokens added, the whole text each time.
 - A body over ``PARSE_IN_LOOP`` bytes is parsed (and a prompt of token ids checked and
   hashed) in a helper process (``BodyParser``), not on the event loop: ``json.loads``
   holds the interpreter lock throughout, so a thread would not do.
@@ -43,17 +50,20 @@ No request stalls another:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import json
 import logging
 import math
 import multiprocessing
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -75,6 +85,19 @@ LONG_WAITING = 2
 load without their tokens."""
 PARSE_IN_LOOP = 1 << 20
 """Bodies over this many bytes are parsed in the helper process, not on the event loop."""
+SEGMENTS = 4_096
+"""Pieces of text between added tokens whose tokens are remembered."""
+SEGMENT_PROBES = (
+    "Hello world",
+    " leading space",
+    "\n\nnewlines first",
+    "  two spaces, tabs\tand\nlines  ",
+    "caf\u00e9 \u4e2d\u6587 \U0001f642 123 4567",
+    "system",
+    "user\nWhat is 2+2?",
+    "",
+)
+"""Texts the self-test joins around the added tokens (``_Segmenter.agrees``)."""
 HASH_IN_LOOP = 4_096
 """Token lists longer than this are hashed in a worker thread."""
 MAX_CONFIG_BYTES = 1 << 20
@@ -346,6 +369,74 @@ def config_max_len(directory: Path) -> int | None:
     return best
 
 
+class _Segmenter:
+    """Encodes a text as its pieces between the tokenizer's added tokens, each piece's
+    tokens remembered (``SEGMENTS``, shared by the threads: ``lru_cache`` is safe to call
+    from many threads and holds no lock while a piece is encoded)."""
+
+    def __init__(self, added: dict[str, int], encode: Callable[[str], list[int]]) -> None:
+        contents = sorted(added, key=len, reverse=True)  # the longest first, as the tokenizer
+        self.pattern = re.compile("|".join(re.escape(c) for c in contents))
+        self.added = added
+        self.piece: Callable[[str], tuple[int, ...]] = lru_cache(maxsize=SEGMENTS)(
+            lambda text: tuple(encode(text))
+        )
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        at = 0
+        for found in self.pattern.finditer(text):
+            if found.start() > at:
+                ids += self.piece(text[at : found.start()])
+            ids.append(self.added[found.group()])
+            at = found.end()
+        if at < len(text):
+            ids += self.piece(text[at:])
+        return ids
+
+    def agrees(self, whole: Callable[[str], list[int]], texts: list[str]) -> bool:
+        """Whether every text's pieces give the whole text's tokens."""
+        return all(self.encode(text) == whole(text) for text in texts)
+
+
+def _segmenter(tokenizer: Any, encode: Callable[[str], list[int]]) -> _Segmenter | None:
+    """A ``_Segmenter`` for ``tokenizer`` where it tokenizes exactly so (the self-test:
+    the probes joined around each added token, and a chat rendered by its template),
+    else None."""
+    try:
+        found = tokenizer.added_tokens_decoder
+    except AttributeError:
+        return None
+    added: dict[str, int] = {}
+    for token_id, token in found.items():
+        plain = not (token.lstrip or token.rstrip or token.single_word or token.normalized)
+        if not plain or not token.content:
+            return None
+        added[token.content] = token_id
+    if not added:
+        return None
+    texts = list(SEGMENT_PROBES)
+    for content in list(added)[:64]:
+        texts += [a + content + b for a in SEGMENT_PROBES for b in SEGMENT_PROBES[:4]]
+    with contextlib.suppress(Exception):  # no template, or one that wants other messages
+        messages = [
+            {"role": "system", "content": SEGMENT_PROBES[3]},
+            {"role": "user", "content": SEGMENT_PROBES[4]},
+        ]
+        texts.append(
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
+    segmenter = _Segmenter(added, encode)
+    try:
+        agrees = segmenter.agrees(encode, texts)
+    except Exception:  # a tokenizer that fails on a probe: the whole text each time
+        return None
+    if not agrees:
+        return None
+    segmenter.piece.cache_clear()  # type: ignore[attr-defined]
+    return segmenter
+
+
 class PromptTokenizer:
     """The model's tokenizer and chat template, loaded once from ``directory``; copied
     into each worker thread that tokenizes. ``max_model_len``: the prompts' longest (else
@@ -374,6 +465,7 @@ class PromptTokenizer:
         self.max_bytes = None if self.max_tokens is None else self.max_tokens * self.longest_token
         self._mine = threading.local()
         self._copying = threading.Lock()
+        self.segmenter = _segmenter(self.tokenizer, self._plain)
         self.short = _Lane("pcr-tokenize", SHORT_WORKERS)
         self.long = _Lane("pcr-tokenize-long", 1)
 
@@ -401,7 +493,14 @@ class PromptTokenizer:
             )
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if not add_special_tokens and self.segmenter is not None:
+            return self.segmenter.encode(text)
         ids: list[int] = self._own().encode(text, add_special_tokens=add_special_tokens)
+        return ids
+
+    def _plain(self, text: str) -> list[int]:
+        """``text``'s tokens without special tokens added, by this thread's copy."""
+        ids: list[int] = self._own().encode(text, add_special_tokens=False)
         return ids
 
     def completion(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -493,9 +592,14 @@ def token_prompt(body: dict[str, Any]) -> list[int] | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(_token(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and _tokens(prompt):
         return prompt
     return None
+
+
+def _tokens(values: list[Any]) -> bool:
+    """Whether every value is a token id (``_token``): checked in C, not value by value."""
+    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) < 2**31
 
 
 def text_prompt(body: dict[str, Any]) -> str | None:

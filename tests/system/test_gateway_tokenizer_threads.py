@@ -1,0 +1,92 @@
+"""``PromptTokenizer`` without a lock between requests: each worker thread tokenizes with
+its own copy, and every prompt gets the same tokens from many threads at once as from one
+thread alone (fast tokenizers release the GIL, so the copies really run together)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.support.tiny_tokenizer import words
+
+pytest.importorskip("transformers")
+
+
+def _bodies(count: int) -> list[dict[str, object]]:
+    rng = random.Random(5)
+    bodies: list[dict[str, object]] = []
+    for n in range(count):
+        system = words([rng.randrange(4, 512) for _ in range(rng.randrange(50, 400))])
+        user = words([rng.randrange(4, 512) for _ in range(rng.randrange(1, 40))])
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        bodies.append({"messages": messages, "add_special_tokens": n % 3 == 0})
+    return bodies
+
+
+def test_many_threads_tokenize_as_one_does(tokenizer_dir: Path) -> None:
+    from pcr.gateway.tokens import SHORT_WORKERS, PromptTokenizer
+
+    bodies = _bodies(200)
+    alone = PromptTokenizer(tokenizer_dir)
+    expected = [alone.chat(body) for body in bodies]
+    assert all(expected)
+    shared = PromptTokenizer(tokenizer_dir)
+    with ThreadPoolExecutor(16) as pool:  # one PromptTokenizer, 16 threads at once
+        got = list(pool.map(shared.chat, bodies * 4))
+    assert got == expected * 4
+
+    async def lanes() -> list[list[int] | None]:
+        return await asyncio.gather(*(shared.tokens(body, chat=True) for body in bodies))
+
+    assert asyncio.run(lanes()) == expected  # through the short lane's threads
+    assert SHORT_WORKERS > 1
+    assert shared.short.held == 0
+    shared.close()
+    alone.close()
+
+
+def test_a_chat_encoded_in_pieces_between_added_tokens_gets_the_whole_texts_tokens(
+    tokenizer_dir: Path,
+) -> None:
+    """The pieces between added tokens (``<s>``...) are encoded once each and remembered:
+    every chat's tokens equal its whole rendered text's, the second time too."""
+    from pcr.gateway.tokens import PromptTokenizer
+
+    tokenizer = PromptTokenizer(tokenizer_dir)
+    assert tokenizer.segmenter is not None
+    whole = tokenizer.tokenizer
+    for body in _bodies(50) * 2:
+        text = tokenizer.render(body)
+        assert text is not None
+        special = body["add_special_tokens"] is True
+        assert tokenizer.chat(body) == whole.encode(text, add_special_tokens=special)
+    tokenizer.close()
+
+
+def test_a_tokenizer_that_treats_a_texts_start_apart_is_encoded_whole(tmp_path: Path) -> None:
+    """A Metaspace pre-tokenizer that marks only the text's first word (Llama's
+    ``prepend_scheme="first"``) tokenizes a piece after an added token unlike the piece
+    alone: the self-test finds it, and texts are encoded whole; so too where an added
+    token strips its neighbours' spaces."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pcr.gateway.tokens import PromptTokenizer
+
+    vocab = {"<s>": 0, "<unk>": 1, "\u2581Hello": 2, "Hello": 3, "\u2581world": 4}
+    for n, (scheme, strip) in enumerate((("first", False), ("always", True))):
+        words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        words.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+        fast = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>")
+        fast.add_special_tokens({"bos_token": AddedToken("<s>", lstrip=strip)})
+        fast.save_pretrained(tmp_path / str(n))
+        tokenizer = PromptTokenizer(tmp_path / str(n))
+        assert tokenizer.segmenter is None
+        assert tokenizer.encode("<s>Hello world", False) == fast.encode(
+            "<s>Hello world", add_special_tokens=False
+        )
+        tokenizer.close()
