@@ -300,6 +300,7 @@ class Router:
     label: str
     commands: list[list[str]]
     ports: list[int]
+    workers: int = 1
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
 
@@ -328,7 +329,25 @@ class Router:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.label} did not answer /health")
                 time.sleep(0.2)  # a starting process: nothing to wait on
+        while len(self._replicas()) < self.workers:  # every --workers process listening
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.label}: not every worker answered /health")
+            time.sleep(0.2)
         return self
+
+    def _replicas(self) -> set[str]:
+        """The replicas answering ``/health`` on a few new connections (``--workers``: the
+        kernel spreads them over the processes listening)."""
+        seen = set()
+        for _ in range(4 * self.workers):
+            with (
+                contextlib.suppress(OSError, ValueError),
+                urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.ports[0]}/health", timeout=2
+                ) as reply,
+            ):
+                seen.add(json.loads(reply.read()).get("replica", ""))
+        return seen
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
@@ -491,7 +510,7 @@ def _routers(url: str, backends: dict[str, str], tokenizer: Path, which: set[str
     if "workers" in which and _has_workers():
         port = free_port()
         command = _gateway_command(url, backends, port, "w", tokenizer, "--workers", "2")
-        made.append(Router("gateway --workers 2", [command], [port]))
+        made.append(Router("gateway --workers 2", [command], [port], workers=2))
     router_bin = os.environ.get("PCR_VLLM_ROUTER") or str(VLLM_ROUTER)
     if "vllm-router" in which and Path(router_bin).exists():
         port = free_port()
@@ -538,6 +557,23 @@ def _measure(
         "p50_ms": latencies[done // 2] * 1e3 if done else float("nan"),
         "p99_ms": latencies[min(done - 1, int(done * 0.99))] * 1e3 if done else float("nan"),
     }
+
+
+def _registry_away(router: Router) -> int:
+    """Decisions a gateway routed by load because it took the registry for away (over the
+    whole run; of the worker that answers, with ``--workers``)."""
+    total = 0
+    for port in router.ports:
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply,
+        ):
+            for line in reply.read().decode().splitlines():
+                if line.startswith("pcr_gateway_routing_decisions_total{") and (
+                    'outcome="registry_away"' in line
+                ):
+                    total += int(float(line.rsplit(" ", 1)[1]))
+    return total
 
 
 def _idle_cpu(router: Router, seconds: float) -> float:
@@ -601,7 +637,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "added_p50_ms": got["p50_ms"] - base["p50_ms"],
                      "added_p99_ms": got["p99_ms"] - base["p99_ms"]}
                 )  # fmt: skip
-        return {"rows": rows, "latency": latency, "idle_ms_per_s": idle}
+        away = {r.label: _registry_away(r) for r in routers if r.label.startswith("gateway")}
+        return {"rows": rows, "latency": latency, "idle_ms_per_s": idle, "registry_away": away}
     finally:
         for router in routers:
             router.stop()
@@ -663,6 +700,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["shape", "router", f"added p50 ms @{PACED_RATE:.0f}/s", "added p99 ms"],
         [[r["shape"], r["router"], f"{r['added_p50_ms']:.2f}", f"{r['added_p99_ms']:.2f}"]
          for r in result["latency"]]))  # fmt: skip
+    print()
+    print(format_table(["router", "routed by load: registry taken for away"],
+                       [[k, v] for k, v in result["registry_away"].items()]))  # fmt: skip
     print()
     print(format_table(["router", "idle CPU ms/s"],
                        [[k, f"{v:.1f}"] for k, v in result["idle_ms_per_s"].items()]))  # fmt: skip

@@ -34,7 +34,7 @@ class GatewayConfig:
     replica_id: str = ""
     scrape_interval: float = 1.0
     share_interval: float = 0.1
-    share_batch: float = 0.01
+    share_batch: float = 0.05
     """Seconds a request's start or end waits to be told to the other replicas, with every
     other change of that window in one exchange (``pcr.gateway.exchange``)."""
     discover_interval: float = 2.0

@@ -38,7 +38,7 @@ from registry.fleet.leases import lease_command, lease_of
 
 log = logging.getLogger(__name__)
 
-BATCH_S = 0.01
+BATCH_S = 0.05
 """Seconds a start or end waits to be told to the other replicas, with every other change
 of that window in the same exchange."""
 
