@@ -329,7 +329,7 @@ class Router:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.label} did not answer /health")
                 time.sleep(0.2)  # a starting process: nothing to wait on
-        while len(self._replicas()) < self.workers:  # every --workers process listening
+        while self.workers > 1 and len(self._replicas()) < self.workers:  # all listening
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.label}: not every worker answered /health")
             time.sleep(0.2)
