@@ -145,7 +145,9 @@ def test_every_script_goes_by_fcall(deployment: Deployment) -> None:
         view.close()
     client.hset(PrefixCacheRegistry(client, names[2]).keys.meta, "lease_until", 1)
     client.zadd(index.key, {names[2]: 1})
-    assert NodeIndex(client).collect_dead() == [names[2]]
+    collected = NodeIndex(client).collect_dead()  # other tests' run-out namespaces too
+    assert names[2] in collected
+    assert not {names[0], names[1], names[3]} & set(collected)
     owner.reset()
     assert owner.match_kv_prefix(H) == ([], 0)
 
