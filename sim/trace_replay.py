@@ -35,8 +35,9 @@ measures the real gateway and routers over HTTP. Each run also says where hits w
 against the infinite cache (``lost``, tokens): ``evicted`` (no engine held them),
 ``away`` (another engine listed a longer prefix than the chosen one; ``requests_away``,
 and for ``gateway`` ``away_queue`` / ``away_spread`` / ``away_kin``, the term that
-decided), and ``copies``, the mean engines holding each cached block at the end. Figures: the hit rate as the
-engines count it (hit tokens over prompt tokens), its fraction of one infinite cache's
+decided), and ``copies``, the mean engines holding each cached block at the end.
+Figures: the hit rate as the engines count it (hit tokens over prompt tokens), its
+fraction of one infinite cache's
 (``sim.trace.ideal``), the balance (most requests on one engine over the mean) and the
 simulated TTFT.
 """
