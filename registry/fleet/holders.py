@@ -25,11 +25,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from registry.core.scores import NodeScore, checked_hybrid
 from registry.core.validation import prefix_hashes
-from registry.fleet.matches import Matches, Naming, ends, farthest, walk
+from registry.fleet.matches import Matches, Naming, farthest, walk
+
+_holders: ModuleType | None
+try:
+    from registry.fleet import _holders
+except ImportError:  # installed without its C extension: the maps in dicts alone
+    _holders = None
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +130,11 @@ class HolderTable:
         self.counts = counts
         self.kv: dict[int, int] = {}
         self.mamba: dict[int, int] = {}
+        # The same maps as native indexes (one probe a lookup), kept equal to the dicts
+        # by ``_change``, where the C extension is built.
+        self._indexes: tuple[Any, Any] | None = (
+            None if _holders is None else (_holders.Index(), _holders.Index())
+        )
         self._sources: dict[str, _Source] = {}
         self._free: list[int] = []
         self._bits: list[int] = []  # slot -> 1 << slot, the one int its lone blocks share
@@ -192,8 +204,8 @@ class HolderTable:
         # hybrid=True); with none, the walk leaves the checkpoints out.
         reuses = 0 if hybrid is False else self._hybrid if hybrid is None else -1
         naming = self._naming
-        running, marks = self._walk(hashes, namespaces, bool(reuses))
-        return Matches(running, marks, reuses, naming)
+        length, steps, marks = self._walk(hashes, namespaces, bool(reuses))
+        return Matches(length, steps, marks, reuses, naming)
 
     def score(
         self,
@@ -207,9 +219,9 @@ class HolderTable:
         scored as ``PrefixRouter`` scores them (``FleetView.score``)."""
         hybrid = checked_hybrid(hybrid)
         naming = self._naming
-        running, marks = self._walk(hashes, namespaces, hybrid is not False)
+        _length, steps, marks = self._walk(hashes, namespaces, hybrid is not False)
         kv: dict[str, int] = {}
-        for position, bits in ends(running):
+        for position, bits in steps:
             kv.update(naming.named_at(bits, position))
         mamba: dict[str, int] = {}
         for position, bits in farthest(marks, -1):
@@ -238,20 +250,17 @@ class HolderTable:
 
     def _walk(
         self, hashes: Sequence[int], namespaces: Iterable[str] | None, checkpoints: bool
-    ) -> tuple[list[int], list[int]]:
-        """``walk`` over the prompt, whose hashes are checked as far as it read them
-        (the rest can change no answer: no prefix runs past a block no one holds), or
-        all of them where it read none."""
+    ) -> tuple[int, list[tuple[int, int]], list[int]]:
+        """``walk`` over the prompt (which checks the hashes it read)."""
         items = hashes if type(hashes) is list else list(_iterable(hashes))
         try:
-            running, marks, read = walk(
-                self.kv, self.mamba, items, self._mask(namespaces), checkpoints
+            length, steps, marks, _read = walk(
+                self.kv, self.mamba, items, self._mask(namespaces), checkpoints, self._indexes
             )
         except TypeError:  # an unhashable "hash": the clear error
             prefix_hashes(items)
             raise
-        prefix_hashes(items[:read] if read else items)  # raises on a bad hash
-        return running, marks
+        return length, steps, marks
 
     def _mask(self, namespaces: Iterable[str] | None) -> int:
         """The bits of the live namespaces (all, or those of ``namespaces``)."""
@@ -339,23 +348,23 @@ class HolderTable:
         change: HeldChange
         if op == Part.KV_ADDED:
             fresh = set(hashes) - source.kv
-            self._change(source, fresh, (), self.kv)
+            self._change(source, fresh, (), mamba=False)
             source.kv |= fresh
             change = HeldChange(name, added=fresh)
         elif op == Part.KV_REMOVED:
             gone = source.kv.intersection(hashes)
-            self._change(source, (), gone, self.kv)
+            self._change(source, (), gone, mamba=False)
             source.kv -= gone
             change = HeldChange(name, removed=gone)
         elif op == Part.MAMBA_ADDED:
             fresh = set(hashes) - source.mamba
-            self._change(source, fresh, (), self.mamba)
+            self._change(source, fresh, (), mamba=True)
             source.mamba |= fresh
             self._set_hybrid(source, True)
             change = HeldChange(name, added=fresh, mamba=True)
         elif op == Part.MAMBA_REMOVED:
             gone = source.mamba.intersection(hashes)
-            self._change(source, (), gone, self.mamba)
+            self._change(source, (), gone, mamba=True)
             source.mamba -= gone
             change = HeldChange(name, removed=gone, mamba=True)
         elif op == Part.KV_CLEARED:
@@ -433,22 +442,28 @@ class HolderTable:
 
     def _set(self, source: _Source, kv: set[int], mamba: set[int]) -> None:
         """Hold exactly ``kv`` and ``mamba`` for ``source``."""
-        self._change(source, kv - source.kv, source.kv - kv, self.kv)
-        self._change(source, mamba - source.mamba, source.mamba - mamba, self.mamba)
+        self._change(source, kv - source.kv, source.kv - kv, mamba=False)
+        self._change(source, mamba - source.mamba, source.mamba - mamba, mamba=True)
         source.kv = kv
         source.mamba = mamba
 
     def _change(
         self,
         source: _Source,
-        added: Iterable[int],
-        removed: Iterable[int],
-        blocks: dict[int, int],
+        added: Collection[int],
+        removed: Collection[int],
+        *,
+        mamba: bool,
     ) -> None:
-        """Set ``source``'s bit in ``blocks`` (the KV or the Mamba map) for ``added``,
-        clear it for ``removed`` (the source's own sets are the caller's)."""
+        """Set ``source``'s bit in the KV or the Mamba map for ``added``, clear it for
+        ``removed`` (the source's own sets are the caller's); the native index of that
+        map alike, in one C call, where it is built."""
+        blocks = self.mamba if mamba else self.kv
         shared = self._bits
         bit = shared[source.slot]
+        if self._indexes is not None and _holders is not None:
+            _holders.change(blocks, self._indexes[mamba], added, removed, bit, shared)
+            return
         get = blocks.get
         for h in added:
             value = get(h)

@@ -19,7 +19,16 @@ from __future__ import annotations
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from itertools import accumulate, compress, count, repeat, takewhile
 from operator import and_
+from types import ModuleType
 from typing import Any
+
+from registry.core.validation import prefix_hashes
+
+_holders: ModuleType | None
+try:
+    from registry.fleet import _holders
+except ImportError:  # installed without its C extension: the same walk in Python
+    _holders = None
 
 MEMO_NAMES = 1 << 18
 """How many names a ``Naming`` remembers across the holder sets it decoded (a few MB),
@@ -82,26 +91,54 @@ class Naming:
 def walk(
     kv: dict[int, int],
     mamba: dict[int, int],
+    hashes: list[int],
+    mask: int,
+    checkpoints: bool,
+    indexes: tuple[Any, Any] | None = None,
+) -> tuple[int, list[tuple[int, int]], list[int], int]:
+    """(the longest prefix held, in blocks; its ``steps``; the Mamba checkpoints
+    inside it; how many hashes were read). ``steps``: [(a KV prefix length, the slots of
+    ``mask`` whose KV prefix it is)], longest last, for the prefixes of at least one
+    block (the running holder sets' change points). With ``checkpoints``, entry ``i``
+    of the third: the slots holding blocks ``0 .. i`` that hold a Mamba entry for block
+    ``i``; else it is empty. The hashes it read are checked (``prefix_hashes``: a bad
+    one raises), or all of them where it read none; the rest can change no answer (no
+    prefix runs past a block no one holds). ``indexes``: the native ``_holders.Index``
+    of ``kv`` and of ``mamba``, where the extension is built: the native walk, which
+    checks as it reads, over a prompt of plain ints; else ``walk_python``, the same
+    answers."""
+    if indexes is not None and _holders is not None:
+        found: tuple[int, list[tuple[int, int]], list[int], int] | None = _holders.walk(
+            indexes[0], hashes, mask, indexes[1] if checkpoints else None
+        )
+        if found is not None and (found[3] or not hashes):
+            return found
+    found = walk_python(kv, mamba, hashes, mask, checkpoints)
+    read = found[3]
+    prefix_hashes(hashes[:read] if read else hashes)  # raises on a bad hash
+    return found
+
+
+def walk_python(
+    kv: dict[int, int],
+    mamba: dict[int, int],
     hashes: Sequence[int],
     mask: int,
     checkpoints: bool,
-) -> tuple[list[int], list[int], int]:
-    """(the running holder sets, the Mamba checkpoints inside them, how many hashes
-    were read). Entry ``i`` of the first: the slots of ``mask`` holding KV blocks
-    ``0 .. i-1`` (entry 0 is ``mask``; it ends before the first empty set). With
-    ``checkpoints``, entry ``i-1`` of the second: those of them holding a Mamba entry
-    for block ``i-1``; else it is empty."""
+) -> tuple[int, list[tuple[int, int]], list[int], int]:
+    """``walk`` in Python: the specification, and the walk of a prompt the native one
+    hands back (a hash that is not a plain int, to be refused with the clear error)."""
     running = list(takewhile(bool, accumulate(map(kv.get, hashes, repeat(0)), and_, initial=mask)))
     read = min(len(running), len(hashes))
     marks: list[int] = []
     if checkpoints and len(running) > 1:
         marks = list(map(and_, map(mamba.get, hashes, repeat(0)), running[1:]))
-    return running, marks, read
+    return max(len(running) - 1, 0), ends(running), marks, read
 
 
 def ends(running: Sequence[int]) -> list[tuple[int, int]]:
     """[(a KV prefix length, the slots whose KV prefix it is)], longest last, for the
-    prefixes of at least one block."""
+    prefixes of at least one block, from the running holder sets."""
     last = dict(zip(running, count()))  # each holder set -> the last position it holds to
     out: list[tuple[int, int]] = []
     entries = iter(last.items())
@@ -135,10 +172,18 @@ class Matches(Mapping[str, int]):
     slots whose usable prefix is their farthest Mamba checkpoint (hybrid models'
     nodes; -1 all of them), the others' is their KV prefix."""
 
-    __slots__ = ("_marks", "_naming", "_resolved", "_reuses", "_running")
+    __slots__ = ("_length", "_marks", "_naming", "_resolved", "_reuses", "_steps")
 
-    def __init__(self, running: list[int], marks: list[int], reuses: int, naming: Naming) -> None:
-        self._running = running
+    def __init__(
+        self,
+        length: int,
+        steps: list[tuple[int, int]],
+        marks: list[int],
+        reuses: int,
+        naming: Naming,
+    ) -> None:
+        self._length = length
+        self._steps = steps
         self._marks = marks
         self._reuses = reuses
         self._naming = naming
@@ -147,15 +192,15 @@ class Matches(Mapping[str, int]):
     def top(self) -> tuple[int, list[str]]:
         """The longest usable prefix, and the namespaces whose prefix it is; (0, [])
         when no namespace can reuse a block."""
-        running, reuses = self._running, self._reuses
-        if len(running) < 2:
+        steps, reuses = self._steps, self._reuses
+        if not steps:
             return 0, []
         if not reuses:
-            return len(running) - 1, list(self._naming.named(running[-1]))
+            return self._length, list(self._naming.named(steps[-1][1]))
         plain_at, plain = 0, 0
         if ~reuses:
-            for position in range(len(running) - 1, 0, -1):
-                plain = running[position] & ~reuses
+            for position, bits in reversed(steps):
+                plain = bits & ~reuses
                 if plain:
                     plain_at = position
                     break
@@ -179,7 +224,7 @@ class Matches(Mapping[str, int]):
         return self._mapping()
 
     def __bool__(self) -> bool:
-        return len(self._running) > 1
+        return bool(self._steps)
 
     def __getitem__(self, name: str) -> int:
         return self._mapping()[name]
@@ -227,10 +272,10 @@ class Matches(Mapping[str, int]):
         naming, reuses = self._naming, self._reuses
         usable: dict[str, int] = {}
         if not reuses:
-            for position, bits in ends(self._running):
+            for position, bits in self._steps:
                 usable.update(naming.named_at(bits, position))
             return usable
-        for position, bits in ends(self._running):
+        for position, bits in self._steps:
             plain = bits & ~reuses
             if plain:
                 usable.update(naming.named_at(plain, position))

@@ -1,7 +1,9 @@
 """The fleet view's records and scoring without a server (``FleetView.detached``):
 random records over many namespaces (slots past 64 bits, hashes held by one namespace
 and by many, Mamba entries, clears and claims) against a plain model of each namespace's
-two sets, scored the way the routers' direct computation scores them."""
+two sets, scored the way the routers' direct computation scores them. Every test runs on
+the native maps and walk (``registry/fleet/_holders.c``, where built) and on the pure
+Python ones."""
 
 from __future__ import annotations
 
@@ -10,7 +12,18 @@ from collections.abc import Sequence
 
 import pytest
 
+from registry.fleet import holders
 from registry.fleet.view import FleetView
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test on the native maps and walk, and on the pure-Python ones."""
+    if request.param == "python":
+        monkeypatch.setattr(holders, "_holders", None)
+    elif holders._holders is None:
+        pytest.skip("C extension not built")
+    return str(request.param)
 
 
 class Model:
