@@ -4,7 +4,11 @@ equal answers checked; and the view's memory per (node, block) pair. Then, on Re
 write's way to a view, a view's cold start and what an owner's write costs. The same
 fleets through Redis, from the view and exactly, are ``pcr.bench.fleet``'s.
 
-The fleet (the realistic workload; ``--best-case`` adds the labelled best case): each
+Two fleets at each size (``--best-case`` adds a third, labelled). The headline, long
+prompts (``long_prompts``): conversations of 352 to 512 blocks on 16 Zipf system
+prompts, each held by 3 workers at different lengths, about 4,000 blocks per worker;
+each prompt routed is one of them whole and new blocks after it (512 blocks), so a
+decision matches hundreds of blocks. The realistic fleet, short prefixes: each
 of W workers holds 16 conversations. A conversation is one of 8 system prompts of 128
 blocks, chosen by Zipf popularity (s = 1.1), followed by its own turns (64 to 192
 blocks: about 4,000 blocks per worker). Evictions left each worker a prefix of each
@@ -99,6 +103,45 @@ def realistic(workers: int, seed: int = 27) -> Fleet:
         base = rng.choice(conversations) if i % 2 == 0 else systems[_zipf(rng, SYSTEM_PROMPTS)]
         prompts.append((base + fresh(PROMPT_BLOCKS))[:PROMPT_BLOCKS])
     return Fleet(held, prompts, "realistic")
+
+
+HEADLINE = "long prompts (headline)"
+LONG_SYSTEMS = 16
+LONG_SYSTEM_BLOCKS = 32
+LONG_BODY_BLOCKS = (320, 480)
+LONG_COPIES = 3
+
+
+def long_prompts(workers: int, seed: int = 45) -> Fleet:
+    """The headline shape: long prompts, each held by a few workers at different
+    lengths. A conversation is one of 16 system prompts of 32 blocks (Zipf, s = 1.1)
+    followed by its own body of 320 to 480 blocks; each is held by 3 workers, each
+    holding a different prefix of it (cut past the system prompt, evictions having
+    taken the rest), 16 conversations per worker (about 4,000 blocks each). The 64
+    prompts routed are 512 blocks: a conversation held somewhere, whole, followed by
+    new blocks (it goes on), so a decision matches hundreds of blocks on about three
+    workers at different lengths, and the system prompt on many."""
+    rng = random.Random(seed)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(1, 2**63) for _ in range(n)]
+
+    systems = [fresh(LONG_SYSTEM_BLOCKS) for _ in range(LONG_SYSTEMS)]
+    names = [f"worker-{w:04d}" for w in range(workers)]
+    held: dict[str, list[list[int]]] = {n: [] for n in names}
+    conversations: list[list[int]] = []
+    for _ in range(CONVERSATIONS):  # each round gives every worker one more
+        order = rng.sample(names, len(names))
+        for at in range(0, len(order), LONG_COPIES):
+            chain = systems[_zipf(rng, LONG_SYSTEMS)] + fresh(rng.randint(*LONG_BODY_BLOCKS))
+            conversations.append(chain)
+            for name in order[at : at + LONG_COPIES]:
+                held[name].append(chain[: rng.randint(LONG_SYSTEM_BLOCKS + 1, len(chain))])
+    prompts = [
+        (chain + fresh(PROMPT_BLOCKS))[:PROMPT_BLOCKS]
+        for chain in rng.sample(conversations, min(PROMPTS, len(conversations)))
+    ]
+    return Fleet(held, prompts, HEADLINE)
 
 
 def best_case(workers: int, seed: int = 27) -> Fleet:
@@ -280,26 +323,38 @@ def _compare(
 def run(nodes: tuple[int, ...], *, rounds: int, best: bool) -> dict[str, Any]:
     built = []
     for n in nodes:
+        built.append(build(long_prompts(n)))
         built.append(build(realistic(n)))
         if best:
             built.append(build(best_case(n)))
     time_steps(built, rounds)
     rows = [b.row for b in built]
     del built
-    realistic_rows = [r for r in rows if r["workload"] == "realistic"]
-    growth: dict[str, float] = {}
-    if len(realistic_rows) > 1:
-        first, last = realistic_rows[0], realistic_rows[-1]
-        for key in GROWTH_KEYS:
-            if key in first and key in last:
-                growth[key] = round(last[key] / first[key], 2)
+    growth: dict[str, dict[str, float]] = {}
+    for workload in (HEADLINE, "realistic"):
+        sized = [r for r in rows if r["workload"] == workload]
+        if len(sized) > 1:
+            first, last = sized[0], sized[-1]
+            growth[workload] = {
+                key: round(last[key] / first[key], 2)
+                for key in GROWTH_KEYS
+                if key in first and key in last
+            }
     return {
         "python": sys.version.split()[0],
         "radix_tree": _radix_tree() is not None,
+        "native_walk": native_walk(),
         "rows": rows,
-        "view_growth_p50": growth.get("view_p50_us"),
+        "view_growth_p50": growth.get(HEADLINE, {}).get("view_p50_us"),
         "growth_p50": growth,
     }
+
+
+def native_walk() -> bool:
+    """Whether the view walks in its C extension (``registry/fleet/_holders.c``)."""
+    from registry.fleet import holders
+
+    return holders._holders is not None
 
 
 GROWTH_KEYS = (
@@ -338,10 +393,11 @@ def format_report(report: dict[str, Any]) -> list[str]:
         )
     if not report["radix_tree"]:
         lines.append("(Dynamo's RadixTree not installed: pip install ai-dynamo-runtime)")
-    growth = report.get("growth_p50") or {}
-    if growth:
+    if not report.get("native_walk", True):
+        lines.append("(the view's C extension is not built: the pure-Python walk was timed)")
+    for workload, growth in (report.get("growth_p50") or {}).items():
         lines.append(
-            "p50 growth from the smallest to the largest fleet: "
+            f"p50 growth from the smallest to the largest fleet, {workload}: "
             + ", ".join(f"{k.removesuffix('_p50_us')} {v}x" for k, v in growth.items())
         )
     return lines

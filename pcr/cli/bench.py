@@ -77,8 +77,9 @@ def _command_bench_durability(args: argparse.Namespace) -> int:
 
 
 def _command_bench_fleet(args: argparse.Namespace) -> int:
-    """``pcr bench --fleet`` (alias ``--view``): one routing decision over a realistic
-    fleet, in process from the fleet view beside Dynamo's RadixTree; then through Redis
+    """``pcr bench --fleet`` (alias ``--view``): one routing decision on long prompts and
+    over a realistic fleet, in process from the fleet view beside Dynamo's RadixTree;
+    then through Redis
     (a standalone server and a 3-master cluster of its own, or ``--redis-url`` only),
     from the view and exactly; then a write's way to a view, a cold start and an owner
     write's cost."""

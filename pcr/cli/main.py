@@ -244,10 +244,12 @@ def _add_bench(commands: Any) -> None:
         "--view",
         dest="fleet",
         action="store_true",
-        help="instead: one routing decision over a realistic fleet, in process from the "
-        "fleet view beside Dynamo's RadixTree (pip install ai-dynamo-runtime) at 16, 64, 256 "
-        "and 1,024 nodes (16 and 256 with --quick); then through Redis over 16, 64 and 256 "
-        "live namespaces (16 and 64 with --quick), from the view and exactly, on a "
+        help="instead: one routing decision, in process from the fleet view beside "
+        "Dynamo's RadixTree (pip install ai-dynamo-runtime) at 16, 64, 256 and 1,024 nodes "
+        "(16 and 256 with --quick), on long prompts each held by a few nodes at different "
+        "lengths (the headline) and on a realistic fleet of shorter prefixes; then through "
+        "Redis over 16, 64 and 256 live namespaces (16 and 64 with --quick), from the view "
+        "and exactly, on a "
         "standalone server and a 3-master cluster of its own (or on --redis-url only, which "
         "may then be a redis+cluster:// URL); then a write's way to a view, a view's cold "
         "start and an owner write's cost",

@@ -16,6 +16,7 @@ from pcr.bench import bridge as bridge_bench
 from pcr.bench import fleet as fleet_bench
 from pcr.bench import run as bench
 from pcr.bench import serve as serve_bench
+from pcr.bench import view as view_bench
 from tests.support import REPO_ROOT
 from tests.support.servers import require_redis_server
 
@@ -100,9 +101,11 @@ def test_quick_fleet_bench_reports_equal_answers_and_sane_figures(tmp_path: Path
     report = json.loads(out.read_text())
     assert set(report) == {"quick", "in_process", "fleet", "redis", "seconds"}
     in_process = report["in_process"]
-    assert [r["nodes"] for r in in_process["rows"]] == [16, 256]
+    assert [(r["nodes"], r["workload"]) for r in in_process["rows"]] == [
+        (n, workload) for n in (16, 256) for workload in (view_bench.HEADLINE, "realistic")
+    ]
+    assert set(in_process["growth_p50"]) == {view_bench.HEADLINE, "realistic"}
     for row in in_process["rows"]:
-        assert row["workload"] == "realistic"
         assert 0 < row["view_p50_us"] <= row["view_p99_us"]
         assert row["view_bytes_per_pair"] > 0
         if in_process["radix_tree"]:
