@@ -9,7 +9,14 @@ import re
 import pytest
 
 from pcr.gateway.models import ModelCatalog, served_of
-from pcr.gateway.tokens import BadBody, chain_keys, ids_of, parse_body, tenant_salt
+from pcr.gateway.tokens import (
+    BadBody,
+    chain_keys,
+    ids_of,
+    parse_body,
+    tenant_salt,
+    token_prompt,
+)
 from registry import block_hashes, request_chain_keys
 
 PROMPT = list(range(10, 43))
@@ -124,3 +131,30 @@ def test_parse_body_hashes_a_tenant_request_under_its_tenant_salt() -> None:
     assert ids.hashes == block_hashes(list(range(8)), 4, salt=salt)
     with pytest.raises(BadBody):  # the tenant's own salt is still checked as vLLM would
         parse_body(b'{"cache_salt": "a/b", "prompt": [1]}', False, None, 4, True, tenant="t")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": [1, 2, 3, 4, 5], "model": "m"}',
+        b'{"prompt": [1, 2], "max_tokens": NaN}',  # json reads it, orjson does not
+        b'{"prompt": [123456789012345678901234567890, 2]}',  # past 64 bits
+        '{"prompt": [1, 2, 3, 4, 5]}'.encode("utf-16"),
+        b'{"a": 1, "a": 2, "prompt": "text"}',  # a repeated name: the last value
+        b'{"prompt": [1e400]}',
+    ],
+)
+def test_a_body_parses_as_json_reads_it(raw: bytes) -> None:
+    """orjson where installed, json for what it refuses: the same body and prompt ids."""
+    body, ids = parse_body(raw, False, None, 4, True)
+    want = json.loads(raw)
+    assert body.keys() == want.keys()
+    assert ids == ids_of(want["prompt"], 4, True) if token_prompt(want) else ids is None
+    if isinstance(want["prompt"], str) or token_prompt(want):
+        assert body["prompt"] == want["prompt"]
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b'{"a": 1} x', b"\xff\xfe{", b"[" * 5000])
+def test_a_body_that_is_no_json_object_is_refused_alike(raw: bytes) -> None:
+    with pytest.raises(BadBody):
+        parse_body(raw, False, None, 4, True)
