@@ -10,7 +10,10 @@ requests through each router in turn, alternating within one run:
 - ``pcr gateway --policy prefix`` as one process, as two replicas on two ports (the load
   split between them, exchanging load through Redis) and, where the gateway has it, as
   ``--workers 2`` on one port;
-- ``vllm-router --policy cache_aware`` (optional: its rows are skipped when it is absent).
+- ``vllm-router --policy cache_aware`` (optional: its rows are skipped when it is absent);
+- the floor of the gateway's stack (``pcr.bench.floor_proxy``: uvicorn, httptools, uvloop
+  and aiohttp forwarding each body unparsed to the next stub, no routing at all), so a
+  gateway's figure can be set against what no rule on this stack can go below.
 
 Two shapes: chat bodies (``/v1/chat/completions``, rendered and tokenized by the gateway
 with a byte-level BPE tokenizer trained here, ChatML template) and completions whose
@@ -511,6 +514,12 @@ def _routers(url: str, backends: dict[str, str], tokenizer: Path, which: set[str
         port = free_port()
         command = _gateway_command(url, backends, port, "w", tokenizer, "--workers", "2")
         made.append(Router("gateway --workers 2", [command], [port], workers=2))
+    if "floor" in which:  # the stack's own floor: no routing at all (pcr.bench.floor_proxy)
+        port = free_port()
+        command = [sys.executable, "-m", "pcr.bench.floor_proxy", "--port", str(port)]
+        for backend in backends.values():
+            command += ["--backend", backend]
+        made.append(Router("python floor (uvicorn + aiohttp)", [command], [port]))
     router_bin = os.environ.get("PCR_VLLM_ROUTER") or str(VLLM_ROUTER)
     if "vllm-router" in which and Path(router_bin).exists():
         port = free_port()
@@ -672,7 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--connections", type=lambda t: [int(x) for x in t.split(",")], default=list(CONNECTIONS)
     )
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--routers", default="gateway,replicas,workers,vllm-router")
+    parser.add_argument("--routers", default="gateway,replicas,workers,floor,vllm-router")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, default=1.5)
     parser.add_argument("--rounds", type=int, default=2)

@@ -39,7 +39,7 @@ ZMQ = "zmq and msgpack only in registry.bridge, sim's engine stand-in (sim.engin
 PROMETHEUS = "prometheus_client only in registry.metrics and pcr"
 HTTP_IN_PCR = (
     "The HTTP services' packages only in the services (pcr.web, pcr.serve, pcr.gateway), "
-    "serve's bench and the simulated engines"
+    "serve's bench, the simulated engines and the gateway's floor proxy"
 )
 PCR_LAYERS = (
     "pcr's packages: cli, then bench, then gateway, then serve (whose scoring app the "
