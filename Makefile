@@ -55,7 +55,8 @@ test-engines: $(STAMP) redis-server
 
 # Routers in front of two such engines (round-robin, vllm-router cache_aware and kv_aware,
 # pcr gateway): tests/engines/bench_gateway.py, about 20 minutes; BENCH_ARGS=--quick for a
-# small subset. Results in benchmarks/results/gateway-DATE-COMMIT.json and a table on stdout.
+# small subset; BENCH_ARGS="--trace FILE [--trace-window N --trace-blocks N --trace-offset N]"
+# replays a Mooncake-format trace, scaled down, through every router instead (4-5 minutes). Results in benchmarks/results/gateway-DATE-COMMIT.json and a table on stdout.
 .PHONY: bench-gateway
 bench-gateway: $(STAMP) redis-server
 	PCR_ENGINE_BENCH=1 PCR_BENCH_ARGS="$(BENCH_ARGS)" bash .ci/engine-tier

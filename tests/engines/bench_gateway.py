@@ -232,6 +232,49 @@ def build_hybrid_workload(spec: WorkloadSpec) -> list[Request]:
     return requests
 
 
+TRACE_WINDOW = 400
+TRACE_BLOCKS = 6
+TRACE_VOCABULARY = 512
+"""Trace prompts' token ids lie in [4, 512): the tiny model's word ids."""
+
+
+def build_trace_workload(
+    path: str, window: int, blocks: int, offset: int = 0
+) -> tuple[list[Request], dict[str, Any]]:
+    """A Mooncake-format trace scaled down to two engines of 64 blocks (issue 44): the
+    requests ``offset`` .. ``offset + window`` in arrival order, each cut to its first
+    ``blocks`` ids (a prefix of a prefix is still shared where it was), one id one block
+    of ``BLOCK_SIZE`` token ids derived from the id (``sim.trace.PromptMaker``), the last
+    block cut to its share of 512 tokens. Each request is ready at once (no turns to wait
+    for): one stream sends them one after another, four streams four at a time, in the
+    trace's order. With it, what one infinite cache would hit on it (``sim.trace.ideal``)."""
+    from sim.trace import PromptMaker, TraceRequest, ideal, load_trace
+
+    trace = load_trace(path, offset=offset, window=window)
+    cut = [
+        TraceRequest(
+            r.line,
+            r.timestamp_ms,
+            min(r.input_length, blocks * 512),
+            r.output_length,
+            r.hash_ids[:blocks],
+        )
+        for r in trace
+    ]
+    maker = PromptMaker(BLOCK_SIZE, vocabulary=TRACE_VOCABULARY)
+    requests = [Request(i, 0, (), tuple(maker.prompt(r))) for i, r in enumerate(cut)]
+    best = ideal(cut, BLOCK_SIZE)
+    info = {
+        "trace": str(path),
+        "offset": offset,
+        "window": len(cut),
+        "blocks_per_request": blocks,
+        "distinct_blocks": best.distinct_blocks,
+        "ideal_hit_rate": round(best.hit_rate, 4),
+    }
+    return requests, info
+
+
 def describe(spec: WorkloadSpec, requests: list[Request]) -> dict[str, Any]:
     lengths = [len(r.tokens) for r in requests if r.tokens]
     return {
@@ -1260,6 +1303,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"with --hybrid also {GATEWAY_KV_ONLY.key})",
     )
     parser.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        help="a Mooncake-format trace (repeatable): the trace group instead of the groups "
+        f"above, its first --trace-window requests (default {TRACE_WINDOW}) each cut to "
+        f"--trace-blocks blocks (default {TRACE_BLOCKS}), token ids, 1 and 4 streams, every "
+        "router",
+    )
+    parser.add_argument("--trace-window", type=int, default=TRACE_WINDOW)
+    parser.add_argument("--trace-blocks", type=int, default=TRACE_BLOCKS)
+    parser.add_argument("--trace-offset", type=int, default=0)
+    parser.add_argument(
         "--hybrid",
         action="store_true",
         help="the hybrid workload instead of the groups above: two hybrid (attention + "
@@ -1325,6 +1380,11 @@ def run(args: argparse.Namespace) -> int:
             ]
         scenario_workload = workloads[0]
         latency_count = 0
+    elif args.trace:
+        groups = ["trace"]
+        workloads = []
+        scenario_workload = WorkloadSpec("trace", 0, 0, seed=0)
+        latency_count = 0
     elif args.quick:
         workloads = [WorkloadSpec("6x3", 6, 3, seed=1)]
         scenario_workload = workloads[0]
@@ -1337,6 +1397,12 @@ def run(args: argparse.Namespace) -> int:
     repeat = args.repeat or (1 if args.quick else 3)
     builder = build_hybrid_workload if args.hybrid else build_workload
     built = {w.name: builder(w) for w in workloads}
+    traces: dict[str, dict[str, Any]] = {}
+    for path in args.trace:
+        name = f"trace:{Path(path).stem}"
+        built[name], traces[name] = build_trace_workload(
+            path, args.trace_window, args.trace_blocks, args.trace_offset
+        )
 
     started = time.monotonic()
     redis_server = RedisServer()
@@ -1385,14 +1451,25 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         bench.gateway_args = shlex.split(args.gateway_args or "")
         say(f"bridge up; vllm-router: {router_bin}; pcr gateway: {gateway_error or 'available'}")
-        if not args.hybrid:  # the hybrid workload is token ids already
+        for name, info in traces.items():
+            say(f"workload {name} {json.dumps(info)}")
+        if not args.hybrid:  # the hybrid workload and traces are token ids already
             for workload in workloads:
                 built[workload.name] = tokenized(engines[0], built[workload.name])
         for workload in workloads:
             say(f"workload {json.dumps(describe(workload, built[workload.name]))}")
 
-        scenario = built[scenario_workload.name]
+        scenario = built.get(scenario_workload.name, [])
         plan: list[tuple[str, RouterSpec, Callable[[], Row]]] = []
+        for spec in specs:
+            if "trace" not in groups:
+                break
+            for name in traces:
+                for streams in (1, STREAMS):
+                    job = partial(main_row, bench, spec, name, built[name], "tokens", streams,
+                                  group="trace")  # fmt: skip
+                    for trial in range(1, 1 + (repeat if streams > 1 else 1)):
+                        plan.append(("trace", spec, partial(numbered, job, trial)))
         for spec in specs:
             if "hybrid" not in groups:
                 break
@@ -1487,6 +1564,15 @@ def run(args: argparse.Namespace) -> int:
     if args.hybrid:
         rules = {
             "hybrid": " ".join((build_hybrid_workload.__doc__ or "").split()),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "streamed": True,
+            "form": "tokens",
+        }
+    if args.trace:
+        rules = {
+            "trace": " ".join((build_trace_workload.__doc__ or "").split()),
+            "traces": traces,
             "max_tokens": MAX_TOKENS,
             "temperature": 0,
             "streamed": True,
