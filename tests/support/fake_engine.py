@@ -20,9 +20,12 @@ signed by that CA.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import threading
+import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,3 +216,35 @@ def model_list(base: str, *adapters: str) -> list[dict[str, Any]]:
 
 def wait_in_flight(engine: FakeEngine, count: int, timeout: float = 30.0) -> None:
     wait_until(lambda: engine.in_flight >= count, timeout, f"{count} requests at {engine.name}")
+
+
+@contextlib.contextmanager
+def engine_pair(*, started: bool = True) -> Iterator[list[FakeEngine]]:
+    """Two fake engines, ``a`` and ``b`` (started, or left for the test to start once it
+    has set their models), stopped at the end whatever happened."""
+    made = [FakeEngine("a"), FakeEngine("b")]
+    try:
+        if started:
+            for engine in made:
+                engine.start()
+        yield made
+    finally:
+        for engine in made:
+            engine.stop()
+
+
+def tagged_names(prefix: str) -> list[str]:
+    """Two namespaces no other test uses: ``PREFIX-a-TAG``, ``PREFIX-b-TAG``."""
+    tag = uuid.uuid4().hex[:8]
+    return [f"{prefix}-a-{tag}", f"{prefix}-b-{tag}"]
+
+
+def gateway_args(
+    redis_url: str, engines: Sequence[FakeEngine], names: Sequence[str], block: int
+) -> list[str]:
+    """``pcr gateway``'s arguments in front of ``engines``, each backend named by
+    ``names`` (in order), at ``block`` tokens a block."""
+    args = ["--redis-url", redis_url, "--block-size", str(block)]
+    for name, engine in zip(names, engines, strict=True):
+        args += ["--backend", f"{name}={engine.url}"]
+    return args

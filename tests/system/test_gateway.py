@@ -19,7 +19,13 @@ import pytest
 import redis
 
 from registry import NodeIndex, PrefixCacheRegistry, block_hashes
-from tests.support.fake_engine import FakeEngine, wait_in_flight
+from tests.support.fake_engine import (
+    FakeEngine,
+    engine_pair,
+    gateway_args,
+    tagged_names,
+    wait_in_flight,
+)
 from tests.support.servers import RedisServer
 from tests.support.serving import ServeProcess, metric
 from tests.support.tiny_tokenizer import words
@@ -33,26 +39,19 @@ BLOCK = 4
 
 @pytest.fixture
 def engines() -> Iterator[list[FakeEngine]]:
-    made = [FakeEngine("a").start(), FakeEngine("b").start()]
-    try:
+    with engine_pair() as made:
         yield made
-    finally:
-        for engine in made:
-            engine.stop()
 
 
 @pytest.fixture
 def names() -> list[str]:
-    tag = uuid.uuid4().hex[:8]
-    return [f"gw-a-{tag}", f"gw-b-{tag}"]
+    return tagged_names("gw")
 
 
 def gateway(
     redis_server: RedisServer, engines: list[FakeEngine], names: list[str], *extra: str
 ) -> ServeProcess:
-    args = ["--redis-url", redis_server.url, "--block-size", str(BLOCK)]
-    for name, engine in zip(names, engines, strict=True):
-        args += ["--backend", f"{name}={engine.url}"]
+    args = gateway_args(redis_server.url, engines, names, BLOCK)
     return ServeProcess(*args, *extra, path="/health", command="gateway")
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from registry import PrefixCacheRegistry, block_hashes
-from tests.support.fake_engine import FakeEngine
+from tests.support.fake_engine import FakeEngine, engine_pair, gateway_args, tagged_names
 from tests.support.servers import RedisServer
 from tests.support.serving import ServeProcess, metric
 from tests.support.waiting import wait_until
@@ -30,26 +30,19 @@ NEXT = [*FIRST, 7, 7, 7, 7, 7, 7, 7, 7]  # the next turn: FIRST and 8 tokens mor
 
 @pytest.fixture
 def engines() -> Iterator[list[FakeEngine]]:
-    made = [FakeEngine("a").start(), FakeEngine("b").start()]
-    try:
+    with engine_pair() as made:
         yield made
-    finally:
-        for engine in made:
-            engine.stop()
 
 
 @pytest.fixture
 def names() -> list[str]:
-    tag = uuid.uuid4().hex[:8]
-    return [f"gp-a-{tag}", f"gp-b-{tag}"]
+    return tagged_names("gp")
 
 
 def gateway(
     redis_server: RedisServer, engines: list[FakeEngine], names: list[str], *extra: str
 ) -> ServeProcess:
-    args = ["--redis-url", redis_server.url, "--block-size", str(BLOCK), "--no-announced"]
-    for name, engine in zip(names, engines, strict=True):
-        args += ["--backend", f"{name}={engine.url}"]
+    args = [*gateway_args(redis_server.url, engines, names, BLOCK), "--no-announced"]
     return ServeProcess(*args, *extra, path="/health", command="gateway")
 
 

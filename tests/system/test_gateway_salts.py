@@ -10,7 +10,6 @@ shape when none does; a backend whose models are not known is never left out), a
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,13 @@ import pytest
 import redis
 
 from registry import PrefixCacheRegistry, block_hashes
-from tests.support.fake_engine import FakeEngine, model_list
+from tests.support.fake_engine import (
+    FakeEngine,
+    engine_pair,
+    gateway_args,
+    model_list,
+    tagged_names,
+)
 from tests.support.servers import RedisServer
 from tests.support.serving import ServeProcess, metric
 from tests.support.tiny_tokenizer import words
@@ -37,28 +42,22 @@ DECISIONS = "pcr_gateway_routing_decisions_total"
 
 @pytest.fixture
 def engines() -> Iterator[list[FakeEngine]]:
-    made = [FakeEngine("a"), FakeEngine("b")]
-    try:
+    with engine_pair(started=False) as made:  # each test sets their models first
         yield made
-    finally:
-        for engine in made:
-            engine.stop()
 
 
 @pytest.fixture
 def names() -> list[str]:
-    tag = uuid.uuid4().hex[:8]
-    return [f"salt-a-{tag}", f"salt-b-{tag}"]
+    return tagged_names("salt")
 
 
 def gateway(
     redis_server: RedisServer, engines: list[FakeEngine], names: list[str], *extra: str
 ) -> ServeProcess:
     """The gateway in front of ``engines`` (started here, with the models the test set)."""
-    args = ["--redis-url", redis_server.url, "--block-size", str(BLOCK)]
-    for name, engine in zip(names, engines, strict=True):
+    for engine in engines:
         engine.start()
-        args += ["--backend", f"{name}={engine.url}"]
+    args = gateway_args(redis_server.url, engines, names, BLOCK)
     return ServeProcess(*args, *extra, path="/health", command="gateway").start()
 
 
