@@ -8,6 +8,7 @@ import asyncio
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,3 +91,52 @@ def test_a_tokenizer_that_treats_a_texts_start_apart_is_encoded_whole(tmp_path: 
             "<s>Hello world", add_special_tokens=False
         )
         tokenizer.close()
+
+
+def test_short_texts_on_the_loop_and_long_ones_in_the_lanes_get_the_same_tokens(
+    tokenizer_dir: Path,
+) -> None:
+    """A chat or a text prompt up to ``IN_LOOP_CHARS`` is tokenized on the event loop (no
+    thread hop), a longer one in a lane: both give what one thread alone gives; a chat
+    with tools, parts that are not text or another shape goes to a lane whatever its
+    size."""
+    from pcr.gateway.tokens import IN_LOOP_CHARS, PromptTokenizer, _chat_chars
+
+    rng = random.Random(8)
+    tokenizer = PromptTokenizer(tokenizer_dir)
+    alone = PromptTokenizer(tokenizer_dir)
+    short = _bodies(20)
+    assert all(0 < (_chat_chars(b) or 0) <= IN_LOOP_CHARS for b in short[:5])
+    long_text = words([rng.randrange(4, 512) for _ in range(IN_LOOP_CHARS // 2)])
+    assert len(long_text) > IN_LOOP_CHARS
+    long_chat = {"messages": [{"role": "user", "content": long_text}]}
+    assert (_chat_chars(long_chat) or 0) > IN_LOOP_CHARS
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "w5 w6"}]}]}
+    assert _chat_chars(parts) == len("w5 w6")
+    assert _chat_chars({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}) is None
+    assert _chat_chars({"messages": "not a list"}) is None
+    assert _chat_chars({"messages": [{"role": "user", "content": [{"type": "image"}]}]}) is None
+    handed: list[str] = []  # what went to a lane's threads
+    hop = tokenizer.short.run
+
+    async def counted(work: Any, *args: Any) -> Any:
+        handed.append(work.__name__)
+        return await hop(work, *args)
+
+    tokenizer.short.run = counted  # type: ignore[method-assign]
+
+    async def run() -> list[list[int] | None]:
+        out = [await tokenizer.tokens(b, chat=True) for b in [*short, long_chat, parts]]
+        out.append(await tokenizer.tokens({"prompt": long_text}, chat=False))
+        out.append(await tokenizer.tokens({"prompt": "w7 w8 w9"}, chat=False))
+        return out
+
+    got = asyncio.run(run())
+    want = [alone.chat(b) for b in [*short, long_chat, parts]]
+    want += [alone.completion(long_text), alone.completion("w7 w8 w9")]
+    assert got == want
+    assert all(got)
+    # Only the long chat (rendered, then encoded) and the long prompt reached a thread.
+    assert handed == ["render", "encode", "encode"]
+    tokenizer.close()
+    alone.close()
