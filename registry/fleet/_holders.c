@@ -409,7 +409,10 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     PyObject *steps = PyList_New(0);
     PyObject *marks = PyList_New(0);
     PyObject *running = mask;
-    PyObject *last = NULL; /* the previous block's holder int */
+    /* Strong references, both: a decision may pause (a collection that runs a finalizer
+     * lets another thread in) while the follower replaces these ints in the index. */
+    PyObject *last = NULL;    /* the previous block's holder int */
+    PyObject *holders = NULL; /* this block's */
     Py_ssize_t length = 0, read = 0;
     int truth;
     Py_INCREF(running);
@@ -438,7 +441,8 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             if (i > 0 && append_step(steps, i, running) < 0) goto fail;
             break;
         }
-        PyObject *holders = slot->value;
+        holders = slot->value;
+        Py_INCREF(holders);
         if (holders != running && holders != last) {
             int same = last == NULL ? 0 : PyObject_RichCompareBool(holders, last, Py_EQ);
             if (same < 0) goto fail;
@@ -466,6 +470,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
                     if (truth <= 0) {
                         Py_DECREF(narrowed);
                         if (truth < 0) goto fail;
+                        Py_CLEAR(holders);
                         break;
                     }
                     /* Running on the holders' own int where they are all of it: the
@@ -485,7 +490,8 @@ static PyObject *walk(PyObject *self, PyObject *args) {
                 }
             }
         }
-        last = holders;
+        Py_XSETREF(last, holders); /* the reference moves to last */
+        holders = NULL;
         length = i + 1;
         if (mamba != Py_None) {
             Slot *held = find((Index *)mamba, (uint64_t)value);
@@ -504,11 +510,13 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     if (i == n && n > 0 && append_step(steps, n, running) < 0) goto fail;
 
 done:
+    Py_XDECREF(last);
     Py_DECREF(running);
     Py_DECREF(zero);
     return Py_BuildValue("(nNNn)", length, steps, marks, read);
 
 slow:
+    Py_XDECREF(last);
     Py_DECREF(running);
     Py_XDECREF(zero);
     Py_XDECREF(steps);
@@ -516,6 +524,8 @@ slow:
     Py_RETURN_NONE;
 
 fail:
+    Py_XDECREF(holders);
+    Py_XDECREF(last);
     Py_DECREF(running);
     Py_XDECREF(zero);
     Py_XDECREF(steps);
