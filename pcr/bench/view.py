@@ -352,9 +352,9 @@ def run(nodes: tuple[int, ...], *, rounds: int, best: bool) -> dict[str, Any]:
 
 def native_walk() -> bool:
     """Whether the view walks in its C extension (``registry/fleet/_holders.c``)."""
-    from registry.fleet import holders
+    from registry.fleet.matches import NATIVE
 
-    return holders._holders is not None
+    return NATIVE is not None
 
 
 GROWTH_KEYS = (

@@ -176,14 +176,6 @@ static void index_dealloc(Index *ix) {
 
 static Py_ssize_t index_len(Index *ix) { return (Py_ssize_t)ix->used; }
 
-static PyObject *index_get(Index *ix, PyObject *h) {
-    uint64_t key = key_of(h);
-    Slot *slot = key ? find(ix, key) : NULL;
-    if (slot == NULL) Py_RETURN_NONE;
-    Py_INCREF(slot->value);
-    return slot->value;
-}
-
 static PyObject *index_items(Index *ix, PyObject *unused) {
     (void)unused;
     PyObject *out = PyDict_New();
@@ -203,7 +195,6 @@ static PyObject *index_items(Index *ix, PyObject *unused) {
 }
 
 static PyMethodDef index_methods[] = {
-    {"get", (PyCFunction)index_get, METH_O, "The holder int of a hash, or None."},
     {"as_dict", (PyCFunction)index_items, METH_NOARGS, "Every entry, as a new dict."},
     {NULL, NULL, 0, NULL},
 };
@@ -392,7 +383,7 @@ static int append_step(PyObject *steps, Py_ssize_t position, PyObject *bits) {
     return failed;
 }
 
-/* walk(index, hashes, mask, mamba) -> (length, steps, marks, read), or None to hand the
+/* walk(index, hashes, mask, mamba) -> (steps, marks, read), or None to hand the
  * prompt back to the Python walk (a hash that is not an exact int in range). */
 static PyObject *walk(PyObject *self, PyObject *args) {
     PyObject *hashes, *mask, *mamba;
@@ -413,7 +404,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
      * lets another thread in) while the follower replaces these ints in the index. */
     PyObject *last = NULL;    /* the previous block's holder int */
     PyObject *holders = NULL; /* this block's */
-    Py_ssize_t length = 0, read = 0;
+    Py_ssize_t read = 0;
     int truth;
     Py_INCREF(running);
     if (zero == NULL || steps == NULL || marks == NULL) goto fail;
@@ -492,7 +483,6 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         }
         Py_XSETREF(last, holders); /* the reference moves to last */
         holders = NULL;
-        length = i + 1;
         if (mamba != Py_None) {
             Slot *held = find((Index *)mamba, (uint64_t)value);
             PyObject *mark;
@@ -513,7 +503,7 @@ done:
     Py_XDECREF(last);
     Py_DECREF(running);
     Py_DECREF(zero);
-    return Py_BuildValue("(nNNn)", length, steps, marks, read);
+    return Py_BuildValue("(NNn)", steps, marks, read);
 
 slow:
     Py_XDECREF(last);
@@ -538,7 +528,7 @@ static PyMethodDef methods[] = {
      "change(blocks, index, added, removed, bit, shared): HolderTable._change in the dict "
      "and the index at once."},
     {"walk", walk, METH_VARARGS,
-     "walk(index, hashes, mask, mamba) -> (length, steps, marks, read), or None for the "
+     "walk(index, hashes, mask, mamba) -> (steps, marks, read), or None for the "
      "Python walk: registry.fleet.matches.walk at native speed."},
     {NULL, NULL, 0, NULL},
 };

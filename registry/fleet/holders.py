@@ -25,18 +25,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 from registry.core.scores import NodeScore, checked_hybrid
 from registry.core.validation import prefix_hashes
-from registry.fleet.matches import Matches, Naming, farthest, walk
-
-_holders: ModuleType | None
-try:
-    from registry.fleet import _holders
-except ImportError:  # installed without its C extension: the maps in dicts alone
-    _holders = None
+from registry.fleet.matches import NATIVE, Matches, Naming, farthest, walk
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +126,7 @@ class HolderTable:
         # The same maps as native indexes (one probe a lookup), kept equal to the dicts
         # by ``_change``, where the C extension is built.
         self._indexes: tuple[Any, Any] | None = (
-            None if _holders is None else (_holders.Index(), _holders.Index())
+            None if NATIVE is None else (NATIVE.Index(), NATIVE.Index())
         )
         self._sources: dict[str, _Source] = {}
         self._free: list[int] = []
@@ -204,8 +197,8 @@ class HolderTable:
         # hybrid=True); with none, the walk leaves the checkpoints out.
         reuses = 0 if hybrid is False else self._hybrid if hybrid is None else -1
         naming = self._naming
-        length, steps, marks = self._walk(hashes, namespaces, bool(reuses))
-        return Matches(length, steps, marks, reuses, naming)
+        steps, marks = self._walk(hashes, namespaces, bool(reuses))
+        return Matches(steps, marks, reuses, naming)
 
     def score(
         self,
@@ -219,7 +212,7 @@ class HolderTable:
         scored as ``PrefixRouter`` scores them (``FleetView.score``)."""
         hybrid = checked_hybrid(hybrid)
         naming = self._naming
-        _length, steps, marks = self._walk(hashes, namespaces, hybrid is not False)
+        steps, marks = self._walk(hashes, namespaces, hybrid is not False)
         kv: dict[str, int] = {}
         for position, bits in steps:
             kv.update(naming.named_at(bits, position))
@@ -250,17 +243,17 @@ class HolderTable:
 
     def _walk(
         self, hashes: Sequence[int], namespaces: Iterable[str] | None, checkpoints: bool
-    ) -> tuple[int, list[tuple[int, int]], list[int]]:
+    ) -> tuple[list[tuple[int, int]], list[int]]:
         """``walk`` over the prompt (which checks the hashes it read)."""
         items = hashes if type(hashes) is list else list(_iterable(hashes))
         try:
-            length, steps, marks, _read = walk(
+            steps, marks, _read = walk(
                 self.kv, self.mamba, items, self._mask(namespaces), checkpoints, self._indexes
             )
         except TypeError:  # an unhashable "hash": the clear error
             prefix_hashes(items)
             raise
-        return length, steps, marks
+        return steps, marks
 
     def _mask(self, namespaces: Iterable[str] | None) -> int:
         """The bits of the live namespaces (all, or those of ``namespaces``)."""
@@ -461,8 +454,8 @@ class HolderTable:
         blocks = self.mamba if mamba else self.kv
         shared = self._bits
         bit = shared[source.slot]
-        if self._indexes is not None and _holders is not None:
-            _holders.change(blocks, self._indexes[mamba], added, removed, bit, shared)
+        if self._indexes is not None and NATIVE is not None:
+            NATIVE.change(blocks, self._indexes[mamba], added, removed, bit, shared)
             return
         get = blocks.get
         for h in added:

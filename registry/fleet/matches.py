@@ -24,11 +24,13 @@ from typing import Any
 
 from registry.core.validation import prefix_hashes
 
-_holders: ModuleType | None
+NATIVE: ModuleType | None
+"""The C extension ``registry.fleet._holders`` (the maps' native indexes and the walk
+over them) as imported, or None where it was not built: the same walk in Python."""
 try:
-    from registry.fleet import _holders
-except ImportError:  # installed without its C extension: the same walk in Python
-    _holders = None
+    from registry.fleet import _holders as NATIVE
+except ImportError:  # installed without its C extension
+    NATIVE = None
 
 MEMO_NAMES = 1 << 18
 """How many names a ``Naming`` remembers across the holder sets it decoded (a few MB),
@@ -95,26 +97,25 @@ def walk(
     mask: int,
     checkpoints: bool,
     indexes: tuple[Any, Any] | None = None,
-) -> tuple[int, list[tuple[int, int]], list[int], int]:
-    """(the longest prefix held, in blocks; its ``steps``; the Mamba checkpoints
-    inside it; how many hashes were read). ``steps``: [(a KV prefix length, the slots of
-    ``mask`` whose KV prefix it is)], longest last, for the prefixes of at least one
-    block (the running holder sets' change points). With ``checkpoints``, entry ``i``
+) -> tuple[list[tuple[int, int]], list[int], int]:
+    """(``steps``; the Mamba checkpoints; how many hashes were read). ``steps``: [(a KV
+    prefix length, the slots of ``mask`` whose KV prefix it is)], longest last (the
+    longest prefix held), for the prefixes of at least one block: the running holder
+    sets' change points. With ``checkpoints``, entry ``i``
     of the third: the slots holding blocks ``0 .. i`` that hold a Mamba entry for block
     ``i``; else it is empty. The hashes it read are checked (``prefix_hashes``: a bad
     one raises), or all of them where it read none; the rest can change no answer (no
-    prefix runs past a block no one holds). ``indexes``: the native ``_holders.Index``
-    of ``kv`` and of ``mamba``, where the extension is built: the native walk, which
-    checks as it reads, over a prompt of plain ints; else ``walk_python``, the same
-    answers."""
-    if indexes is not None and _holders is not None:
-        found: tuple[int, list[tuple[int, int]], list[int], int] | None = _holders.walk(
+    prefix runs past a block no one holds). ``indexes``: the ``NATIVE`` ``Index`` of
+    ``kv`` and of ``mamba``, where the extension is built: the native walk, which checks
+    as it reads, over a prompt of plain ints; else ``walk_python``, the same answers."""
+    if indexes is not None and NATIVE is not None:
+        found: tuple[list[tuple[int, int]], list[int], int] | None = NATIVE.walk(
             indexes[0], hashes, mask, indexes[1] if checkpoints else None
         )
-        if found is not None and (found[3] or not hashes):
+        if found is not None and (found[2] or not hashes):
             return found
     found = walk_python(kv, mamba, hashes, mask, checkpoints)
-    read = found[3]
+    read = found[2]
     prefix_hashes(hashes[:read] if read else hashes)  # raises on a bad hash
     return found
 
@@ -125,7 +126,7 @@ def walk_python(
     hashes: Sequence[int],
     mask: int,
     checkpoints: bool,
-) -> tuple[int, list[tuple[int, int]], list[int], int]:
+) -> tuple[list[tuple[int, int]], list[int], int]:
     """``walk`` in Python: the specification, and the walk of a prompt the native one
     hands back (a hash that is not a plain int, to be refused with the clear error)."""
     running = list(takewhile(bool, accumulate(map(kv.get, hashes, repeat(0)), and_, initial=mask)))
@@ -133,7 +134,7 @@ def walk_python(
     marks: list[int] = []
     if checkpoints and len(running) > 1:
         marks = list(map(and_, map(mamba.get, hashes, repeat(0)), running[1:]))
-    return max(len(running) - 1, 0), ends(running), marks, read
+    return ends(running), marks, read
 
 
 def ends(running: Sequence[int]) -> list[tuple[int, int]]:
@@ -172,17 +173,11 @@ class Matches(Mapping[str, int]):
     slots whose usable prefix is their farthest Mamba checkpoint (hybrid models'
     nodes; -1 all of them), the others' is their KV prefix."""
 
-    __slots__ = ("_length", "_marks", "_naming", "_resolved", "_reuses", "_steps")
+    __slots__ = ("_marks", "_naming", "_resolved", "_reuses", "_steps")
 
     def __init__(
-        self,
-        length: int,
-        steps: list[tuple[int, int]],
-        marks: list[int],
-        reuses: int,
-        naming: Naming,
+        self, steps: list[tuple[int, int]], marks: list[int], reuses: int, naming: Naming
     ) -> None:
-        self._length = length
         self._steps = steps
         self._marks = marks
         self._reuses = reuses
@@ -196,7 +191,8 @@ class Matches(Mapping[str, int]):
         if not steps:
             return 0, []
         if not reuses:
-            return self._length, list(self._naming.named(steps[-1][1]))
+            longest, holders = steps[-1]
+            return longest, list(self._naming.named(holders))
         plain_at, plain = 0, 0
         if ~reuses:
             for position, bits in reversed(steps):

@@ -21,7 +21,7 @@ import pytest
 from registry.fleet import holders, matches
 from registry.fleet.view import FleetView
 
-NATIVE = holders._holders
+NATIVE = holders.NATIVE
 needs_extension = pytest.mark.skipif(NATIVE is None, reason="C extension not built")
 
 
@@ -37,7 +37,7 @@ def test_ci_built_the_extension() -> None:
 def pure_view(names: list[str], monkeypatch: pytest.MonkeyPatch) -> FleetView:
     """A detached view on the pure-Python maps and walk."""
     with monkeypatch.context() as patch:
-        patch.setattr(holders, "_holders", None)
+        patch.setattr(holders, "NATIVE", None)
         view = FleetView.detached(names)
     assert view._table._indexes is None
     return view

@@ -20,8 +20,8 @@ from registry.fleet.view import FleetView
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test on the native maps and walk, and on the pure-Python ones."""
     if request.param == "python":
-        monkeypatch.setattr(holders, "_holders", None)
-    elif holders._holders is None:
+        monkeypatch.setattr(holders, "NATIVE", None)
+    elif holders.NATIVE is None:
         pytest.skip("C extension not built")
     return str(request.param)
 
