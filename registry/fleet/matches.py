@@ -1,11 +1,13 @@
 """A decision's answer from the fleet view, and the walk that finds it (no I/O).
 
-The walk is C work from end to end: the prompt's hashes are looked up in the table's KV
-map one after another, each holder set ANDed into the running one (``map``,
-``accumulate``, ``takewhile``), until no namespace of the mask still holds every block
-so far. What it keeps is that running list: entry ``i`` the namespaces holding blocks
-``0 .. i-1`` (entry 0 the mask), a chain of shrinking sets. Nothing in it grows with the
-fleet but the width of the ints; the namespaces' prefixes are all in it, read on demand.
+The walk looks the prompt's hashes up in the table's KV map one after another, each
+holder set ANDed into the running one, until no namespace of the mask still holds every
+block so far; in the C extension (``registry/fleet/_holders.c``, ``NATIVE``) over the
+map's native index where it is built, else in Python (``walk_python``: ``map``,
+``accumulate``, ``takewhile``), with the same answers. What it keeps are the running
+set's change points: each prefix length at which some namespaces' prefix ends, with
+those namespaces, the longest last. Nothing in it grows with the fleet but the width of
+the ints; the namespaces' prefixes are all in it, read on demand.
 
 ``Matches`` is the answer: a read-only mapping namespace -> usable prefix, resolved to
 names only when read as a mapping, and ``top()``, the longest usable prefix and who holds
