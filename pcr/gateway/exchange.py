@@ -24,20 +24,30 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pcr.gateway.backends import Backend, gone_from, merge_announced
 from pcr.gateway.metrics import GatewayMetrics
 from pcr.gateway.pending import PendingPrefixes, parse_wire
+from pcr.gateway.tokens import loads
 from registry.core.errors import REDIS_ERRORS, RegistryError, translate
 from registry.core.keys import NamespaceKeys, gateway_load_channel
 from registry.core.validation import is_number, text
 from registry.fleet.leases import lease_command, lease_of
 
+_fast_dumps: Callable[[Any], bytes] | None
+try:  # the gateway extra: payloads of a few KB written and read 40-60 times a second
+    from orjson import dumps as _fast_dumps
+except ImportError:  # pragma: no cover - json does the same, slower
+    _fast_dumps = None
+
 log = logging.getLogger(__name__)
 
+IDLE_TTL_MS = 60_000
+"""The TTL of an entry that says nothing is in flight or pending (the longest the script
+takes): an idle replica's keep-alive goes every 20 s, not three times a second."""
 BATCH_S = 0.05
 """Seconds a start or end waits to be told to the other replicas, with every other change
 of that window in the same exchange."""
@@ -106,13 +116,34 @@ class _Peer:
     load: dict[str, list[float]]
     received: float
     pending: Mapping[str, Any] = field(default_factory=dict)
+    ttl: float | None = None
+    """Seconds its entry lives, as it said (None: as this replica's own)."""
+
+
+def _encode(payload: dict[str, Any]) -> str:
+    if _fast_dumps is not None:
+        return _fast_dumps(payload).decode()
+    return json.dumps(payload, separators=(",", ":"))
+
+
+SEQ_HEAD = '{"seq":'
+
+
+def _seq_of(payload: str) -> int | None:
+    """The number at the head of a payload as replicas write it (``_mine``), read
+    without parsing the rest; None for any other shape."""
+    if not payload.startswith(SEQ_HEAD):
+        return None
+    end = payload.find(",", len(SEQ_HEAD))
+    digits = payload[len(SEQ_HEAD) : end]
+    return int(digits) if end > 0 and digits.isdigit() and len(digits) < 20 else None
 
 
 def _peer(payload: str, received: float) -> _Peer | None:
     """A replica's published load, or None for a payload that is not one (its pending
     chains left out where they are not well formed)."""
     try:
-        data = json.loads(payload)
+        data = loads(payload)
         seq = data["seq"]
         load = {
             str(ns): [max(0.0, float(values[i])) for i in range(3)]
@@ -124,11 +155,14 @@ def _peer(payload: str, received: float) -> _Peer | None:
         return None
     if not all(math.isfinite(v) for values in load.values() for v in values):
         return None
+    ttl = data.get("ttl")
+    if ttl is not None and not (is_number(ttl, integer=True) and 1 <= ttl <= IDLE_TTL_MS):
+        return None
     try:
         pending = parse_wire(data.get("pending", {}))
     except ValueError:
         pending = {}
-    return _Peer(seq, load, received, pending)
+    return _Peer(seq, load, received, pending, None if ttl is None else ttl / 1000)
 
 
 class LoadExchange:
@@ -170,7 +204,10 @@ class LoadExchange:
         self._sharing: asyncio.Task[None] | None = None
         self._share_again = False
         self._changed = False  # a request started or ended since the last exchange
+        self._entry_ttl_ms = 0  # the TTL of the entry last published (its keep-alive
+        # goes at a third of it)
         self._flush: asyncio.TimerHandle | None = None
+        self._told: list[Mapping[str, Any]] = []
         self.exchanges = 0
         """Exchanges made (each one round trip to Redis)."""
 
@@ -195,40 +232,44 @@ class LoadExchange:
             now = self._shared_at = time.monotonic()
             self._changed = False
             self.exchanges += 1
-            mine = self._mine(now)
+            mine, ttl = self._mine(now)
             router, gate = self.registry.ready()
             try:
                 async with asyncio.timeout(max(1.0, self.registry_timeout)), gate.turn():
-                    others = await router.exchange_load(self.replica, self.ttl_ms(), mine)
+                    others = await router.exchange_load(self.replica, ttl, mine)
             except (RegistryError, TimeoutError) as exc:
                 self.peers.clear()  # Redis away: balance on what this replica knows
                 self.health.mark(False, exc)
+                self._entry_ttl_ms = self.ttl_ms()  # tried again at the busy cadence
             else:
+                self._entry_ttl_ms = ttl
                 health = self.health
                 if not health.up and time.monotonic() >= health.retry_at:
                     health.mark(True)
                 self._heard(others, now)
             self._apply_peers()
 
-    def _mine(self, now: float) -> str:
-        """This replica's load, numbered, as the exchange publishes it."""
+    def _mine(self, now: float) -> tuple[str, int]:
+        """This replica's load, numbered, as the exchange publishes it, and the TTL of
+        its entry: ``IDLE_TTL_MS`` while nothing is in flight or pending here (the
+        others decay its recent tokens themselves), else ``ttl_ms``. The payload says
+        its TTL, so the others keep it that long."""
         self._seq += 1
-        mine: dict[str, Any] = {
-            "seq": self._seq,
-            "load": {
-                ns: [
-                    b.load.in_flight,
-                    round(b.load.pending, 1),
-                    round(b.load.recent.now(now, self.half_life), 1),
-                ]
-                for ns, b in self.backends.items()
-            },
+        load = {
+            ns: [
+                b.load.in_flight,
+                round(b.load.pending, 1),
+                round(b.load.recent.now(now, self.half_life), 1),
+            ]
+            for ns, b in self.backends.items()
         }
-        if self.pending is not None and self.pending.on:
-            chains = self.pending.wire()
-            if chains:
-                mine["pending"] = chains
-        return json.dumps(mine, separators=(",", ":"))
+        chains = self.pending.wire() if self.pending is not None and self.pending.on else {}
+        idle = not chains and not any(v[0] or v[1] for v in load.values())
+        ttl = IDLE_TTL_MS if idle else self.ttl_ms()
+        mine: dict[str, Any] = {"seq": self._seq, "ttl": ttl, "load": load}
+        if chains:
+            mine["pending"] = chains
+        return _encode(mine), ttl
 
     def _heard(self, others: Mapping[str, str], now: float) -> None:
         """The peers an exchange started at ``now`` answered with, each kept newer if it
@@ -236,10 +277,13 @@ class LoadExchange:
         known = self.peers
         self.peers = {}
         for replica, payload in others.items():
+            held = known.get(replica)
+            if held is not None and (seq := _seq_of(payload)) is not None and seq <= held.seq:
+                self.peers[replica] = held  # heard already, pushed: not parsed again
+                continue
             peer = _peer(payload, now)
             if peer is None:
                 continue
-            held = known.get(replica)
             self.peers[replica] = held if held is not None and held.seq > peer.seq else peer
         for replica, held in known.items():  # pushed while the exchange was under way
             if replica not in self.peers and held.received > now:
@@ -249,8 +293,13 @@ class LoadExchange:
         """The periodic exchange: what changed and was not told yet (a batch cut short
         by Redis away), else only a keep-alive a third of the TTL after the last one."""
         since = time.monotonic() - self._shared_at
-        if (self._changed and since >= self.batch) or since >= self.ttl_ms() / 3000:
+        if (self._changed and since >= self.batch) or since >= self._entry_ttl_ms / 3000:
             await self.share()
+
+    @property
+    def changed(self) -> bool:
+        """A request started or ended here since the last exchange."""
+        return self._changed
 
     def ttl_ms(self) -> int:
         """Entries live ten intervals (1 to 60 s)."""
@@ -330,13 +379,15 @@ class LoadExchange:
         now = time.monotonic()
         ttl = self.ttl_ms() / 1000
         totals: dict[str, list[float]] = {}
-        for replica in [r for r, p in self.peers.items() if now - p.received > ttl]:
+        for replica in [r for r, p in self.peers.items() if now - p.received > (p.ttl or ttl)]:
             del self.peers[replica]
         for peer in self.peers.values():
+            decay = math.pow(0.5, max(0.0, now - peer.received) / self.half_life)
             for ns, values in peer.load.items():
                 total = totals.setdefault(ns, [0.0, 0.0, 0.0])
-                for i in range(3):
-                    total[i] += values[i]
+                total[0] += values[0]
+                total[1] += values[1]
+                total[2] += values[2] * decay  # recent tokens as of now
         for ns, backend in self.backends.items():
             in_flight, pending, recent = totals.get(ns, (0.0, 0.0, 0.0))
             backend.load.remote_in_flight = int(in_flight)
@@ -344,4 +395,8 @@ class LoadExchange:
             backend.load.remote_recent = recent
             backend.load.remote_at = now
         if self.pending is not None and self.pending.on:
-            self.pending.set_remote(p.pending for p in self.peers.values() if p.pending)
+            told = [p.pending for p in self.peers.values() if p.pending]
+            last = self._told
+            if len(told) != len(last) or any(a is not b for a, b in zip(told, last, strict=True)):
+                self._told = told  # the index of the others' chains rebuilt only for news
+                self.pending.set_remote(told)

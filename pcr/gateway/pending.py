@@ -338,6 +338,11 @@ class PendingPrefixes:
         if not pending.sent:
             del self._backends[record.backend]
 
+    def busy(self) -> bool:
+        """Whether blocks of this replica's requests are pending anywhere (in flight, or
+        ended and in their grace)."""
+        return bool(self._backends)
+
     def expire(self, now: float) -> None:
         """Apply what the view heard meanwhile, then drop what ``ttl`` and ``grace``
         ended."""

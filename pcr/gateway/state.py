@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 VIEW_START_S = 5.0
 """Seconds the gateway waits at start for its fleet view's first load."""
+IDLE_TICK_S = 1.0
+"""Seconds between the gateway's ticks while nothing is in flight or pending (else
+``share_interval``): the keep-alive, the registry's health and the gauges need no more."""
 SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 UPSTREAM_KEEP_ALIVE_S = 4.0
 """Seconds the gateway keeps an idle connection to an engine: below the 5 s after which
@@ -176,7 +179,7 @@ class GatewayState:
         # in batches, only once it knows of some).
         await self.exchange.share_quietly()
         await self.models.refresh(self.http, self.backends)
-        loops = [self._every(self.config.share_interval, self._tick)]
+        loops = [self._ticking()]
         loops.append(self._every(REFRESH_S, self._read_models))
         if self.config.announced:
             loops.append(self._every(self.config.discover_interval, self._discover))
@@ -220,6 +223,25 @@ class GatewayState:
                 raise
             except Exception as exc:  # a background step never ends the loop
                 log.debug("gateway background step failed: %s", type(exc).__name__)
+
+    async def _ticking(self) -> None:
+        """``_tick`` every ``share_interval`` while anything is in flight or pending,
+        else every ``IDLE_TICK_S`` (an idle gateway wakes next to never)."""
+        while not self._stopping:
+            await asyncio.sleep(self.config.share_interval if self._busy() else IDLE_TICK_S)
+            try:
+                await self._tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a background step never ends the loop
+                log.debug("gateway tick failed: %s", type(exc).__name__)
+
+    def _busy(self) -> bool:
+        """Whether this replica has requests in flight, blocks pending or a change not
+        told to the others yet."""
+        if self.exchange.changed or any(b.load.in_flight for b in self.backends.values()):
+            return True
+        return self.pending.on and self.pending.busy()
 
     async def _discover(self) -> None:
         """Backends announced in Redis (``pcr bridge --engine-url``); one no longer

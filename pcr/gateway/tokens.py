@@ -225,7 +225,7 @@ def too_many(count: int, limit: int) -> PromptTooLong:
     )
 
 
-def loads(raw: bytes) -> Any:
+def loads(raw: bytes | str) -> Any:
     """``json.loads`` of a body, by orjson where it is installed and takes it; what orjson
     refuses and ``json`` reads (NaN, an int past 64 bits, UTF-16) goes to ``json``, so
     the bodies taken are the same. (orjson reads an int past 64 bits as a float: neither

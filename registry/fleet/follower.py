@@ -30,7 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
+import select
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -49,8 +53,15 @@ HOLD_ROUND_S = 0.05
 (a batch is held whole; a batch of ``LOAD_BATCH`` namespaces of 4,096 blocks takes tens
 of ms)."""
 POLL_LOADING_S = 0.005
-"""How long the follower waits on the channel while loads are under way (else 0.1 s):
-it is woken by a message only, and a landed batch should not wait."""
+"""How long the follower waits on the channel while loads are under way (a landed batch
+also wakes it, where the subscription's socket can be waited on)."""
+IDLE_WAIT_S = 1.0
+"""The longest the follower waits on the channel with nothing due: a message, a landed
+load, ``sync`` or ``resync`` wake it (its socket and a wake pipe waited on together), so
+an idle view wakes about three times a second (the live read, its ping, the pong)."""
+POLL_S = 0.1
+"""How long it waits where the socket cannot be waited on directly (TLS data buffered,
+a client without one): then ``sync`` and the loads wait up to this."""
 SILENT_S = 30.0
 """Seconds a ping on the subscription may go unanswered before the follower subscribes
 again (records wait behind nothing that long on a live connection)."""
@@ -106,13 +117,20 @@ class RecordFollower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pubsub: Any = None
+        self._wake_fds: tuple[int, int] | None = None  # (read, write) of the wake pipe
+        self._wake_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
         """Follow in a daemon thread (once)."""
         if self._thread is None:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._wake_fds = (read, write)
             if self._loader is not None:
+                self._loader.on_landed = self.wake
                 self._loader.start()
             self._thread = threading.Thread(target=self._follow, name="fleet-view", daemon=True)
             self._thread.start()
@@ -120,6 +138,7 @@ class RecordFollower:
     def close(self) -> None:
         """Stop following (the table keeps what it holds)."""
         self._stop.set()
+        self.wake()
         if self._loader is not None:
             self._loader.close()
         if self._thread is not None:
@@ -127,6 +146,21 @@ class RecordFollower:
         if self._pubsub is not None:
             with contextlib.suppress(*REDIS_ERRORS):
                 self._pubsub.close()
+        if self._thread is None or not self._thread.is_alive():
+            with self._wake_lock:  # never written to once closed (its number reused)
+                fds, self._wake_fds = self._wake_fds, None
+                for fd in fds or ():
+                    os.close(fd)
+
+    def wake(self) -> None:
+        """Have the follower look at once at what was asked of it (``read_live``,
+        ``resync``, a landed load, ``close``) rather than at its next message or due
+        time. Any thread."""
+        with self._wake_lock:
+            fds = self._wake_fds
+            if fds is not None:
+                with contextlib.suppress(OSError):  # full: a wake is pending already
+                    os.write(fds[1], b"w")
 
     def followed_at(self) -> float:
         """Since when the view is known to follow Redis: the older of the last live read
@@ -281,7 +315,7 @@ class RecordFollower:
             pubsub.psubscribe(self.pattern)
             resync_at = time.monotonic() + self.resync_interval
             while not self._stop.is_set():
-                self._drain(pubsub)
+                self._drain(pubsub, self._wait(resync_at))
                 self._land()
                 now = time.monotonic()
                 if self._following and (
@@ -301,11 +335,25 @@ class RecordFollower:
             with contextlib.suppress(*REDIS_ERRORS):
                 pubsub.close()
 
-    def _drain(self, pubsub: Any) -> None:
-        """Handle what arrived (waiting a little for the first message, less while
-        loads are under way: a landed batch does not wake this)."""
-        wait = POLL_LOADING_S if self._loading else 0.1
-        message = pubsub.get_message(timeout=wait)
+    def _wait(self, resync_at: float) -> float:
+        """How long to wait for the next message: briefly while loads are under way,
+        else until the next live read or resync is due (``IDLE_WAIT_S`` at most)."""
+        if self._loading:
+            return POLL_LOADING_S
+        now = time.monotonic()
+        due = resync_at
+        if self._following:
+            due = min(due, self.live_read_at + self.live_cache_ttl)
+        if self.read_live.is_set() or self.resync.is_set():
+            return 0.0
+        return min(max(due - now, 0.0), IDLE_WAIT_S)
+
+    def _drain(self, pubsub: Any, wait: float) -> None:
+        """Handle what arrived, waiting up to ``wait`` seconds for the first message
+        (or a wake)."""
+        message = pubsub.get_message(timeout=0)
+        if message is None and wait > 0:
+            message = self._next(pubsub, wait)
         while message is not None:
             kind = as_bytes(message.get("type"))
             if kind == b"pmessage":
@@ -315,6 +363,28 @@ class RecordFollower:
             elif kind == b"psubscribe":
                 self._subscribed(pubsub)
             message = pubsub.get_message(timeout=0)
+
+    def _next(self, pubsub: Any, wait: float) -> Any:
+        """The next message within ``wait`` seconds, or None (also when woken): the
+        subscription's socket and the wake pipe waited on together. Nothing complete
+        is buffered in the client here (``get_message(timeout=0)`` returned None), so
+        the socket says when one arrives; where it cannot be waited on, a short poll."""
+        sock = getattr(getattr(pubsub, "connection", None), "_sock", None)
+        fds = self._wake_fds
+        if (
+            fds is None
+            or not isinstance(sock, socket.socket)  # none yet, or a stand-in (fakeredis)
+            or (isinstance(sock, ssl.SSLSocket) and sock.pending())
+        ):
+            return pubsub.get_message(timeout=min(wait, POLL_S))
+        try:
+            readable, _, _ = select.select([sock, fds[0]], [], [], wait)
+        except (OSError, ValueError):  # closed under it: the read says why
+            return pubsub.get_message(timeout=min(wait, POLL_S))
+        if fds[0] in readable:
+            with contextlib.suppress(OSError):
+                os.read(fds[0], 4096)
+        return pubsub.get_message(timeout=0)
 
     def _ping(self, pubsub: Any) -> None:
         """A heartbeat on the subscription: its answer comes after every record

@@ -137,6 +137,8 @@ class SnapshotLoader:
         self._asked = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.on_landed: Callable[[], None] | None = None
+        """Called (in the loader's thread) after each batch handed over."""
 
     def start(self) -> None:
         """Read in a daemon thread (once)."""
@@ -198,10 +200,13 @@ class SnapshotLoader:
                 self._put(Landed(round_, ((name, reader.paged(name)),)))
 
     def _put(self, item: Landed) -> None:
-        """Hand ``item`` over, waiting while ``AHEAD`` batches wait already."""
+        """Hand ``item`` over, waiting while ``AHEAD`` batches wait already, and say so
+        (``on_landed``)."""
         while not self._stop.is_set():
             try:
                 self.landed.put(item, timeout=0.5)
+                if self.on_landed is not None:
+                    self.on_landed()
                 return
             except queue.Full:
                 continue

@@ -181,6 +181,7 @@ class FleetView:
         """Load every namespace held again, in the background, as the timer does every
         ``resync_interval``: the view keeps following and answering meanwhile."""
         self._follower.resync.set()
+        self._follower.wake()
 
     def live_nodes(self) -> list[str]:
         """The live namespaces as the view last read them (sorted)."""
@@ -221,6 +222,7 @@ class FleetView:
         asked = time.monotonic()
         if live or any(not table.is_live(n) for n in names):
             follower.read_live.set()
+            follower.wake()
         else:
             asked = float("-inf")
         with follower.changed:

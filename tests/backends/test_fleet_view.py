@@ -15,6 +15,8 @@ namespace's own maps, on fakeredis, a real server and a real 3-master cluster.
 from __future__ import annotations
 
 import random
+import socket
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -319,3 +321,43 @@ def test_sync_says_redis_is_away_in_the_retryable_error(own_server: Any) -> None
             view.sync(["node-a"], live=False, timeout=5)
     finally:
         view.close()
+
+
+def test_an_idle_view_waits_on_its_socket_and_sync_wakes_it(
+    redis_backend: Backend, prefix: str, view_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing due (live reads and resyncs an hour apart, waits up to a minute),
+    the follower waits on the subscription's socket and its wake pipe together: over a
+    second it goes round at most a few times (it used to poll ten times a second; a
+    busy machine only makes it fewer), and ``sync`` (which needs a live read the
+    follower would not make for an hour) is answered: it wakes the follower. Where the
+    socket cannot be waited on (fakeredis) the follower polls; the same holds but the
+    count."""
+    from registry.fleet import follower as following
+
+    monkeypatch.setattr(following, "IDLE_WAIT_S", 60.0)
+    rounds = []
+    land = RecordFollower._land
+
+    def counted(self: RecordFollower) -> None:
+        rounds.append(time.monotonic())
+        land(self)
+
+    monkeypatch.setattr(RecordFollower, "_land", counted)
+    name = f"i-{uuid.uuid4().hex[:6]}"
+    reg = owner(redis_backend, name, prefix)
+    view = view_of(live_cache_ttl=3600, resync_interval=3600)
+    pubsub = view._follower._pubsub
+    sock = getattr(getattr(pubsub, "connection", None), "_sock", None)
+    waitable = isinstance(sock, socket.socket)
+    view.sync(timeout=30)
+    time.sleep(0.2)  # the start's own rounds done
+    before = len(rounds)
+    time.sleep(1.0)
+    if waitable:
+        assert len(rounds) - before <= 3, rounds[before:]
+    chain = list(range(7000, 7006))
+    reg.register_kv(range(6), chain)
+    view.sync(timeout=30)
+    assert viewed(view, chain) == {name: (6, 0, 6)}
+    view.sync(timeout=30)  # nothing written since: only the live read, after a wake
