@@ -411,7 +411,17 @@ class GatewayState:
             if alone[0].namespace != order[0].namespace:
                 self.metrics.pending_changed.inc()
         listed, registry = found.listed, found.registry
-        order[:2] = [replace(c, reach=listed.reach(c.namespace, registry)) for c in order[:2]]
+        order[:2] = [  # dataclasses.replace costs more than the rest of this
+            Choice(
+                c.namespace,
+                c.cost,
+                c.cached,
+                c.queued,
+                c.share,
+                listed.reach(c.namespace, registry),
+            )
+            for c in order[:2]
+        ]
         return order, outcome
 
     def sent(self, backend: Backend, choice: Choice, ids: PromptIds | None) -> Sent | None:
