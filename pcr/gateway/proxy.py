@@ -48,6 +48,9 @@ from pcr.gateway.tokens import (
 from pcr.web.auth import model_allowed, routable, salted_tenant
 
 PROXIED = {"/v1/completions": False, "/v1/chat/completions": True}
+WATCH_AFTER_S = 0.05
+"""Seconds into a request after which its client's leaving is watched for (and cancels
+it); one that leaves earlier is found out then."""
 """The proxied paths, and whether each takes chat messages."""
 
 
@@ -156,10 +159,21 @@ class _ClientWatch:
         task = asyncio.current_task()
         assert task is not None
         self.task = task
+        self.receive = receive
         self.left = False
         self.stopped = False
-        self.gone = asyncio.ensure_future(_disconnected(receive))
-        self.gone.add_done_callback(self._left)
+        self.gone: asyncio.Future[None] | None = None
+        # Watched from WATCH_AFTER_S on: most replies (and every instant one) are done
+        # before, and a timer costs a tenth of the task that reads the disconnect.
+        self.timer: asyncio.TimerHandle | None = task.get_loop().call_later(
+            WATCH_AFTER_S, self._watch
+        )
+
+    def _watch(self) -> None:
+        self.timer = None
+        if not self.stopped:
+            self.gone = asyncio.ensure_future(_disconnected(self.receive))
+            self.gone.add_done_callback(self._left)
 
     def _left(self, gone: asyncio.Future[None]) -> None:
         if not self.stopped and not gone.cancelled() and gone.exception() is None:
@@ -173,8 +187,11 @@ class _ClientWatch:
         """Before the response's last message (after it the server reads a disconnect)."""
         if not self.stopped:
             self.stopped = True
-            self.gone.remove_done_callback(self._left)
-            self.gone.cancel()
+            if self.timer is not None:
+                self.timer.cancel()
+            if self.gone is not None:
+                self.gone.remove_done_callback(self._left)
+                self.gone.cancel()
 
 
 async def _disconnected(receive: Receive) -> None:

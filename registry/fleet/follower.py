@@ -378,7 +378,7 @@ class RecordFollower:
         ):
             return pubsub.get_message(timeout=min(wait, POLL_S))
         try:
-            readable, _, _ = select.select([sock, fds[0]], [], [], wait)
+            readable, _, _ = select.select([sock.fileno(), fds[0]], [], [], wait)
         except (OSError, ValueError):  # closed under it: the read says why
             return pubsub.get_message(timeout=min(wait, POLL_S))
         if fds[0] in readable:
