@@ -76,7 +76,7 @@ except ImportError:  # pragma: no cover - installed without it: json alone
     _fast_loads = None  # type: ignore[assignment]
 
 from pcr.gateway.balance import prompt_root
-from registry.core.hashing import ChainKeys, block_hashes, request_chain_keys
+from registry.core.hashing import ChainKeys, block_hashes, request_chain_keys, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -656,8 +656,9 @@ def token_prompt(body: dict[str, Any]) -> list[int] | None:
 
 
 def _tokens(values: list[Any]) -> bool:
-    """Whether every value is a token id (``_token``): checked in C, not value by value."""
-    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) < 2**31
+    """Whether every value is a token id (``_token``): checked in one C pass
+    (``registry.core.hashing.token_ids``), not value by value."""
+    return token_ids(values, 2**31)
 
 
 def text_prompt(body: dict[str, Any]) -> str | None:

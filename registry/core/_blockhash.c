@@ -310,9 +310,35 @@ static PyObject *chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     return result;
 }
 
+/* token_ids(values, limit): whether ``values`` is a non-empty list of exact ints (never
+   a bool or a float), each 0 <= v < limit (limit at most 2**62). What the gateway asks
+   of a prompt of token ids before hashing it: one pass in C, no objects made. */
+static PyObject *token_ids(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "token_ids(values: list, limit: int)");
+        return NULL;
+    }
+    long long limit = PyLong_AsLongLong(args[1]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    PyObject *values = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(values);
+    if (n == 0) Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyList_GET_ITEM(values, i);
+        if (!PyLong_CheckExact(v)) Py_RETURN_FALSE;
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow != 0 || x < 0 || x >= limit) Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL,
      "chain(parent, tokens, block_size, digests, portable): block hashes or digests."},
+    {"token_ids", (PyCFunction)(void (*)(void))token_ids, METH_FASTCALL,
+     "token_ids(values, limit): a non-empty list of ints (not bools), each in [0, limit)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {

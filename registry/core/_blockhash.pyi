@@ -33,3 +33,5 @@ def chain(
     portable: bool,
     /,
 ) -> list[bytes] | list[int] | None: ...
+def token_ids(values: list[object], limit: int, /) -> bool:
+    """Whether ``values`` is a non-empty list of ints (not bools), each in ``[0, limit)``."""

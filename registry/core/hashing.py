@@ -204,6 +204,21 @@ def chain_digests(parent: bytes, tokens: Any, block_size: int) -> list[bytes]:
     return _python_digests(parent, tokens, block_size)
 
 
+def token_ids(values: list[Any], limit: int) -> bool:
+    """Whether ``values`` is a non-empty list of ints (not bools, not floats), each in
+    ``[0, limit)``: in one C pass where the extension is built, else by type set, min
+    and max (the same answer)."""
+    if _blockhash is not None:
+        answer: bool = _blockhash.token_ids(values, limit)
+        return answer
+    return (
+        bool(values)
+        and set(map(type, values)) == {int}
+        and min(values) >= 0
+        and max(values) < limit
+    )
+
+
 def implementation() -> str:
     """Which code computes the chain here: ``"c (sha-ni)"`` (the C extension on the
     CPU's SHA extensions), ``"c (portable)"`` or ``"python"`` (built without it)."""

@@ -189,3 +189,40 @@ def test_threads_hash_alike() -> None:
     for thread in threads:
         thread.join(timeout=60)
     assert all(got[k] == [expected[k]] * 20 for k in range(4))
+
+
+TOKEN_LISTS: list[tuple[Any, bool]] = [
+    ([0, 1, 2**31 - 1], True),
+    ([5], True),
+    ([], False),
+    ([1, True], False),  # a bool is not a token id, though an int to Python
+    ([1, 2.0], False),
+    ([1, "2"], False),
+    ([1, None], False),
+    ([1, -1], False),
+    ([1, 2**31], False),
+    ([1, 2**64], False),  # past 64 bits
+    ([1, -(2**70)], False),
+    ([1, [2]], False),
+]
+
+
+@pytest.mark.parametrize("path", ["python", "c"])
+@pytest.mark.parametrize(("values", "expected"), TOKEN_LISTS)
+def test_token_ids_checks_the_same_on_both_paths(path: str, values: Any, expected: bool) -> None:
+    """``token_ids``: a non-empty list of ints (not bools), each in ``[0, limit)``, the
+    same answer in C and in Python."""
+    from registry.core.hashing import token_ids
+
+    if path == "c" and NATIVE is None:
+        pytest.skip("C extension not built")
+    with chain_path(path):
+        assert token_ids(values, 2**31) is expected
+
+
+@needs_extension
+def test_token_ids_refuses_what_is_not_a_list() -> None:
+    from registry.core.hashing import token_ids
+
+    with chain_path("c"), pytest.raises(TypeError):
+        token_ids((1, 2), 2**31)  # type: ignore[arg-type]
