@@ -226,9 +226,10 @@ class GatewayState:
 
     async def _ticking(self) -> None:
         """``_tick`` every ``share_interval`` while anything is in flight or pending,
-        else every ``IDLE_TICK_S`` (an idle gateway wakes next to never)."""
+        else every ``IDLE_TICK_S`` (or ``share_interval``, where longer)."""
         while not self._stopping:
-            await asyncio.sleep(self.config.share_interval if self._busy() else IDLE_TICK_S)
+            interval = self.config.share_interval
+            await asyncio.sleep(interval if self._busy() else max(interval, IDLE_TICK_S))
             try:
                 await self._tick()
             except asyncio.CancelledError:
