@@ -344,8 +344,8 @@ class RecordFollower:
         due = resync_at
         if self._following:
             due = min(due, self.live_read_at + self.live_cache_ttl)
-        if self.read_live.is_set() or self.resync.is_set():
-            return 0.0
+        if self.resync.is_set() or (self._following and self.read_live.is_set()):
+            return 0.0  # asked for now (a live read only once subscribed: never a spin)
         return min(max(due - now, 0.0), IDLE_WAIT_S)
 
     def _drain(self, pubsub: Any, wait: float) -> None:
