@@ -15,10 +15,10 @@ and ``pcr.gateway.exchange`` fetch).
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import math
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -105,20 +105,47 @@ def kept_backends(backends: Iterable[Backend]) -> dict[str, str]:
     }
 
 
+_ENGINE_SERIES = {
+    "vllm:num_requests_running": 0,
+    "vllm:num_requests_waiting": 1,
+    "vllm:kv_cache_usage_perc": 2,
+    "vllm:gpu_cache_usage_perc": 2,
+}
+"""The series ``engine_load`` reads: requests running (0), waiting (1), KV-cache usage (2)."""
+
+
+def _series_values(text: str, name: str) -> Iterator[float]:
+    """The finite values of every sample of ``name`` in an exposition ``text`` (any
+    labels; a timestamp after the value ignored), found by ``str.find``: vLLM's
+    ``/metrics`` runs to a thousand lines and more, histograms mostly, read every second,
+    and three series of it are wanted."""
+    if text.startswith(name):
+        at = 0
+    elif (at := text.find("\n" + name) + 1) == 0:
+        return
+    while True:
+        end = text.find("\n", at)
+        line = text[at + len(name) : end if end >= 0 else len(text)]
+        if line[:1] == "{":
+            line = line[line.rfind("}") + 1 :]
+        if line[:1] in (" ", "\t"):
+            parts = line.split()
+            try:
+                value = float(parts[0]) if parts else math.nan
+            except ValueError:
+                value = math.nan
+            if math.isfinite(value):
+                yield value
+        if end < 0 or (at := text.find("\n" + name, end) + 1) == 0:
+            return
+
+
 def engine_load(text: str) -> tuple[float, float, float]:
     """(running, waiting, KV-cache usage) from a vLLM engine's ``/metrics`` text: the
-    requests summed over every label set, the usage the highest one reported."""
-    running = waiting = usage = 0.0
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        with contextlib.suppress(ValueError, IndexError):
-            value = float(line.rsplit(" ", 1)[1])
-            if name == "vllm:num_requests_running":
-                running += value
-            elif name == "vllm:num_requests_waiting":
-                waiting += value
-            elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-                usage = max(usage, value)
-    return running, waiting, usage
+    requests summed over every label set, the usage the highest one reported; a value
+    that is not a finite number is left out."""
+    found = [0.0, 0.0, 0.0]
+    for name, slot in _ENGINE_SERIES.items():
+        for value in _series_values(text, name):
+            found[slot] = max(found[slot], value) if slot == 2 else found[slot] + value
+    return found[0], found[1], found[2]
