@@ -207,7 +207,6 @@ class LoadExchange:
         self._entry_ttl_ms = 0  # the TTL of the entry last published (its keep-alive
         # goes at a third of it)
         self._flush: asyncio.TimerHandle | None = None
-        self._told: list[Mapping[str, Any]] = []
         self.exchanges = 0
         """Exchanges made (each one round trip to Redis)."""
 
@@ -395,8 +394,4 @@ class LoadExchange:
             backend.load.remote_recent = recent
             backend.load.remote_at = now
         if self.pending is not None and self.pending.on:
-            told = [p.pending for p in self.peers.values() if p.pending]
-            last = self._told
-            if len(told) != len(last) or any(a is not b for a, b in zip(told, last, strict=True)):
-                self._told = told  # the index of the others' chains rebuilt only for news
-                self.pending.set_remote(told)
+            self.pending.set_remote([p.pending for p in self.peers.values() if p.pending])

@@ -474,8 +474,13 @@ class PendingPrefixes:
 
     def set_remote(self, told: Iterable[Mapping[str, Any]]) -> None:
         """What the other replicas last told (``parse_wire``'s answers), indexed at the
-        next decision."""
-        self._told = list(told)
+        next decision; the same answers as last time (the same objects: no peer told
+        anything new) leave the index as it is."""
+        now = list(told)
+        last = self._told
+        if len(now) == len(last) and all(a is b for a, b in zip(now, last, strict=True)):
+            return
+        self._told = now
         self._far_stale = True
 
     def _remote(self) -> dict[str, _Far]:

@@ -179,7 +179,7 @@ class GatewayState:
         # in batches, only once it knows of some).
         await self.exchange.share_quietly()
         await self.models.refresh(self.http, self.backends)
-        loops = [self._ticking()]
+        loops = [self._every(self._tick_interval, self._tick)]
         loops.append(self._every(REFRESH_S, self._read_models))
         if self.config.announced:
             loops.append(self._every(self.config.discover_interval, self._discover))
@@ -214,9 +214,12 @@ class GatewayState:
         if self.http is not None:
             await self.http.close()
 
-    async def _every(self, interval: float, step: Callable[[], Awaitable[None]]) -> None:
+    async def _every(
+        self, interval: float | Callable[[], float], step: Callable[[], Awaitable[None]]
+    ) -> None:
+        """``step`` every ``interval`` seconds (a callable: asked before each wait)."""
         while not self._stopping:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval() if callable(interval) else interval)
             try:
                 await step()
             except asyncio.CancelledError:
@@ -224,18 +227,11 @@ class GatewayState:
             except Exception as exc:  # a background step never ends the loop
                 log.debug("gateway background step failed: %s", type(exc).__name__)
 
-    async def _ticking(self) -> None:
-        """``_tick`` every ``share_interval`` while anything is in flight or pending,
-        else every ``IDLE_TICK_S`` (or ``share_interval``, where longer)."""
-        while not self._stopping:
-            interval = self.config.share_interval
-            await asyncio.sleep(interval if self._busy() else max(interval, IDLE_TICK_S))
-            try:
-                await self._tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a background step never ends the loop
-                log.debug("gateway tick failed: %s", type(exc).__name__)
+    def _tick_interval(self) -> float:
+        """``share_interval`` while anything is in flight or pending, else
+        ``IDLE_TICK_S`` (or ``share_interval``, where longer)."""
+        interval = self.config.share_interval
+        return interval if self._busy() else max(interval, IDLE_TICK_S)
 
     def _busy(self) -> bool:
         """Whether this replica has requests in flight, blocks pending or a change not
@@ -412,17 +408,8 @@ class GatewayState:
             if alone[0].namespace != order[0].namespace:
                 self.metrics.pending_changed.inc()
         listed, registry = found.listed, found.registry
-        order[:2] = [  # dataclasses.replace costs more than the rest of this
-            Choice(
-                c.namespace,
-                c.cost,
-                c.cached,
-                c.queued,
-                c.share,
-                listed.reach(c.namespace, registry),
-            )
-            for c in order[:2]
-        ]
+        for choice in order[:2]:  # what a request sent there leaves pending
+            choice.reach = listed.reach(choice.namespace, registry)
         return order, outcome
 
     def sent(self, backend: Backend, choice: Choice, ids: PromptIds | None) -> Sent | None:

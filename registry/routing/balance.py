@@ -193,7 +193,7 @@ class Reach:
 class Choice:
     """One candidate's cost and its parts (for metrics and tests). Not frozen: made
     several times per request, and a frozen dataclass's constructor costs four times
-    as much; nothing changes one once made."""
+    as much; the gateway sets ``reach`` on the two best, nothing else changes one."""
 
     namespace: str
     cost: float
