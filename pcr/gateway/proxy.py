@@ -19,8 +19,6 @@ import asyncio
 import time
 from typing import Any
 
-import aiohttp
-
 from pcr.gateway.backends import Backend
 from pcr.gateway.balance import Choice
 from pcr.gateway.models import narrowed, unknown_model
@@ -33,7 +31,7 @@ from pcr.gateway.replies import (
     error_body,
     forwarded_headers,
     json_body,
-    raw_reply_headers,
+    reply_headers,
     respond,
 )
 from pcr.gateway.state import GatewayState
@@ -45,6 +43,7 @@ from pcr.gateway.tokens import (
     prompt_tokens,
     salted_body,
 )
+from pcr.gateway.upstream import Reply, UpstreamError
 from pcr.web.auth import model_allowed, routable, salted_tenant
 
 PROXIED = {"/v1/completions": False, "/v1/chat/completions": True}
@@ -218,7 +217,8 @@ async def _forward(
     prompt = ids.count if ids else 0
     headers = forwarded_headers(scope["headers"], state.config.backend_api_key)
     query = scope.get("query_string", b"")
-    path = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
+    target = scope["path"].encode() + (b"?" + query if query else b"")
+    method = scope["method"].encode()
     tried = 0
     for choice in order[:2]:  # the best, and once more on the next best
         backend = state.backends.get(choice.namespace)
@@ -230,7 +230,7 @@ async def _forward(
         try:
             if state.metrics.on:
                 state.metrics.overhead.observe(time.perf_counter() - arrived)
-            upstream = await _send(state, scope["method"], backend, path, raw, headers)
+            upstream = await _send(state, method, backend, target, raw, headers)
         except _Failed as failed:
             ended(state, backend, prefill, sent=sent)
             count_error(state, backend, failed.kind)
@@ -269,30 +269,24 @@ class _Failed(Exception):
 
 async def _send(
     state: GatewayState,
-    method: str,
+    method: bytes,
     backend: Backend,
-    path: str,
+    target: bytes,
     raw: bytes,
-    headers: dict[str, str],
-) -> aiohttp.ClientResponse:
+    headers: list[tuple[bytes, bytes]],
+) -> Reply:
     """The backend's reply, its headers read (the body not yet); ``_Failed`` before."""
-    assert state.http is not None
+    assert state.upstream is not None
     try:
-        return await state.http.request(
-            method, backend.url + path, data=raw, headers=headers, allow_redirects=False
-        )
-    except aiohttp.ClientConnectorError:
-        raise _Failed("connect") from None
-    except TimeoutError:
-        raise _Failed("timeout") from None
-    except aiohttp.ClientError:
-        raise _Failed("protocol") from None
+        return await state.upstream.request(backend.url, method, target, raw, headers)
+    except UpstreamError as failed:
+        raise _Failed(failed.kind) from None
 
 
 async def _whole(
     state: GatewayState,
     backend: Backend,
-    upstream: aiohttp.ClientResponse,
+    upstream: Reply,
     send: Send,
     arrived: float,
     watch: _ClientWatch,
@@ -306,9 +300,9 @@ async def _whole(
         if watch.left:
             client_closed(state, backend)
         raise
-    except (aiohttp.ClientError, TimeoutError):
+    except UpstreamError as failed:
         upstream.close()
-        count_error(state, backend, "protocol")
+        count_error(state, backend, failed.kind)
         watch.stop()
         await answer_error(send, 502, f"backend {backend.namespace!r} broke off its reply")
         return
@@ -316,13 +310,13 @@ async def _whole(
     watch.stop()
     end.told(ok=200 <= upstream.status < 300)
     answered(state, backend, upstream.status, arrived, first_byte=True)
-    await respond(send, upstream.status, content, raw_reply_headers(upstream))
+    await respond(send, upstream.status, content, reply_headers(upstream.headers))
 
 
 async def _streamed(
     state: GatewayState,
     backend: Backend,
-    upstream: aiohttp.ClientResponse,
+    upstream: Reply,
     send: Send,
     arrived: float,
     watch: _ClientWatch,
@@ -330,19 +324,20 @@ async def _streamed(
 ) -> None:
     """The backend's chunks as they come; a client that leaves closes the upstream
     (``_ClientWatch`` cancels this task); a reply broken off ends with an error event."""
-    events = upstream.headers.get("content-type", "").startswith("text/event-stream")
+    kind = upstream.header(b"content-type")
+    events = kind is not None and kind.startswith(b"text/event-stream")
     complete = broken = False
     try:
         await send(
             {
                 "type": "http.response.start",
                 "status": upstream.status,
-                "headers": raw_reply_headers(upstream),
+                "headers": reply_headers(upstream.headers),
             }
         )
         first = True
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 if first and chunk:
                     first = False
                     if state.metrics.on:
@@ -351,9 +346,9 @@ async def _streamed(
                         )
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             complete = True
-        except (aiohttp.ClientError, TimeoutError):
+        except UpstreamError as failed:
             broken = True
-            count_error(state, backend, "protocol")
+            count_error(state, backend, failed.kind)
         watch.stop()
         end.told(ok=complete and 200 <= upstream.status < 300)
         last = _stream_error(backend) if broken and events else b""

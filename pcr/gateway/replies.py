@@ -8,7 +8,6 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import aiohttp
 from fastapi.responses import JSONResponse
 
 from pcr.web.errors import error_content
@@ -25,13 +24,6 @@ ERROR_KIND = {
     502: "bad gateway",
     503: "unavailable",
 }
-VIEW_START_S = 5.0
-"""Seconds the gateway waits at start for its fleet view's first load."""
-SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
-UPSTREAM_KEEP_ALIVE_S = 4.0
-"""Seconds the gateway keeps an idle connection to an engine: below the 5 s after which
-vLLM's and SGLang's servers (uvicorn's default) close one, so the gateway closes first and
-never sends a request into a connection the engine is closing."""
 HOP_HEADERS = frozenset(
     {
         "connection",
@@ -44,6 +36,7 @@ HOP_HEADERS = frozenset(
         "upgrade",
         "host",
         "content-length",
+        "expect",  # the whole body is sent at once: no "100 Continue" to wait for
     }
 )
 
@@ -94,16 +87,14 @@ def json_body(raw: list[tuple[bytes, bytes]]) -> bool:
 
 def forwarded_headers(
     raw: list[tuple[bytes, bytes]], backend_key: str | None = None
-) -> dict[str, str]:
-    """The request's headers for the backend (ASGI gives names in lower case); with
-    ``backend_key``, the engines' own key in place of any ``Authorization`` sent."""
-    headers = {
-        name.decode("latin-1"): value.decode("latin-1")
-        for name, value in raw
-        if name not in HOP_BYTES
-    }
-    if backend_key is not None:
-        headers["authorization"] = f"Bearer {backend_key}"
+) -> list[tuple[bytes, bytes]]:
+    """The request's headers for the backend, as the server parsed them (ASGI gives
+    names in lower case; no hop-by-hop one); with ``backend_key``, the engines' own key
+    in place of any ``Authorization`` sent."""
+    if backend_key is None:
+        return [item for item in raw if item[0] not in HOP_BYTES]
+    headers = [item for item in raw if item[0] not in HOP_BYTES and item[0] != b"authorization"]
+    headers.append((b"authorization", f"Bearer {backend_key}".encode("latin-1")))
     return headers
 
 
@@ -112,11 +103,6 @@ def backend_auth(backend_key: str | None) -> dict[str, str] | None:
     return None if backend_key is None else {"Authorization": f"Bearer {backend_key}"}
 
 
-def reply_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    """A backend's reply headers for a FastAPI response."""
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in REPLY_DROPPED}
-
-
-def raw_reply_headers(upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-    """A backend's reply headers for an ASGI response start."""
-    return [(k.lower(), v) for k, v in upstream.raw_headers if k.lower() not in REPLY_DROPPED_BYTES]
+def reply_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A backend's reply headers (lower-case names) for an ASGI response start."""
+    return [item for item in raw if item[0] not in REPLY_DROPPED_BYTES]

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from pcr.gateway.backends import Backend, engine_load
-from pcr.gateway.balance import Choice, Kin, cached_tokens, ranked
+from pcr.gateway.balance import Choice, Kin, cached_tokens, leader, ranked
 from pcr.gateway.config import GatewayConfig
 from pcr.gateway.exchange import LoadExchange, RegistryHealth, discover
 from pcr.gateway.metrics import GatewayMetrics
@@ -26,6 +26,7 @@ from pcr.gateway.models import REFRESH_S, ModelCatalog
 from pcr.gateway.pending import Listed, PendingPrefixes, Sent, checkpoints
 from pcr.gateway.replies import backend_auth
 from pcr.gateway.tokens import BodyParser, PromptIds, PromptTokenizer
+from pcr.gateway.upstream import Upstream
 from pcr.web.tls import client_context
 from registry.core.errors import RegistryError
 from registry.core.validation import prefix_hashes
@@ -111,7 +112,8 @@ class GatewayState:
         self.parser = BodyParser()
         self.models = ModelCatalog()  # what each backend serves (pcr.gateway.models)
         self.metrics = GatewayMetrics.get()
-        self.http: aiohttp.ClientSession | None = None
+        self.http: aiohttp.ClientSession | None = None  # the gateway's own small reads
+        self.upstream: Upstream | None = None  # proxied requests (pcr.gateway.upstream)
         self.health = RegistryHealth(self.metrics)
         # Requests in flight counted as cached where they were sent (prefix policy only)
         bounds = config.pending if config.policy == "prefix" else replace(config.pending, ttl=0)
@@ -146,13 +148,18 @@ class GatewayState:
             sock_read=self.config.upstream_timeout,
         )
         config = self.config
+        # https:// engines: verified against these CAs, this certificate shown
+        tls = client_context(
+            config.backend_ca_certs, config.backend_certfile, config.backend_keyfile
+        )
+        self.upstream = Upstream(
+            connect_timeout=config.connect_timeout,
+            read_timeout=config.upstream_timeout,
+            keep_alive=UPSTREAM_KEEP_ALIVE_S,
+            ssl_context=tls,
+        )
         connector = aiohttp.TCPConnector(
-            limit=0,
-            keepalive_timeout=UPSTREAM_KEEP_ALIVE_S,
-            ttl_dns_cache=60,
-            ssl=client_context(
-                config.backend_ca_certs, config.backend_certfile, config.backend_keyfile
-            ),  # https:// engines: verified against these CAs, this certificate shown
+            limit=0, keepalive_timeout=UPSTREAM_KEEP_ALIVE_S, ttl_dns_cache=60, ssl=tls
         )
         self.http = aiohttp.ClientSession(
             connector=connector,
@@ -211,6 +218,8 @@ class GatewayState:
         self.parser.close()
         if self.tokenizer is not None:
             self.tokenizer.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         if self.http is not None:
             await self.http.close()
 
@@ -404,8 +413,8 @@ class GatewayState:
         if found is None:
             return order, outcome
         if found.alone is not None and self.metrics.on:  # what the pending blocks changed
-            alone = ranked(names, prompt, found.alone[0], loads, rule, now, kin, found.alone[1])
-            if alone[0].namespace != order[0].namespace:
+            alone = leader(names, prompt, found.alone[0], loads, rule, now, kin, found.alone[1])
+            if alone != order[0].namespace:
                 self.metrics.pending_changed.inc()
         listed, registry = found.listed, found.registry
         for choice in order[:2]:  # what a request sent there leaves pending
