@@ -2,7 +2,8 @@
 ``pcr gateway``'s cost in ``pcr.bench.gateway_load`` (issue 45).
 
 uvicorn with httptools and uvloop (the gateway's server), one plain ASGI callable, and
-aiohttp's client with the gateway's connector settings (its upstream client): each
+the gateway's upstream client (``pcr.gateway.upstream``; ``--client aiohttp``: aiohttp's,
+with the gateway's former connector settings): each
 request's body read and forwarded unparsed to the next backend in turn, the reply read
 whole and passed back. No JSON, tokenizer, hashing, choice, load bookkeeping, metrics
 or keys: what is left is the framework's work, which no routing rule written on this
@@ -19,15 +20,21 @@ from typing import Any
 import aiohttp
 import uvicorn
 
+from pcr.gateway.upstream import Upstream
+
 Message = dict[str, Any]
+JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
 class FloorProxy:
-    """The ASGI callable: ``/health`` answered, everything else forwarded."""
+    """The ASGI callable: ``/health`` answered, everything else forwarded (by the
+    gateway's upstream client, ``pcr.gateway.upstream``, or by aiohttp's)."""
 
-    def __init__(self, backends: Sequence[str]) -> None:
+    def __init__(self, backends: Sequence[str], client: str = "upstream") -> None:
         self.turns = itertools.cycle(backends)
+        self.client = client
         self.http: aiohttp.ClientSession | None = None
+        self.upstream = Upstream(connect_timeout=2.0, read_timeout=600.0, keep_alive=4.0)
 
     async def __call__(self, scope: Message, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -43,8 +50,19 @@ class FloorProxy:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
+        base = next(self.turns)
+        if self.client == "upstream":
+            reply = await self.upstream.request(
+                base, b"POST", scope["path"].encode(), b"".join(chunks), JSON_HEADERS
+            )
+            body = await reply.read()
+            reply.release()
+            await send({"type": "http.response.start", "status": reply.status,
+                        "headers": JSON_HEADERS})  # fmt: skip
+            await send({"type": "http.response.body", "body": body})
+            return
         assert self.http is not None
-        url = next(self.turns) + scope["path"]
+        url = base + scope["path"]
         async with self.http.post(
             url, data=b"".join(chunks), headers={"Content-Type": "application/json"}
         ) as upstream:
@@ -70,6 +88,7 @@ class FloorProxy:
             elif message["type"] == "lifespan.shutdown":
                 if self.http is not None:
                     await self.http.close()
+                await self.upstream.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -78,9 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcr.bench.floor_proxy")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--backend", action="append", required=True)
+    parser.add_argument("--client", choices=("upstream", "aiohttp"), default="upstream")
     args = parser.parse_args(argv)
     config = uvicorn.Config(
-        FloorProxy([b.rstrip("/") for b in args.backend]),
+        FloorProxy([b.rstrip("/") for b in args.backend], args.client),
         host="127.0.0.1",
         port=args.port,
         http="httptools",

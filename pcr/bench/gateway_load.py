@@ -304,6 +304,8 @@ class Router:
     commands: list[list[str]]
     ports: list[int]
     workers: int = 1
+    env: dict[str, str] | None = None
+    cwd: Path | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
 
@@ -316,6 +318,7 @@ class Router:
                     ["taskset", "-c", str(ROUTER_CORE), *command] if shutil.which("taskset")
                     else command,
                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=None if self.env is None else {**os.environ, **self.env}, cwd=self.cwd,
                 )  # fmt: skip
             self.processes.append(process)
         deadline = time.monotonic() + 60
@@ -498,12 +501,24 @@ def _has_workers() -> bool:
     return "--workers" in help_text
 
 
-def _routers(url: str, backends: dict[str, str], tokenizer: Path, which: set[str]) -> list[Router]:
+def _routers(
+    url: str,
+    backends: dict[str, str],
+    tokenizer: Path,
+    which: set[str],
+    baseline: Path | None = None,
+) -> list[Router]:
     made = []
     if "gateway" in which:
         port = free_port()
         made.append(Router("gateway", [_gateway_command(url, backends, port, "g1", tokenizer)],
                            [port]))  # fmt: skip
+    if baseline is not None:  # another checkout's gateway (its C extensions built in place)
+        port = free_port()
+        command = _gateway_command(url, backends, port, "b1", tokenizer)
+        where = baseline.resolve()  # ``-m`` imports from the working directory first
+        made.append(Router(f"gateway at {baseline.name}", [command], [port],
+                           env={"PYTHONPATH": str(where)}, cwd=where))  # fmt: skip
     if "replicas" in which:
         ports = [free_port(), free_port()]
         commands = [
@@ -514,12 +529,15 @@ def _routers(url: str, backends: dict[str, str], tokenizer: Path, which: set[str
         port = free_port()
         command = _gateway_command(url, backends, port, "w", tokenizer, "--workers", "2")
         made.append(Router("gateway --workers 2", [command], [port], workers=2))
-    if "floor" in which:  # the stack's own floor: no routing at all (pcr.bench.floor_proxy)
-        port = free_port()
-        command = [sys.executable, "-m", "pcr.bench.floor_proxy", "--port", str(port)]
-        for backend in backends.values():
-            command += ["--backend", backend]
-        made.append(Router("python floor (uvicorn + aiohttp)", [command], [port]))
+    floors = {"floor": "upstream", "floor-aiohttp": "aiohttp"}
+    for name, client in floors.items():  # the stack's own floor: no routing at all
+        if name in which:  # (pcr.bench.floor_proxy), with each upstream client
+            port = free_port()
+            command = [sys.executable, "-m", "pcr.bench.floor_proxy", "--port", str(port),
+                       "--client", client]  # fmt: skip
+            for backend in backends.values():
+                command += ["--backend", backend]
+            made.append(Router(f"python floor (uvicorn + {client})", [command], [port]))
     router_bin = os.environ.get("PCR_VLLM_ROUTER") or str(VLLM_ROUTER)
     if "vllm-router" in which and Path(router_bin).exists():
         port = free_port()
@@ -612,7 +630,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backends = {ns: f"http://127.0.0.1:{p}" for ns, p in zip(namespaces, ports, strict=True)}
         fill(server.url, namespaces, workload)
         which = set(args.routers.split(","))
-        routers = [r.start(log_dir) for r in _routers(server.url, backends, tokenizer_dir, which)]
+        made = _routers(server.url, backends, tokenizer_dir, which, args.baseline)
+        routers = [r.start(log_dir) for r in made]
         say(f"routers: {', '.join(r.label for r in routers)}; logs in {log_dir}")
         idle = {r.label: _idle_cpu(r, args.idle) for r in routers}
         shapes = {
@@ -682,6 +701,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--routers", default="gateway,replicas,workers,floor,vllm-router")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of the project (C extensions built in place): its gateway "
+        "measured in the same run, alternating with this one's",
+    )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, default=1.5)
     parser.add_argument("--rounds", type=int, default=2)

@@ -14,6 +14,7 @@ from registry.routing.balance import (
     Kin,
     Reach,
     cached_tokens,
+    leader,
     prompt_root,
     ranked,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "Kin",
     "Reach",
     "cached_tokens",
+    "leader",
     "prompt_root",
     "ranked",
 ]

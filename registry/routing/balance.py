@@ -219,6 +219,39 @@ def ranked(
     backend's recent requests that share this prompt's first block, and its recent
     requests of any kind (``Kin.counts``); ``kv``: each hybrid node's KV prefix in
     tokens, where it exceeds ``cached``."""
+    keyed = _costed(candidates, prompt_tokens, cached, loads, rule, now, kin, kv)
+    keyed.sort(key=_first_three)
+    return [Choice(name, cost, hit, queued, share) for cost, _f, name, hit, queued, share in keyed]
+
+
+def leader(
+    candidates: Iterable[str],
+    prompt_tokens: int,
+    cached: Mapping[str, int],
+    loads: Mapping[str, BackendLoad],
+    rule: BalanceRule,
+    now: float,
+    kin: tuple[Mapping[str, float], Mapping[str, float]] | None = None,
+    kv: Mapping[str, int] | None = None,
+) -> str | None:
+    """The first of ``ranked``'s order alone (its name; None for no candidates), with
+    no list sorted or choices built."""
+    keyed = _costed(candidates, prompt_tokens, cached, loads, rule, now, kin, kv)
+    return min(keyed, key=_first_three)[2] if keyed else None
+
+
+def _costed(
+    candidates: Iterable[str],
+    prompt_tokens: int,
+    cached: Mapping[str, int],
+    loads: Mapping[str, BackendLoad],
+    rule: BalanceRule,
+    now: float,
+    kin: tuple[Mapping[str, float], Mapping[str, float]] | None,
+    kv: Mapping[str, int] | None,
+) -> list[tuple[float, int, str, int, float, float]]:
+    """Each candidate's cost by the rule, its requests in flight (the tie breaker), its
+    name, hit, queued tokens and share of recent work: ``ranked``'s rows unsorted."""
     names = sorted(set(candidates))
     if not names:
         return []
@@ -240,8 +273,8 @@ def ranked(
     kin_total = sum(kinned.get(n, 0.0) for n in names) if kinned else 0.0
     sent_total = sum(sent.get(n, 0.0) for n in names)
     spread = rule.spread_weight * fresh
-    shares_of = total + count * prompt_tokens
-    keyed = []
+    shares_of = (total + count * prompt_tokens) or float(count)  # nothing recent, empty prompt
+    keyed: list[tuple[float, int, str, int, float, float]] = []
     for name, load, recent, hit in rows:
         in_flight = load.in_flight + load.remote_in_flight
         queued = load.pending + load.remote_pending
@@ -260,9 +293,7 @@ def ranked(
         if load.kv_usage >= rule.kv_usage_limit:
             cost += prompt_tokens
         keyed.append((cost, in_flight, name, hit, queued, share))
-    keyed.sort(key=_first_three)
-    out = [Choice(name, cost, hit, queued, share) for cost, _f, name, hit, queued, share in keyed]
-    return out
+    return keyed
 
 
 _NO_LOAD = BackendLoad()

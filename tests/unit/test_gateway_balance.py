@@ -14,6 +14,7 @@ from pcr.gateway.balance import (
     Decayed,
     Kin,
     cached_tokens,
+    leader,
     prompt_root,
     ranked,
 )
@@ -268,3 +269,25 @@ def test_the_affinity_pulls_no_further_than_its_bound() -> None:
     )
     with pytest.raises(ValueError, match="affinity_bound"):
         BalanceRule(affinity_bound=0.5)
+
+
+def test_leader_is_the_first_of_ranked_ties_and_all() -> None:
+    """``leader`` (the pending-changed metric's second look) answers what ``ranked``
+    puts first, on random fleets with equal costs on purpose (the tie breaker)."""
+    rng = random.Random(7)
+    names = ["a", "b", "c", "d", "e"]
+    assert leader([], 100, {}, {}, RULE, 0.0) is None
+    for _ in range(2_000):
+        loads = {}
+        for n in names:
+            load = BackendLoad(in_flight=rng.choice([0, 0, 1, 3]), pending=rng.choice([0.0, 64.0]))
+            load.engine_requests = rng.choice([0.0, 2.0])
+            loads[n] = load
+        prompt = rng.choice([0, 16, 400])
+        cached = {n: rng.choice([0, 0, 16, 64, 400]) for n in names}
+        kv = {n: rng.choice([0, 128]) for n in names} if rng.random() < 0.3 else None
+        kin = ({"a": 2.0, "c": 1.0}, {"a": 3.0, "b": 1.0}) if rng.random() < 0.3 else None
+        now = rng.random()
+        pick = rng.sample(names, rng.randint(1, 5))
+        first = ranked(pick, prompt, cached, loads, RULE, now, kin, kv)[0].namespace
+        assert leader(pick, prompt, cached, loads, RULE, now, kin, kv) == first
