@@ -519,6 +519,10 @@ def _routers(
         where = baseline.resolve()  # ``-m`` imports from the working directory first
         made.append(Router(f"gateway at {baseline.name}", [command], [port],
                            env={"PYTHONPATH": str(where)}, cwd=where))  # fmt: skip
+    if "round-robin" in which:  # the gateway's own cost with no routing: what choosing adds
+        port = free_port()
+        command = _gateway_command(url, backends, port, "rr", tokenizer, "--policy", "round-robin")
+        made.append(Router("gateway round-robin", [command], [port]))
     if "replicas" in which:
         ports = [free_port(), free_port()]
         commands = [

@@ -1,13 +1,22 @@
 """``pcr gateway``'s Prometheus metrics (on the process' default registry, so ``/metrics``
 serves them beside the registry's own). Without prometheus-client every call is a no-op.
 
+Counted in plain attributes by the event loop (a request counts about a dozen things:
+prometheus-client's lock and checks cost 1-2 us each, an attribute increment a tenth
+of that) and turned into Prometheus families when ``/metrics`` is read
+(``_Collector``): the same names, types, labels and series as prometheus-client's own
+collectors would write.
+
 Label values are bounded: ``backend`` is a configured or announced namespace, ``outcome``
 and ``kind`` come from the fixed sets below.
 """
 
 from __future__ import annotations
 
+import bisect
 import importlib
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 ROUTING_OUTCOMES = ("prefix", "load", "registry_away")
@@ -29,6 +38,134 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1)
 
 
+class Count:
+    """A counter's value (one label set)."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class Level:
+    """A gauge's value (one label set)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+
+class Spread:
+    """A histogram's buckets and sum (one label set): ``counts[i]`` observations in
+    ``(bounds[i-1], bounds[i]]``, the last past every bound."""
+
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class Family:
+    """One metric: its name, help, type and label names, and a child per label set."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        kind: str,
+        labels: Sequence[str] = (),
+        buckets: Sequence[float] = (),
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.kind = kind  # counter, gauge, histogram
+        self.label_names = tuple(labels)
+        self.buckets = tuple(buckets)
+        self.children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        """The child of these label values (made on first use, exported from then on)."""
+        if len(values) != len(self.label_names):
+            raise ValueError(f"{self.name} takes labels {self.label_names}")
+        child = self.children.get(values)
+        if child is None:
+            if self.kind == "counter":
+                child = Count()
+            elif self.kind == "gauge":
+                child = Level()
+            else:
+                child = Spread(self.buckets)
+            self.children[values] = child
+        return child
+
+    def plain(self) -> Any:
+        """The one child of a family without labels."""
+        return self.labels()
+
+
+class _Collector:
+    """The families, in prometheus-client's shape when ``/metrics`` is read."""
+
+    def __init__(self, prometheus: Any, families: Sequence[Family]) -> None:
+        self.core = importlib.import_module("prometheus_client.core")
+        self.go_float = importlib.import_module("prometheus_client.utils").floatToGoString
+        self.families = families
+
+    def describe(self) -> Iterator[Any]:
+        for family in self.families:
+            yield self._empty(family)
+
+    def _empty(self, family: Family) -> Any:
+        make = {
+            "counter": self.core.CounterMetricFamily,
+            "gauge": self.core.GaugeMetricFamily,
+            "histogram": self.core.HistogramMetricFamily,
+        }[family.kind]
+        return make(family.name, family.documentation, labels=family.label_names)
+
+    def collect(self) -> Iterator[Any]:
+        for family in self.families:
+            out = self._empty(family)
+            for values, child in list(family.children.items()):
+                if family.kind == "counter":
+                    out.add_metric(values, child.value, created=child.created)
+                elif family.kind == "gauge":
+                    out.add_metric(values, child.value)
+                else:
+                    total = 0
+                    buckets = []
+                    counts = list(child.counts)
+                    for bound, count in zip(child.bounds, counts, strict=False):
+                        total += count
+                        buckets.append((self.go_float(bound), total))
+                    buckets.append(("+Inf", total + counts[-1]))
+                    out.add_metric(values, buckets, child.sum)
+                    labels = dict(zip(family.label_names, values, strict=True))
+                    out.add_sample(f"{family.name}_created", labels, child.created)
+            yield out
+
+
 class GatewayMetrics:
     """The gateway's collectors, made once per process."""
 
@@ -41,68 +178,96 @@ class GatewayMetrics:
             self.on = False
             return
         self.on = True
-        self.requests = prometheus.Counter(
-            "pcr_gateway_requests", "Requests sent to a backend, by result", ["backend", "result"]
+        requests = Family(
+            "pcr_gateway_requests",
+            "Requests sent to a backend, by result",
+            "counter",
+            ["backend", "result"],
         )
-        self.errors = prometheus.Counter(
-            "pcr_gateway_errors", "Failed exchanges with a backend, by kind", ["backend", "kind"]
-        )
-        self.retries = prometheus.Counter(
+        errors = Family(
+            "pcr_gateway_errors", "Failed exchanges with a backend, by kind", "counter",
+            ["backend", "kind"],
+        )  # fmt: skip
+        retries = Family(
             "pcr_gateway_retries",
             "Requests retried on the next backend after this one failed before a byte",
+            "counter",
             ["backend"],
         )
-        self.routed = prometheus.Counter(
-            "pcr_gateway_routing_decisions", "Routing decisions, by outcome", ["outcome"]
-        )
-        self.prompt_tokens = prometheus.Counter(
-            "pcr_gateway_prompt_tokens", "Prompt tokens routed (tokenized here)", ["backend"]
-        )
-        self.predicted = prometheus.Counter(
+        routed = Family(
+            "pcr_gateway_routing_decisions", "Routing decisions, by outcome", "counter",
+            ["outcome"],
+        )  # fmt: skip
+        prompt_tokens = Family(
+            "pcr_gateway_prompt_tokens", "Prompt tokens routed (tokenized here)", "counter",
+            ["backend"],
+        )  # fmt: skip
+        predicted = Family(
             "pcr_gateway_predicted_cached_tokens",
             "Prompt tokens the chosen backend was predicted to serve from its cache",
+            "counter",
             ["backend"],
         )
-        self.first_byte = prometheus.Histogram(
+        first_byte = Family(
             "pcr_gateway_time_to_first_byte_seconds",
             "From the request's arrival to the backend's first body byte",
+            "histogram",
             ["backend"],
-            buckets=LATENCY_BUCKETS,
+            LATENCY_BUCKETS,
         )
-        self.latency = prometheus.Histogram(
+        latency = Family(
             "pcr_gateway_request_duration_seconds",
             "From the request's arrival to the reply's last byte",
+            "histogram",
             ["backend"],
-            buckets=LATENCY_BUCKETS,
+            LATENCY_BUCKETS,
         )
-        self.overhead = prometheus.Histogram(
+        overhead = Family(
             "pcr_gateway_overhead_seconds",
             "The gateway's own time before it sends a request upstream (parse, tokenize, "
             "score, choose)",
+            "histogram",
             buckets=OVERHEAD_BUCKETS,
         )
-        self.registry_up = prometheus.Gauge(
-            "pcr_gateway_registry_up", "1 while Redis answers the gateway's scoring, else 0"
+        registry_up = Family(
+            "pcr_gateway_registry_up",
+            "1 while Redis answers the gateway's scoring, else 0",
+            "gauge",
         )
-        self.backend_up = prometheus.Gauge(
-            "pcr_gateway_backend_up", "1 while a backend accepts connections", ["backend"]
+        backend_up = Family(
+            "pcr_gateway_backend_up", "1 while a backend accepts connections", "gauge",
+            ["backend"],
+        )  # fmt: skip
+        in_flight = Family(
+            "pcr_gateway_in_flight", "Requests this gateway has in flight", "gauge", ["backend"]
         )
-        self.in_flight = prometheus.Gauge(
-            "pcr_gateway_in_flight", "Requests this gateway has in flight", ["backend"]
-        )
-        self.pending_blocks = prometheus.Gauge(
+        pending_blocks = Family(
             "pcr_gateway_pending_blocks",
             "Blocks of the requests this gateway sent that count as arriving at a backend "
             "(its engine's events not yet in the fleet view)",
+            "gauge",
             ["backend"],
         )
-        self.pending_changed = prometheus.Counter(
+        pending_changed = Family(
             "pcr_gateway_pending_decisions",
             "Routing decisions whose first choice the pending prefixes changed (ranked "
             "without them, another backend would have come first)",
+            "counter",
         )
+        families = [
+            requests, errors, retries, routed, prompt_tokens, predicted, first_byte, latency,
+            overhead, registry_up, backend_up, in_flight, pending_blocks, pending_changed,
+        ]  # fmt: skip
+        prometheus.REGISTRY.register(_Collector(prometheus, families))
+        self.requests, self.errors, self.retries = requests, errors, retries
+        self.prompt_tokens, self.predicted = prompt_tokens, predicted
+        self.first_byte, self.latency, self.in_flight = first_byte, latency, in_flight
+        self.backend_up, self.pending_blocks = backend_up, pending_blocks
+        self.overhead: Spread = overhead.plain()
+        self.registry_up: Level = registry_up.plain()
+        self.pending_changed: Count = pending_changed.plain()
         self.registry_up.set(1)
-        self.routed_as = {outcome: self.routed.labels(outcome) for outcome in ROUTING_OUTCOMES}
+        self.routed_as = {outcome: routed.labels(outcome) for outcome in ROUTING_OUTCOMES}
 
     def backend(self, name: str) -> BackendMetrics:
         """The collectors labelled with backend ``name``."""
@@ -110,25 +275,24 @@ class GatewayMetrics:
 
     @classmethod
     def get(cls) -> GatewayMetrics:
-        """The process' collectors (prometheus-client refuses a name registered twice)."""
+        """The process' collectors (one set per process: ``/metrics`` serves one)."""
         if cls._made is None:
             cls._made = cls()
         return cls._made
 
 
 class BackendMetrics:
-    """One backend's labelled collectors, looked up once (``labels`` per request costs
-    more than the increment)."""
+    """One backend's labelled values, looked up once."""
 
     def __init__(self, metrics: GatewayMetrics, name: str) -> None:
-        self.ok = metrics.requests.labels(name, "ok")
-        self.failed = metrics.requests.labels(name, "error")
-        self.closed = metrics.requests.labels(name, "client_closed")
-        self.errors = {kind: metrics.errors.labels(name, kind) for kind in ERROR_KINDS}
-        self.retries = metrics.retries.labels(name)
-        self.prompt_tokens = metrics.prompt_tokens.labels(name)
-        self.predicted = metrics.predicted.labels(name)
-        self.first_byte = metrics.first_byte.labels(name)
-        self.latency = metrics.latency.labels(name)
-        self.in_flight = metrics.in_flight.labels(name)
-        self.pending_blocks = metrics.pending_blocks.labels(name)
+        self.ok: Count = metrics.requests.labels(name, "ok")
+        self.failed: Count = metrics.requests.labels(name, "error")
+        self.closed: Count = metrics.requests.labels(name, "client_closed")
+        self.errors: dict[str, Count] = {k: metrics.errors.labels(name, k) for k in ERROR_KINDS}
+        self.retries: Count = metrics.retries.labels(name)
+        self.prompt_tokens: Count = metrics.prompt_tokens.labels(name)
+        self.predicted: Count = metrics.predicted.labels(name)
+        self.first_byte: Spread = metrics.first_byte.labels(name)
+        self.latency: Spread = metrics.latency.labels(name)
+        self.in_flight: Level = metrics.in_flight.labels(name)
+        self.pending_blocks: Level = metrics.pending_blocks.labels(name)

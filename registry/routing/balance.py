@@ -252,37 +252,47 @@ def _costed(
 ) -> list[tuple[float, int, str, int, float, float]]:
     """Each candidate's cost by the rule, its requests in flight (the tie breaker), its
     name, hit, queued tokens and share of recent work: ``ranked``'s rows unsorted."""
-    names = sorted(set(candidates))
+    names = dict.fromkeys(candidates)  # each once (the sort's key breaks ties by name)
     if not names:
         return []
     half_life = rule.half_life
     prompt = max(0, prompt_tokens)
-    rows: list[tuple[str, BackendLoad, float, int]] = []
-    total = 0.0
-    best_hit = 0
-    for name in names:  # one pass: each one's load, recent tokens and hit
-        load = loads.get(name)
-        recent = _recent(load, now, half_life)
-        total += recent
-        hit = min(max(0, cached.get(name, 0)), prompt)
-        best_hit = max(best_hit, hit)
-        rows.append((name, _NO_LOAD if load is None else load, recent, hit))
-    count = len(names)
-    fresh = float(prompt - best_hit)
     kinned, sent = kin or ({}, {})
-    kin_total = sum(kinned.get(n, 0.0) for n in names) if kinned else 0.0
-    sent_total = sum(sent.get(n, 0.0) for n in names)
+    rows: list[tuple[str, BackendLoad, float, int]] = []
+    total = kin_total = sent_total = 0.0
+    best_hit = 0
+    for name in names:  # one pass: each one's load, recent tokens, hit and kin
+        load = loads.get(name)
+        if load is None:
+            load, recent = _NO_LOAD, 0.0
+        else:
+            recent = load.recent.now(now, half_life)
+            remote = load.remote_recent
+            if remote and now > load.remote_at:
+                remote *= 0.5 ** ((now - load.remote_at) / half_life)
+            recent += remote
+        total += recent
+        hit = cached.get(name, 0)
+        hit = 0 if hit < 0 else prompt if hit > prompt else hit
+        if hit > best_hit:
+            best_hit = hit
+        if kinned:
+            kin_total += kinned.get(name, 0.0)
+            sent_total += sent.get(name, 0.0)
+        rows.append((name, load, recent, hit))
+    count = len(rows)
+    fresh = float(prompt - best_hit)
     spread = rule.spread_weight * fresh
+    request_tokens, queue_weight = rule.request_tokens, rule.queue_weight
+    usage_limit = rule.kv_usage_limit
     shares_of = (total + count * prompt_tokens) or float(count)  # nothing recent, empty prompt
     keyed: list[tuple[float, int, str, int, float, float]] = []
     for name, load, recent, hit in rows:
         in_flight = load.in_flight + load.remote_in_flight
         queued = load.pending + load.remote_pending
-        queued += rule.request_tokens * max(float(in_flight), load.engine_requests)
+        queued += request_tokens * max(float(in_flight), load.engine_requests)
         share = (recent + prompt_tokens) / shares_of
-        cost = float(prompt_tokens - hit)
-        cost += rule.queue_weight * queued
-        cost += spread * (count * share - 1.0)
+        cost = float(prompt_tokens - hit) + queue_weight * queued + spread * (count * share - 1.0)
         if kin_total:
             kin_share = (kinned.get(name, 0.0) + 1.0) / (kin_total + count)
             sent_share = (sent.get(name, 0.0) + 1.0) / (sent_total + count)
@@ -290,7 +300,7 @@ def _costed(
                 cost -= rule.affinity_weight * fresh * count * (kin_share - sent_share)
         if kv:
             cost -= rule.checkpoint_weight * max(0, min(kv.get(name, 0), prompt_tokens) - hit)
-        if load.kv_usage >= rule.kv_usage_limit:
+        if load.kv_usage >= usage_limit:
             cost += prompt_tokens
         keyed.append((cost, in_flight, name, hit, queued, share))
     return keyed
@@ -302,15 +312,6 @@ _NO_LOAD = BackendLoad()
 
 def _first_three(row: tuple[float, int, str, int, float, float]) -> tuple[float, int, str]:
     return row[0], row[1], row[2]
-
-
-def _recent(load: BackendLoad | None, now: float, half_life: float) -> float:
-    if load is None:
-        return 0.0
-    remote = load.remote_recent
-    if remote and now > load.remote_at:
-        remote *= math.pow(0.5, (now - load.remote_at) / half_life)
-    return load.recent.now(now, half_life) + remote
 
 
 class Kin:
