@@ -63,6 +63,7 @@ class Proxy:
         self.gateway = gateway
         self.limit = limit
         self.too_large = too_large
+        self.arming = _Arming()
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         await proxy(self, scope, receive, send, PROXIED[scope["path"]])
@@ -137,7 +138,7 @@ async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat
     order, outcome = await state.choose(ids, narrowed(serving, routable(scope)))
     if state.metrics.on:
         state.metrics.routed_as[outcome].inc()
-    watch = _ClientWatch(receive)
+    watch = _ClientWatch(receive, front.arming)
     try:
         await _forward(state, scope, send, body, raw, order, ids, arrived, watch)
     except asyncio.CancelledError:
@@ -148,13 +149,43 @@ async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat
         watch.stop()
 
 
+class _Arming:
+    """The requests whose client's leaving is watched from ``WATCH_AFTER_S`` into each,
+    in arrival order, behind one timer for all of them (a timer per request costs more
+    than the request's own bookkeeping)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[_ClientWatch, float] = {}
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, watch: _ClientWatch, loop: asyncio.AbstractEventLoop) -> None:
+        self.waiting[watch] = loop.time() + WATCH_AFTER_S
+        if self.timer is None:
+            self.timer = loop.call_later(WATCH_AFTER_S, self._due, loop)
+
+    def remove(self, watch: _ClientWatch) -> None:
+        self.waiting.pop(watch, None)
+
+    def _due(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.timer = None
+        now = loop.time()
+        waiting = self.waiting
+        while waiting:
+            watch, at = next(iter(waiting.items()))  # the oldest: added in time order
+            if at > now:
+                self.timer = loop.call_later(at - now, self._due, loop)
+                return
+            del waiting[watch]
+            watch.watch()
+
+
 class _ClientWatch:
     """Cancels the request's task when its client disconnects (until ``stop``): while
     the gateway waits for a backend's reply, nothing else would notice (vLLM sends
     nothing, not even headers, until a non-streamed completion is done), and while it
     streams, a chunk sent to a client that left is dropped without a word."""
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, arming: _Arming) -> None:
         task = asyncio.current_task()
         assert task is not None
         self.task = task
@@ -163,13 +194,11 @@ class _ClientWatch:
         self.stopped = False
         self.gone: asyncio.Future[None] | None = None
         # Watched from WATCH_AFTER_S on: most replies (and every instant one) are done
-        # before, and a timer costs a tenth of the task that reads the disconnect.
-        self.timer: asyncio.TimerHandle | None = task.get_loop().call_later(
-            WATCH_AFTER_S, self._watch
-        )
+        # before, and reading for the disconnect takes a task of its own.
+        self.arming = arming
+        arming.add(self, task.get_loop())
 
-    def _watch(self) -> None:
-        self.timer = None
+    def watch(self) -> None:
         if not self.stopped:
             self.gone = asyncio.ensure_future(_disconnected(self.receive))
             self.gone.add_done_callback(self._left)
@@ -186,8 +215,7 @@ class _ClientWatch:
         """Before the response's last message (after it the server reads a disconnect)."""
         if not self.stopped:
             self.stopped = True
-            if self.timer is not None:
-                self.timer.cancel()
+            self.arming.remove(self)
             if self.gone is not None:
                 self.gone.remove_done_callback(self._left)
                 self.gone.cancel()

@@ -80,6 +80,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.used = False
+        self.active = False  # a reply is being awaited or read on it
+        self.timer: asyncio.TimerHandle | None = None  # the read deadline's check
         self._reset()
 
     def _reset(self) -> None:
@@ -94,6 +96,7 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.paused = False
         self.last_read = 0.0
+        self.read_timeout = 0.0
         self.informational = False  # a 1xx head is being read (skipped)
         self.until_eof = False  # a body with no length: it ends when the engine closes
 
@@ -113,6 +116,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.waiter is None and self in self.origin.idle:  # closed by the engine, idle
             self.origin.idle.remove(self)
             return
@@ -181,8 +187,36 @@ class _Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         self.closed = True
+        self.active = False
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.transport is not None:
             self.transport.abort()
+
+    # -- the read deadline: one timer per connection, kept across its requests ------------
+
+    def watch(self, read_timeout: float) -> None:
+        """A reply awaited from now: it fails as ``timeout`` once the engine has sent
+        nothing for ``read_timeout`` seconds (checked by a timer that outlives the
+        request: the next one on this connection reuses it instead of making its own)."""
+        self.active = True
+        self.read_timeout = read_timeout
+        self.last_read = self.loop.time()
+        if self.timer is None:
+            self.timer = self.loop.call_later(read_timeout, self._check)
+
+    def _check(self) -> None:
+        self.timer = None
+        if not self.active or self.closed:
+            return
+        quiet = self.loop.time() - self.last_read
+        if quiet >= self.read_timeout and not self.paused:  # paused: the reader is slow
+            self._fail("timeout")
+            self.abort()
+            return
+        wait = self.read_timeout - quiet if quiet < self.read_timeout else self.read_timeout
+        self.timer = self.loop.call_later(wait, self._check)
 
 
 class Reply:
@@ -190,14 +224,12 @@ class Reply:
     ``chunks``; then ``release`` (the connection back to the pool, where the engine lets
     it be kept) or ``close`` (dropped)."""
 
-    __slots__ = ("_conn", "_done", "_read_timeout", "_timer", "headers", "status")
+    __slots__ = ("_conn", "_done", "headers", "status")
 
-    def __init__(self, conn: _Connection, read_timeout: float) -> None:
+    def __init__(self, conn: _Connection) -> None:
         self._conn = conn
         self.status = conn.status
         self.headers = conn.headers
-        self._read_timeout = read_timeout
-        self._timer: asyncio.TimerHandle | None = None
         self._done = False
 
     def header(self, name: bytes) -> bytes | None:
@@ -244,8 +276,8 @@ class Reply:
         if self._done:
             return
         self._done = True
-        self._stop_timer()
         conn = self._conn
+        conn.active = False
         if conn.complete and conn.keep and not conn.closed and not conn.paused:
             conn._reset()
             conn.idle_since = conn.loop.time()
@@ -259,29 +291,7 @@ class Reply:
         if self._done:
             return
         self._done = True
-        self._stop_timer()
         self._conn.abort()
-
-    def _watch(self) -> None:
-        self._timer = self._conn.loop.call_later(self._read_timeout, self._check)
-
-    def _check(self) -> None:
-        conn = self._conn
-        quiet = conn.loop.time() - conn.last_read
-        if conn.complete or self._done:
-            self._timer = None
-            return
-        if quiet >= self._read_timeout and not conn.paused:
-            self._timer = None
-            conn._fail("timeout")
-            conn.abort()
-            return
-        self._timer = conn.loop.call_later(max(0.0, self._read_timeout - quiet), self._check)
-
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
 
 class Upstream:
@@ -373,9 +383,8 @@ class Upstream:
     async def _exchange(self, conn: _Connection, message: bytes) -> Reply:
         assert conn.transport is not None
         conn.used = True
-        conn.last_read = self.loop.time()
-        reply = Reply(conn, self.read_timeout)
-        reply._watch()
+        conn.watch(self.read_timeout)
+        reply = Reply(conn)
         try:
             conn.transport.write(message)
             while not conn.status:

@@ -329,6 +329,33 @@ def test_a_body_quiet_past_the_timeout_fails_as_timeout() -> None:
     run(main())
 
 
+def test_a_kept_connection_keeps_one_deadline_timer_and_it_still_fires() -> None:
+    async def main() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            for _ in range(3):
+                await _read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+            await _read_request(reader)  # the fourth: never answered
+            await reader.read()
+
+        async with Engine(handler) as engine:
+            client = _client(read_timeout=0.3)
+            timers = set()
+            for _ in range(3):
+                reply = await client.request(engine.url, b"POST", b"/", b"", [])
+                timers.add(id(reply._conn.timer))
+                await reply.read()
+                reply.release()
+            assert len(timers) == 1  # no timer made per request on a kept connection
+            with pytest.raises(UpstreamError) as error:
+                await client.request(engine.url, b"POST", b"/", b"", [])
+            assert error.value.kind == "timeout"
+            assert engine.connections == 1
+
+    run(main())
+
+
 @pytest.mark.parametrize(
     "answer",
     [
