@@ -65,6 +65,10 @@ def served_of(listing: Any) -> Served | None:
     return Served(frozenset(models), frozenset(adapters), tuple(entries))
 
 
+MEMO_MODELS = 256
+"""Models whose serving backends are remembered between requests."""
+
+
 class ModelCatalog:
     """Per backend (by namespace), what it serves, as last read; the adapters any of
     them serves. Only the event loop writes it."""
@@ -73,6 +77,9 @@ class ModelCatalog:
         self.served: dict[str, Served] = {}
         self.adapters: frozenset[str] = frozenset()
         self.read_at = 0.0
+        # model -> (the namespaces asked of, those serving it): answers reused until the
+        # lists change (bounded: the model is the client's to name)
+        self._memo: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
 
     def learn(self, namespace: str, served: Served | None) -> None:
         """``namespace``'s list as just read (None: not known)."""
@@ -89,6 +96,7 @@ class ModelCatalog:
         self._changed()
 
     def _changed(self) -> None:
+        self._memo.clear()
         self.adapters = frozenset().union(*(s.adapters for s in self.served.values()))
 
     def serving(self, model: object, namespaces: Iterable[str]) -> frozenset[str]:
@@ -98,7 +106,16 @@ class ModelCatalog:
         names = frozenset(namespaces)
         if not isinstance(model, str) or not model:
             return names
-        return frozenset(n for n in names if (s := self.served.get(n)) is None or model in s.models)
+        memo = self._memo.get(model)
+        if memo is not None and memo[0] == names:
+            return memo[1]
+        found = frozenset(
+            n for n in names if (s := self.served.get(n)) is None or model in s.models
+        )
+        if len(self._memo) >= MEMO_MODELS:
+            self._memo.clear()
+        self._memo[model] = (names, found)
+        return found
 
     def listing(self, namespaces: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """Every model some backend (of ``namespaces``; None: any) lists, once each (the

@@ -78,6 +78,7 @@ every ``cached = 0`` it is least-load.
 from __future__ import annotations
 
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -310,8 +311,9 @@ _NO_LOAD = BackendLoad()
 """A backend ``ranked`` has no load for (read, never written)."""
 
 
-def _first_three(row: tuple[float, int, str, int, float, float]) -> tuple[float, int, str]:
-    return row[0], row[1], row[2]
+_first_three = operator.itemgetter(0, 1, 2)
+"""A row's cost, requests in flight and name: the order (ties to fewer in flight, then
+by name)."""
 
 
 class Kin:

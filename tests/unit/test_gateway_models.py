@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from pcr.gateway.models import ModelCatalog, served_of
+from pcr.gateway.models import MEMO_MODELS, ModelCatalog, served_of
 from pcr.gateway.tokens import (
     BadBody,
     chain_keys,
@@ -55,6 +55,20 @@ def test_serving_leaves_out_only_backends_known_not_to_serve() -> None:
     catalog.keep_only(["b"])
     assert catalog.adapters == frozenset()
     assert [m["id"] for m in catalog.listing()] == ["tiny"]
+
+
+def test_serving_answers_reused_only_while_the_lists_and_names_stand() -> None:
+    catalog = ModelCatalog()
+    catalog.learn("a", served_of(listing("tiny")))
+    assert catalog.serving("tiny", ["a", "b"]) == {"a", "b"}
+    assert catalog.serving("tiny", ["a", "b"]) == {"a", "b"}  # reused
+    assert catalog.serving("tiny", ["a"]) == {"a"}  # other backends asked of: not reused
+    catalog.learn("b", served_of(listing("other")))
+    assert catalog.serving("tiny", ["a", "b"]) == {"a"}  # a list changed: forgotten
+    for n in range(MEMO_MODELS * 3):  # models named by clients: remembered up to a bound
+        assert catalog.serving(f"nobody-{n}", ["a", "b"]) == frozenset()
+        assert len(catalog._memo) <= MEMO_MODELS
+    assert catalog.serving("tiny", ["a", "b"]) == {"a"}
 
 
 def test_listing_is_the_union_once_each() -> None:
