@@ -286,7 +286,10 @@ def _parse_apart(
     adapters: frozenset[str] = frozenset(),
     tenant: str | None = None,
 ) -> tuple[dict[str, Any], PromptIds | None]:
-    """``parse_body`` in the helper process: a prompt that is not text stays there."""
+    """``parse_body``, a prompt that is not text left out of the body (its ids say what
+    routing needs; the raw body is what is forwarded): in the helper process it stays
+    there; on the loop, a list of hundreds of ids held by a request in flight is what the
+    garbage collector would walk at every young collection."""
     body, ids = parse_body(raw, chat, max_tokens, block_size, hashed, adapters, tenant)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], str)):
@@ -315,7 +318,7 @@ class BodyParser:
     ) -> tuple[dict[str, Any], PromptIds | None]:
         args = (raw, chat, max_tokens, block_size, hashed, adapters, tenant)
         if len(raw) <= PARSE_IN_LOOP:
-            return parse_body(*args)
+            return _parse_apart(*args)
         if self._pool is None:
             context = multiprocessing.get_context("spawn")  # the gateway runs threads
             self._pool = ProcessPoolExecutor(2, mp_context=context)
