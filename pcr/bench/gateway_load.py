@@ -12,8 +12,12 @@ requests through each router in turn, alternating within one run:
   ``--workers 2`` on one port;
 - ``vllm-router --policy cache_aware`` (optional: its rows are skipped when it is absent);
 - the floor of the gateway's stack (``pcr.bench.floor_proxy``: uvicorn, httptools, uvloop
-  and aiohttp forwarding each body unparsed to the next stub, no routing at all), so a
-  gateway's figure can be set against what no rule on this stack can go below.
+  and the gateway's client to the engines forwarding each body unparsed to the next stub,
+  no routing at all; ``floor-aiohttp``: the same with aiohttp's client), so a gateway's
+  figure can be set against what no rule on this stack can go below;
+- ``round-robin``: the gateway with ``--policy round-robin`` (what it costs with no
+  routing), and ``--baseline DIR``: another checkout's gateway (its C extensions built in
+  place), alternating with this one's, for before and after in one run.
 
 Two shapes: chat bodies (``/v1/chat/completions``, rendered and tokenized by the gateway
 with a byte-level BPE tokenizer trained here, ChatML template) and completions whose
