@@ -39,7 +39,7 @@ of the shared prefix, all of it for a prompt that extends the chain: the next tu
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,7 +153,9 @@ class _Backend:
     def __init__(self) -> None:
         self.kv: dict[int, _Entry] = {}
         self.marks: dict[int, tuple[int, _Entry]] = {}
-        self.sent: dict[int, Sent] = {}
+        # oldest first; an OrderedDict: a plain dict's first item, after deletions at
+        # the front, is found past every deleted slot (O(n) where this is O(1))
+        self.sent: OrderedDict[int, Sent] = OrderedDict()
 
     def extend(self, hashes: Sequence[int], start: int) -> int:
         """How far ``hashes``' prefix of ``start`` blocks continues through pending ones."""
@@ -240,7 +242,7 @@ class PendingPrefixes:
         self.bounds = bounds or PendingBounds()
         self.counts = PendingCounts()
         self._backends: dict[str, _Backend] = {}
-        self._live: dict[int, Sent] = {}  # every live request, oldest first
+        self._live: OrderedDict[int, Sent] = OrderedDict()  # every live one, oldest first
         self._grace: deque[tuple[float, Sent]] = deque()
         self._changes: deque[HeldChange] = deque()
         self._far: dict[str, _Far] = {}

@@ -28,6 +28,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+JOIN_BODY = 64 * 1024
+"""Bodies up to this many bytes go out in one buffer with the head; larger ones after it."""
 STREAM_HIGH = 256 * 1024
 """Bytes of a streamed reply held unread before the engine's socket is no longer read."""
 
@@ -340,12 +342,18 @@ class Upstream:
         fails."""
         if self._closed:
             raise UpstreamError("connect")
-        origin = self.origin(base)
+        try:
+            origin = self.origin(base)
+        except ValueError:  # an announced engine's URL that is not one
+            raise UpstreamError("connect") from None
         lines = [method, b" ", origin.prefix, target, b" HTTP/1.1\r\n", origin.host_header]
         for name, value in headers:
             lines += (name, b": ", value, b"\r\n")
-        lines += (b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body)
-        message = b"".join(lines)
+        lines += (b"content-length: ", str(len(body)).encode(), b"\r\n\r\n")
+        if len(body) <= JOIN_BODY:
+            message: tuple[bytes, ...] = (b"".join([*lines, body]),)
+        else:  # a large body is not copied into the head's buffer
+            message = (b"".join(lines), body)
         conn = self._pooled(origin)
         if conn is not None:
             try:
@@ -380,13 +388,14 @@ class Upstream:
             raise UpstreamError("connect") from None
         return conn
 
-    async def _exchange(self, conn: _Connection, message: bytes) -> Reply:
+    async def _exchange(self, conn: _Connection, message: tuple[bytes, ...]) -> Reply:
         assert conn.transport is not None
         conn.used = True
         conn.watch(self.read_timeout)
         reply = Reply(conn)
         try:
-            conn.transport.write(message)
+            for part in message:
+                conn.transport.write(part)
             while not conn.status:
                 await conn.wait()
         except BaseException:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from pcr.gateway.upstream import STREAM_HIGH, Upstream, UpstreamError
+from pcr.gateway.upstream import JOIN_BODY, STREAM_HIGH, Upstream, UpstreamError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -448,9 +448,28 @@ def test_a_closed_client_refuses() -> None:
     run(main())
 
 
-def test_not_an_http_url_is_refused() -> None:
+def test_not_an_http_url_fails_as_connect() -> None:
     async def main() -> None:
-        with pytest.raises(ValueError, match="not an http"):
-            await _client().request("ftp://x", b"POST", b"/", b"", [])
+        for url in ("ftp://x", "http://", "no url"):
+            with pytest.raises(UpstreamError) as error:
+                await _client().request(url, b"POST", b"/", b"", [])
+            assert error.value.kind == "connect"
+
+    run(main())
+
+
+def test_a_large_body_arrives_whole_beside_a_small_one() -> None:
+    requests: list = []
+
+    async def main() -> None:
+        async with Engine(_fixed(b"{}", requests=requests)) as engine:
+            client = _client()
+            for size in (10, JOIN_BODY + 1, 3 * 1024 * 1024):
+                body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+                reply = await client.request(engine.url, b"POST", b"/", body, [])
+                await reply.read()
+                reply.release()
+                assert requests[-1][2] == body
+            assert engine.connections == 1
 
     run(main())
