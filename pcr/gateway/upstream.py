@@ -81,7 +81,6 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
-        self.used = False
         self.active = False  # a reply is being awaited or read on it
         self.timer: asyncio.TimerHandle | None = None  # the read deadline's check
         self._reset()
@@ -97,6 +96,7 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.received = False
         self.paused = False
+        self.streaming = False  # read chunk by chunk: held bytes bounded (backpressure)
         self.last_read = 0.0
         self.read_timeout = 0.0
         self.informational = False  # a 1xx head is being read (skipped)
@@ -150,7 +150,12 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
         self.buffered += len(body)
-        if self.buffered > STREAM_HIGH and not self.paused and self.transport is not None:
+        if (
+            self.streaming
+            and self.buffered > STREAM_HIGH
+            and not self.paused
+            and self.transport is not None
+        ):
             self.paused = True
             self.transport.pause_reading()
         self._wake()
@@ -257,6 +262,7 @@ class Reply:
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it comes: what has arrived by each turn, joined."""
         conn = self._conn
+        conn.streaming = True
         body = conn.body
         while True:
             if body:
@@ -390,7 +396,6 @@ class Upstream:
 
     async def _exchange(self, conn: _Connection, message: tuple[bytes, ...]) -> Reply:
         assert conn.transport is not None
-        conn.used = True
         conn.watch(self.read_timeout)
         reply = Reply(conn)
         try:

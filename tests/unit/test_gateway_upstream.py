@@ -416,6 +416,30 @@ def test_a_slow_reader_stops_reading_the_engine_and_gets_every_byte() -> None:
     run(main())
 
 
+def test_a_large_whole_reply_is_read_to_its_end() -> None:
+    total = 8 * STREAM_HIGH
+
+    async def main() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                await _read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
+                for _ in range(total // 65536):
+                    writer.write(b"y" * 65536)
+                    await writer.drain()
+
+        async with Engine(handler) as engine:
+            client = _client(read_timeout=5.0)
+            for _ in range(2):
+                reply = await client.request(engine.url, b"POST", b"/", b"", [])
+                await asyncio.sleep(0.2)  # the whole reply arrives before it is read
+                assert await reply.read() == b"y" * total
+                reply.release()
+            assert engine.connections == 1
+
+    run(main())
+
+
 def test_a_cancelled_request_closes_its_connection() -> None:
     async def main() -> None:
         closed = asyncio.Event()
