@@ -28,6 +28,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
+HEAD_LIMIT = 64 * 1024
+"""Bytes of a reply's headers taken from an engine (a broken one that never ends its head
+fails as ``protocol`` instead of filling memory)."""
 JOIN_BODY = 64 * 1024
 """Bodies up to this many bytes go out in one buffer with the head; larger ones after it."""
 STREAM_HIGH = 256 * 1024
@@ -42,6 +45,10 @@ class UpstreamError(Exception):
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
         self.kind = kind
+
+
+class _HeadTooLarge(Exception):
+    pass
 
 
 class _Origin:
@@ -99,6 +106,7 @@ class _Connection(asyncio.Protocol):
         self.streaming = False  # read chunk by chunk: held bytes bounded (backpressure)
         self.last_read = 0.0
         self.read_timeout = 0.0
+        self.head_size = 0
         self.informational = False  # a 1xx head is being read (skipped)
         self.until_eof = False  # a body with no length: it ends when the engine closes
 
@@ -112,7 +120,7 @@ class _Connection(asyncio.Protocol):
         self.last_read = self.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except (httptools.HttpParserError, _HeadTooLarge):
             self._fail("protocol")
             self.abort()
 
@@ -134,6 +142,9 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.head_size += len(name) + len(value)
+        if self.head_size > HEAD_LIMIT:
+            raise _HeadTooLarge  # out of feed_data as the parser's error: ``protocol``
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:

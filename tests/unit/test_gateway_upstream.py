@@ -386,6 +386,29 @@ def test_garbage_or_a_cut_is_protocol(answer: bytes) -> None:
     run(main())
 
 
+def test_a_head_that_never_ends_fails_as_protocol() -> None:
+    written = [0]
+
+    async def main() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\n")
+            for n in range(100_000):  # headers, and more headers: 11 MB
+                writer.write(b"x-%d: %s\r\n" % (n, b"v" * 100))
+                await writer.drain()
+                written[0] += 1
+
+        async with Engine(handler) as engine:
+            client = _client()
+            with pytest.raises(UpstreamError) as error:
+                await client.request(engine.url, b"POST", b"/", b"", [])
+            assert error.value.kind == "protocol"
+            await asyncio.sleep(0.2)
+        assert written[0] < 50_000  # the client hung up long before the engine was done
+
+    run(main())
+
+
 def test_a_slow_reader_stops_reading_the_engine_and_gets_every_byte() -> None:
     total = 8 * STREAM_HIGH
 
