@@ -722,6 +722,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="16 and 64 connections, 2 s, 1 round")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
+    if args.baseline is not None and not (args.baseline / "pcr" / "__main__.py").is_file():
+        parser.error(f"--baseline {args.baseline}: not a checkout of this project")
     if args.quick:
         args.connections, args.seconds, args.rounds, args.warmup = [16, 64], 2.0, 1, 1.0
     result = run(args)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from typing import Any
 
 from pcr.gateway.backends import Backend
@@ -155,7 +156,9 @@ class _Arming:
     than the request's own bookkeeping)."""
 
     def __init__(self) -> None:
-        self.waiting: dict[_ClientWatch, float] = {}
+        # a queue read from the front: an OrderedDict finds its first item at once, a
+        # dict past every slot deleted before it (as ``pcr.gateway.pending``'s queues)
+        self.waiting: OrderedDict[_ClientWatch, float] = OrderedDict()
         self.timer: asyncio.TimerHandle | None = None
 
     def add(self, watch: _ClientWatch, loop: asyncio.AbstractEventLoop) -> None:

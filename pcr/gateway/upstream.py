@@ -81,7 +81,6 @@ class _Connection(asyncio.Protocol):
     """One connection to an engine, and the reply being read on it."""
 
     def __init__(self, client: Upstream, origin: _Origin) -> None:
-        self.client = client
         self.origin = origin
         self.loop = client.loop
         self.transport: asyncio.Transport | None = None
