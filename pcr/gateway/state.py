@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from pcr.gateway.backends import Backend, engine_load
-from pcr.gateway.balance import Choice, Kin, cached_tokens, leader, ranked
+from pcr.gateway.balance import Choice, Kin, Weighed, cached_tokens
 from pcr.gateway.config import GatewayConfig
 from pcr.gateway.exchange import LoadExchange, RegistryHealth, discover
 from pcr.gateway.metrics import GatewayMetrics
@@ -313,7 +313,13 @@ class GatewayState:
         """``listed``'s prefixes in tokens: whole blocks, never the prompt's last token;
         the KV prefixes only where longer than the usable ones."""
         size = self.config.block_size
-        usable = {n: cached_tokens(b, size, count) for n, b in listed.usable.items()}
+        # ``cached_tokens`` inlined: at most every block but the one of the last token
+        most = max(0, (count - 1) // size) if count > 0 else 0
+        usable = {
+            n: (0 if b <= 0 else b if b < most else most) * size for n, b in listed.usable.items()
+        }
+        if not listed.kv:
+            return usable, {}
         kv = {
             n: tokens
             for n, blocks in listed.kv.items()
@@ -409,13 +415,13 @@ class GatewayState:
         now = time.monotonic()
         rule = self.config.rule
         kin = self.kin.counts(root, now, rule.half_life)
-        order = ranked(names, prompt, cached, loads, rule, now, kin, kv)
+        weighed = Weighed(names, prompt, loads, rule, now, kin)  # the loads read once
+        order = weighed.ranked(cached, kv)
         if found is None:
             return order, outcome
-        if found.alone is not None and self.metrics.on:  # what the pending blocks changed
-            alone = leader(names, prompt, found.alone[0], loads, rule, now, kin, found.alone[1])
-            if alone != order[0].namespace:
-                self.metrics.pending_changed.inc()
+        alone = found.alone  # what the pending blocks changed
+        if alone is not None and self.metrics.on and weighed.leader(*alone) != order[0].namespace:
+            self.metrics.pending_changed.inc()
         listed, registry = found.listed, found.registry
         for choice in order[:2]:  # what a request sent there leaves pending
             choice.reach = listed.reach(choice.namespace, registry)

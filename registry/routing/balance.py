@@ -220,9 +220,7 @@ def ranked(
     backend's recent requests that share this prompt's first block, and its recent
     requests of any kind (``Kin.counts``); ``kv``: each hybrid node's KV prefix in
     tokens, where it exceeds ``cached``."""
-    keyed = _costed(candidates, prompt_tokens, cached, loads, rule, now, kin, kv)
-    keyed.sort(key=_first_three)
-    return [Choice(name, cost, hit, queued, share) for cost, _f, name, hit, queued, share in keyed]
+    return Weighed(candidates, prompt_tokens, loads, rule, now, kin).ranked(cached, kv)
 
 
 def leader(
@@ -235,80 +233,129 @@ def leader(
     kin: tuple[Mapping[str, float], Mapping[str, float]] | None = None,
     kv: Mapping[str, int] | None = None,
 ) -> str | None:
-    """The first of ``ranked``'s order alone (its name; None for no candidates), with
-    no list sorted or choices built."""
-    keyed = _costed(candidates, prompt_tokens, cached, loads, rule, now, kin, kv)
-    return min(keyed, key=_first_three)[2] if keyed else None
+    """The first of ``ranked``'s order alone (its name; None for no candidates)."""
+    return Weighed(candidates, prompt_tokens, loads, rule, now, kin).leader(cached, kv)
 
 
-def _costed(
-    candidates: Iterable[str],
-    prompt_tokens: int,
-    cached: Mapping[str, int],
-    loads: Mapping[str, BackendLoad],
-    rule: BalanceRule,
-    now: float,
-    kin: tuple[Mapping[str, float], Mapping[str, float]] | None,
-    kv: Mapping[str, int] | None,
-) -> list[tuple[float, int, str, int, float, float]]:
-    """Each candidate's cost by the rule, its requests in flight (the tie breaker), its
-    name, hit, queued tokens and share of recent work: ``ranked``'s rows unsorted."""
-    names = dict.fromkeys(candidates)  # each once (the sort's key breaks ties by name)
-    if not names:
-        return []
-    half_life = rule.half_life
-    prompt = max(0, prompt_tokens)
-    kinned, sent = kin or ({}, {})
-    rows: list[tuple[str, BackendLoad, float, int]] = []
-    total = kin_total = sent_total = 0.0
-    best_hit = 0
-    for name in names:  # one pass: each one's load, recent tokens, hit and kin
-        load = loads.get(name)
-        if load is None:
-            load, recent = _NO_LOAD, 0.0
-        else:
+class Weighed:
+    """One decision's candidates with what the rule weighs apart from their prefixes
+    (their loads, recent work and kin, read once), then ranked for any ``cached``: the
+    gateway ranks one prompt twice, with and without the blocks of requests in flight,
+    and the loads are most of the work."""
+
+    __slots__ = ("affinity", "count", "kin_terms", "prompt", "rows", "rule", "total")
+
+    def __init__(
+        self,
+        candidates: Iterable[str],
+        prompt_tokens: int,
+        loads: Mapping[str, BackendLoad],
+        rule: BalanceRule,
+        now: float,
+        kin: tuple[Mapping[str, float], Mapping[str, float]] | None = None,
+    ) -> None:
+        self.rule = rule
+        self.prompt = prompt_tokens
+        names = dict.fromkeys(candidates)  # each once (the order breaks ties by name)
+        half_life = rule.half_life
+        request_tokens = rule.request_tokens
+        # per candidate: name, requests in flight, queued tokens, recent tokens, full
+        rows: list[tuple[str, int, float, float, bool]] = []
+        total = 0.0
+        for name in names:  # one pass: each one's load and recent tokens
+            load = loads.get(name)
+            if load is None:
+                rows.append((name, 0, 0.0, 0.0, False))
+                continue
             recent = load.recent.now(now, half_life)
             remote = load.remote_recent
             if remote and now > load.remote_at:
                 remote *= 0.5 ** ((now - load.remote_at) / half_life)
             recent += remote
-        total += recent
-        hit = cached.get(name, 0)
-        hit = 0 if hit < 0 else prompt if hit > prompt else hit
-        if hit > best_hit:
-            best_hit = hit
-        if kinned:
-            kin_total += kinned.get(name, 0.0)
-            sent_total += sent.get(name, 0.0)
-        rows.append((name, load, recent, hit))
-    count = len(rows)
-    fresh = float(prompt - best_hit)
-    spread = rule.spread_weight * fresh
-    request_tokens, queue_weight = rule.request_tokens, rule.queue_weight
-    usage_limit = rule.kv_usage_limit
-    shares_of = (total + count * prompt_tokens) or float(count)  # nothing recent, empty prompt
-    keyed: list[tuple[float, int, str, int, float, float]] = []
-    for name, load, recent, hit in rows:
-        in_flight = load.in_flight + load.remote_in_flight
-        queued = load.pending + load.remote_pending
-        queued += request_tokens * max(float(in_flight), load.engine_requests)
-        share = (recent + prompt_tokens) / shares_of
-        cost = float(prompt_tokens - hit) + queue_weight * queued + spread * (count * share - 1.0)
-        if kin_total:
-            kin_share = (kinned.get(name, 0.0) + 1.0) / (kin_total + count)
-            sent_share = (sent.get(name, 0.0) + 1.0) / (sent_total + count)
-            if sent_share * count <= rule.affinity_bound:
-                cost -= rule.affinity_weight * fresh * count * (kin_share - sent_share)
-        if kv:
-            cost -= rule.checkpoint_weight * max(0, min(kv.get(name, 0), prompt_tokens) - hit)
-        if load.kv_usage >= usage_limit:
-            cost += prompt_tokens
-        keyed.append((cost, in_flight, name, hit, queued, share))
-    return keyed
+            total += recent
+            in_flight = load.in_flight + load.remote_in_flight
+            queued = load.pending + load.remote_pending
+            queued += request_tokens * max(float(in_flight), load.engine_requests)
+            rows.append((name, in_flight, queued, recent, load.kv_usage >= rule.kv_usage_limit))
+        self.rows = rows
+        self.total = total
+        self.count = count = len(rows)
+        # per candidate, its kin share less its share of all requests (None: no pull,
+        # its share is past the bound), before the fresh tokens weigh it
+        self.kin_terms: list[float | None] | None = None
+        kinned, sent = kin or ({}, {})
+        if kinned and count:
+            kin_total = sent_total = 0.0
+            for name, *_rest in rows:
+                kin_total += kinned.get(name, 0.0)
+                sent_total += sent.get(name, 0.0)
+            if kin_total:
+                terms: list[float | None] = []
+                for name, *_rest in rows:
+                    kin_share = (kinned.get(name, 0.0) + 1.0) / (kin_total + count)
+                    sent_share = (sent.get(name, 0.0) + 1.0) / (sent_total + count)
+                    bounded = sent_share * count <= rule.affinity_bound
+                    terms.append(kin_share - sent_share if bounded else None)
+                self.kin_terms = terms
+        self.affinity = rule.affinity_weight
 
+    def _costed(
+        self, cached: Mapping[str, int], kv: Mapping[str, int] | None
+    ) -> list[tuple[float, int, str, int, float, float]]:
+        """Each candidate's cost by the rule, its requests in flight (the tie breaker),
+        its name, hit, queued tokens and share of recent work: ``ranked``'s rows
+        unsorted."""
+        rows = self.rows
+        if not rows:
+            return []
+        prompt_tokens = self.prompt
+        prompt = max(0, prompt_tokens)
+        hits = []
+        best_hit = 0
+        for row in rows:
+            hit = cached.get(row[0], 0)
+            hit = 0 if hit < 0 else prompt if hit > prompt else hit
+            if hit > best_hit:
+                best_hit = hit
+            hits.append(hit)
+        rule, count = self.rule, self.count
+        fresh = float(prompt - best_hit)
+        spread = rule.spread_weight * fresh
+        queue_weight = rule.queue_weight
+        pull = self.affinity * fresh * count
+        shares_of = (self.total + count * prompt_tokens) or float(count)  # an empty prompt
+        kin_terms = self.kin_terms
+        keyed: list[tuple[float, int, str, int, float, float]] = []
+        for i, (name, in_flight, queued, recent, full) in enumerate(rows):
+            hit = hits[i]
+            share = (recent + prompt_tokens) / shares_of
+            cost = (
+                float(prompt_tokens - hit) + queue_weight * queued + spread * (count * share - 1.0)
+            )
+            if kin_terms is not None and (term := kin_terms[i]) is not None:
+                cost -= pull * term
+            if kv:
+                cost -= rule.checkpoint_weight * max(0, min(kv.get(name, 0), prompt_tokens) - hit)
+            if full:
+                cost += prompt_tokens
+            keyed.append((cost, in_flight, name, hit, queued, share))
+        return keyed
 
-_NO_LOAD = BackendLoad()
-"""A backend ``ranked`` has no load for (read, never written)."""
+    def ranked(
+        self, cached: Mapping[str, int], kv: Mapping[str, int] | None = None
+    ) -> list[Choice]:
+        """The candidates from best to worst with these prefixes (``ranked``)."""
+        keyed = self._costed(cached, kv)
+        keyed.sort(key=_first_three)
+        return [
+            Choice(name, cost, hit, queued, share) for cost, _f, name, hit, queued, share in keyed
+        ]
+
+    def leader(self, cached: Mapping[str, int], kv: Mapping[str, int] | None = None) -> str | None:
+        """The first of ``ranked``'s order alone (its name; None for no candidates),
+        with no list sorted or choices built."""
+        keyed = self._costed(cached, kv)
+        return min(keyed, key=_first_three)[2] if keyed else None
 
 
 _first_three = operator.itemgetter(0, 1, 2)

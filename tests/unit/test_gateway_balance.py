@@ -13,6 +13,7 @@ from pcr.gateway.balance import (
     BalanceRule,
     Decayed,
     Kin,
+    Weighed,
     cached_tokens,
     leader,
     prompt_root,
@@ -291,3 +292,37 @@ def test_leader_is_the_first_of_ranked_ties_and_all() -> None:
         pick = rng.sample(names, rng.randint(1, 5))
         first = ranked(pick, prompt, cached, loads, RULE, now, kin, kv)[0].namespace
         assert leader(pick, prompt, cached, loads, RULE, now, kin, kv) == first
+
+
+def test_one_weighing_ranks_any_prefixes_as_a_fresh_one() -> None:
+    """The gateway weighs a decision's loads once (``Weighed``) and ranks the prompt
+    twice, with and without the blocks in flight: each ranking (every cost and part,
+    and the leader) equals one made from scratch, in either order, whatever the other
+    ranking's prefixes were."""
+    rng = random.Random(11)
+    names = ["a", "b", "c", "d"]
+    for _ in range(500):
+        loads = {
+            n: BackendLoad(
+                in_flight=rng.choice([0, 2]),
+                pending=rng.choice([0.0, 80.0]),
+                recent=Decayed(rng.choice([0.0, 500.0]), 0.0),
+                remote_recent=rng.choice([0.0, 40.0]),
+                kv_usage=rng.choice([0.0, 0.99]),
+            )
+            for n in names
+            if rng.random() < 0.9
+        }
+        prompt = rng.choice([0, 48, 400])
+        kin = ({"a": 3.0, "d": 1.0}, {"a": 4.0, "b": 2.0, "d": 1.0}) if rng.random() < 0.5 else None
+        now = rng.uniform(0.0, 60.0)
+        weighed = Weighed(names, prompt, loads, RULE, now, kin)
+        asked = []
+        for _turn in range(3):
+            cached = {n: rng.choice([0, 16, 48, 384]) for n in names}
+            kv = {n: rng.choice([0, 400]) for n in names} if rng.random() < 0.3 else None
+            asked.append((cached, kv))
+        for cached, kv in asked + asked[::-1]:
+            fresh = ranked(names, prompt, cached, loads, RULE, now, kin, kv)
+            assert weighed.ranked(cached, kv) == fresh
+            assert weighed.leader(cached, kv) == fresh[0].namespace
