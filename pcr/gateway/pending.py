@@ -129,9 +129,17 @@ class Sent:
     """One request's blocks counted as arriving at one backend: what its end gives back.
     ``chain[held:held + len(entries)]`` are its pending blocks; ``marks`` its Mamba
     checkpoints (position, entry); ``shared`` False once the backend was seen cleared
-    (no longer told to other replicas)."""
+    (no longer told to other replicas); ``until`` the end of its grace, once ended.
 
-    __slots__ = ("backend", "chain", "done", "entries", "held", "marks", "shared", "started")
+    Records live seconds (a request, then its grace), thousands at a time on a busy
+    gateway, so each full collection of the garbage collector walks them: the chain is
+    a tuple (of ints: untracked by the collector once a young collection has seen it),
+    no list is made for checkpoints where there are none, and the grace queue holds
+    the records themselves (measured: BENCHMARKS.md, "Full collections")."""
+
+    __slots__ = (
+        "backend", "chain", "done", "entries", "held", "marks", "shared", "started", "until"
+    )  # fmt: skip
 
     def __init__(self, backend: str, chain: Sequence[int], held: int, started: float) -> None:
         self.backend = backend
@@ -139,9 +147,10 @@ class Sent:
         self.held = held
         self.started = started
         self.entries: list[_Entry] = []
-        self.marks: list[tuple[int, _Entry]] = []
+        self.marks: Sequence[tuple[int, _Entry]] = ()
         self.shared = True
         self.done = False
+        self.until = 0.0
 
 
 class _Backend:
@@ -243,7 +252,7 @@ class PendingPrefixes:
         self.counts = PendingCounts()
         self._backends: dict[str, _Backend] = {}
         self._live: OrderedDict[int, Sent] = OrderedDict()  # every live one, oldest first
-        self._grace: deque[tuple[float, Sent]] = deque()
+        self._grace: deque[Sent] = deque()  # ended, in their grace (``until``)
         self._changes: deque[HeldChange] = deque()
         self._far: dict[str, _Far] = {}
         self._told: list[Mapping[str, Any]] = []
@@ -275,7 +284,7 @@ class PendingPrefixes:
             return None
         if end < len(chain):
             self.counts.truncated += 1
-        record = Sent(backend, chain, held, now)
+        record = Sent(backend, tuple(chain[:end]), held, now)
         pending = self._backends.get(backend)
         if pending is None:
             pending = self._backends[backend] = _Backend()
@@ -287,13 +296,16 @@ class PendingPrefixes:
                 entry = kv[value] = _Entry()
             entry.refs += 1
             entries.append(entry)
-        for position in wanted:
-            value = chain[position - 1]
-            known = pending.marks.get(value)
-            if known is None:
-                known = pending.marks[value] = (position, _Entry())
-            known[1].refs += 1
-            record.marks.append(known)
+        if wanted:
+            marked: list[tuple[int, _Entry]] = []
+            for position in wanted:
+                value = chain[position - 1]
+                known = pending.marks.get(value)
+                if known is None:
+                    known = pending.marks[value] = (position, _Entry())
+                known[1].refs += 1
+                marked.append(known)
+            record.marks = marked
         self.counts.sent += len(entries)
         pending.sent[id(record)] = record
         self._live[id(record)] = record
@@ -311,7 +323,8 @@ class PendingPrefixes:
         if record is None or record.done:
             return
         if ok and self.bounds.grace > 0:
-            self._grace.append((now + self.bounds.grace, record))
+            record.until = now + self.bounds.grace
+            self._grace.append(record)
         else:
             self._release(record)
 
@@ -358,8 +371,8 @@ class PendingPrefixes:
             self.counts.expired += 1
             self._release(record)
         grace = self._grace
-        while grace and (grace[0][0] <= now or grace[0][1].done):
-            self._release(grace.popleft()[1])
+        while grace and (grace[0].until <= now or grace[0].done):
+            self._release(grace.popleft())
 
     # -- what the view hears -------------------------------------------------------------
 
@@ -410,9 +423,14 @@ class PendingPrefixes:
             return None
         usable: dict[str, int] | None = None
         kv: dict[str, int] = {}
-        for name in (local.keys() | far.keys()) & set(names):
+        listed_usable, listed_kv = listed.usable, listed.kv
+        for name in dict.fromkeys(names):
             mine, theirs = local.get(name), far.get(name)
-            held = listed.held(name)
+            if mine is None and theirs is None:
+                continue
+            held = listed_usable.get(name, 0)
+            if listed_kv:
+                held = max(held, listed_kv.get(name, 0))
             reach, mark = held, 0
             if mine is not None:
                 reach = mine.extend(hashes, held)
@@ -420,7 +438,7 @@ class PendingPrefixes:
                 told, mark = theirs.prefix(hashes, held, name in listed.hybrid)
                 if told > reach:
                     reach = mine.extend(hashes, told) if mine is not None else told
-            before = listed.usable.get(name, 0)
+            before = listed_usable.get(name, 0)
             if name in listed.hybrid:
                 if mine is not None:
                     mark = max(mark, mine.checkpoint(hashes, reach))

@@ -243,3 +243,33 @@ def test_the_wire_is_bounded_and_bad_wires_are_refused() -> None:
     for bad in bads:
         with pytest.raises(ValueError, match="pending: "):
             parse_wire(bad)
+
+
+def test_records_in_their_grace_leave_little_for_the_collector_to_walk() -> None:
+    """A busy gateway holds thousands of records (in flight, then in their grace), and
+    every full collection walks what is tracked: a record's chain is a tuple of ints the
+    collector stops tracking once a young collection has seen it, and a record with no
+    checkpoint makes no list for them; its grace, its release and what it tells the
+    other replicas are as before."""
+    import gc
+
+    pending = PendingPrefixes(PendingBounds(grace=1.0))
+    hashes = list(CHAIN)
+    record = pending.sent("a", hashes, 4, (), now=0.0)
+    assert record is not None
+    hashes[10] = 7  # the caller's list is not what the record holds
+    assert list(record.chain) == CHAIN
+    assert not isinstance(record.marks, list)
+    gc.collect(0)
+    assert not gc.is_tracked(record.chain)
+    marked = pending.sent("a", SIBLING, 0, [8, 24], now=0.0)
+    assert marked is not None
+    assert [p for p, _e in marked.marks] == [8, 24]
+    assert pending.wire()["a"][0][1] == len(SIBLING)  # the newest chain, all of it
+    pending.ended(record, ok=True, now=1.0)
+    pending.expire(1.5)
+    assert usable(pending, CHAIN)["a"] == len(CHAIN)  # in its grace
+    pending.expire(2.0)
+    assert usable(pending, CHAIN)["a"] == 24  # the sibling's shared part is left
+    pending.ended(marked, ok=False, now=2.0)
+    assert not pending.busy()
