@@ -475,9 +475,12 @@ def command_gateway(args: argparse.Namespace) -> int:
 
     def worker(index: int) -> int:
         """One of the processes: its own app, its own replica id, its own socket on the
-        port (the first, the one bound here)."""
-        mine = sock
-        if index > 0:
+        port (the first worker the one bound here, which the parent then closes: a
+        worker's socket leaves the port with it, so no connection waits on a socket
+        nobody accepts from while a new worker starts)."""
+        if index == 0 and sock.fileno() != -1:
+            mine = sock
+        else:
             sock.close()
             mine = bind(args.host, port, reuse_port=True)
         rid = f"{args.replica_id}-w{index}" if args.replica_id else ""
@@ -488,7 +491,7 @@ def command_gateway(args: argparse.Namespace) -> int:
             raise
         return run_app(app, mine, args, "gateway", openai_errors=True, **tls)
 
-    code = serve_workers(workers, worker)
+    code = serve_workers(workers, worker, started=sock.close)
     sock.close()
     return 0 if code is None else code
 

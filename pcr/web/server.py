@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -397,47 +398,83 @@ def run_app(
     return 0
 
 
-def serve_workers(count: int, serve: Callable[[int], int]) -> int | None:
+RESPAWN_AFTER_S = 10.0
+"""Seconds a worker must have run for its exit to be met with a new one (``serve_workers``);
+one that exits sooner stops the service: a start that fails would fail again."""
+
+
+def serve_workers(
+    count: int,
+    serve: Callable[[int], int],
+    respawn_after: float = RESPAWN_AFTER_S,
+    started: Callable[[], None] | None = None,
+) -> int | None:
     """Fork ``count`` worker processes, each returning ``serve(index)`` (None is returned
     in the parent only: a worker returns its own exit status, up through the caller, so
     its errors are reported as a single process's are). The parent supervises: SIGTERM,
-    SIGINT and SIGHUP go to every worker; when one exits the others are stopped; its
-    status is the first failing worker's, else 0. Fork before any thread or event loop
-    starts (each worker builds its own app). A worker dies with the parent (Linux)."""
-    children: dict[int, int] = {}
-    for index in range(count):
-        pid = os.fork()
-        if pid == 0:
-            _die_with_parent()
-            return serve(index)
-        children[pid] = index
-
+    SIGINT and SIGHUP go to every worker, and its status is then 0; a worker that exits
+    on its own (killed for memory, crashed) after ``respawn_after`` seconds is replaced
+    by a new one of the same index, the others serving meanwhile; one that exits sooner
+    stops the others, and the parent's status is its. Fork before any thread or event
+    loop starts (each worker builds its own app; the parent never starts either). A
+    worker dies with the parent (Linux). ``started`` is called in the parent once the
+    first workers are forked (to close what only they use)."""
+    children: dict[int, tuple[int, float]] = {}  # pid -> (index, when it started)
     told: set[int] = set()  # the workers asked to stop (once each: a second SIGTERM
     # during a worker's shutdown, its handlers restored, would kill it mid-way)
+    stopping = False
 
     def stop(_signum: int = 0, _frame: Any = None) -> None:
+        nonlocal stopping
+        stopping = True
         for pid in children:
             if pid not in told:
                 told.add(pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
 
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(number, stop)
+    signals = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    before = {number: signal.getsignal(number) for number in signals}
+    starting = list(range(count))  # the indexes of the workers to start
     code = 0
-    while children:
+    while True:
+        for index in starting:
+            # held while forking: a new worker must not run the parent's ``stop``
+            signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+            pid = os.fork()
+            if pid == 0:
+                for number, handler in before.items():  # as the first workers had them
+                    signal.signal(number, handler)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+                _die_with_parent()
+                return serve(index)
+            children[pid] = (index, time.monotonic())
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+        if started is not None:
+            started()
+            started = None
+        starting = []
+        for number in signals:
+            signal.signal(number, stop)
+        if not children:
+            return code
         try:
             pid, status = os.wait()
         except ChildProcessError:
-            break
-        children.pop(pid, None)
+            return code
+        index, began = children.pop(pid, (-1, 0.0))
         exit_code = os.waitstatus_to_exitcode(status)
-        if exit_code == -signal.SIGTERM and pid in told:
+        if pid in told and exit_code == -signal.SIGTERM:
             exit_code = 0  # asked to stop before its own handlers were in place
+        if not stopping and index >= 0 and time.monotonic() - began >= respawn_after:
+            how = f"signal {-exit_code}" if exit_code < 0 else f"status {exit_code}"
+            print(f"worker {index} (pid {pid}) ended with {how}; starting another",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            starting = [index]
+            continue
         if exit_code != 0 and code == 0:
             code = exit_code if exit_code > 0 else 1
-        stop()  # one worker gone: the others stop too (a supervisor above restarts all)
-    return code
+        stop()  # one worker gone as it started, or the service stopping: all stop
 
 
 def _die_with_parent() -> None:
