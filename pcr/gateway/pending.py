@@ -38,6 +38,7 @@ of the shared prefix, all of it for a prompt that extends the chain: the next tu
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -227,6 +228,13 @@ class _Far:
 def ladder(length: int) -> list[int]:
     """The positions a chain of ``length`` blocks is told at: 1, 2, 3, 4, 6, 8, 12, ...
     below ``length``, then ``length``."""
+    return list(_ladder(length))
+
+
+@functools.lru_cache(maxsize=4_096)
+def _ladder(length: int) -> tuple[int, ...]:
+    """``ladder``, remembered: every exchange tells (and every replica reads) dozens of
+    chains, mostly of the few lengths the prompts have."""
     out: list[int] = []
     step = 1
     while step < length:
@@ -237,7 +245,7 @@ def ladder(length: int) -> list[int]:
         step *= 2
     if length > 0:
         out.append(length)
-    return out
+    return tuple(out)
 
 
 class PendingPrefixes:
@@ -486,7 +494,7 @@ class PendingPrefixes:
                 chain = record.chain
                 lasts.add(chain[length - 1])
                 marks = [[p, chain[p - 1]] for p, _entry in record.marks if p <= length]
-                chains.append([record.held, length, [chain[p - 1] for p in ladder(length)], marks])
+                chains.append([record.held, length, [chain[p - 1] for p in _ladder(length)], marks])
                 total += 1
             if chains:
                 out[name] = chains
@@ -513,7 +521,7 @@ class PendingPrefixes:
                     if index is None:
                         index = far[name] = _Far()
                     for held, length, values, marks in chains:
-                        anchors = list(zip(ladder(length), values, strict=True))
+                        anchors = list(zip(_ladder(length), values, strict=True))
                         anchors += [(p, v) for p, v in marks]
                         index.add(held, anchors, {p for p, _v in marks})
             for index in far.values():
@@ -539,9 +547,10 @@ def parse_wire(data: Any) -> dict[str, list[tuple[int, int, list[int], list[tupl
             held, length, values, marks = chain
             if not _whole(held, 0, MAX_POSITION) or not _whole(length, 1, MAX_POSITION):
                 raise ValueError("pending: bad positions")
-            if not isinstance(values, list) or len(values) != len(ladder(length)):
+            if not isinstance(values, list) or len(values) != len(_ladder(length)):
                 raise ValueError("pending: one hash per ladder position")
-            if not all(_whole(v, 1, MAX_HASH) for v in values):
+            # every one an int (not a bool) in [1, MAX_HASH], checked in C loops
+            if set(map(type, values)) != {int} or min(values) < 1 or max(values) > MAX_HASH:
                 raise ValueError("pending: bad hash")
             if not isinstance(marks, list) or len(marks) > 4:
                 raise ValueError("pending: bad checkpoints")

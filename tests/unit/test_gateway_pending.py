@@ -237,6 +237,9 @@ def test_the_wire_is_bounded_and_bad_wires_are_refused() -> None:
         {"a": [[0, 1, [5], [[2, 5]]]]},  # a checkpoint past the chain
         {"a": [[-1, 1, [5], []]]},
         {"a": [[0, 1, [True], []]]},
+        {"a": [[0, 2, [5, 1.0], []]]},  # a float among ints
+        {"a": [[0, 2, [5, 2**63], []]]},  # past the largest hash
+        {"a": [[0, 2, [5, "6"], []]]},
         {"a": [[0, 1, [5]]]},
         {str(i): [] for i in range(65)},
     ]
