@@ -136,7 +136,8 @@ class Sent:
     gateway, so each full collection of the garbage collector walks them: the chain is
     a tuple (of ints: untracked by the collector once a young collection has seen it),
     no list is made for checkpoints where there are none, and the grace queue holds
-    the records themselves (measured: BENCHMARKS.md, "Full collections")."""
+    the records themselves (BENCHMARKS.md, "One weighing per decision, lighter pending
+    records")."""
 
     __slots__ = (
         "backend", "chain", "done", "entries", "held", "marks", "shared", "started", "until"
