@@ -30,6 +30,30 @@ def engines() -> Iterator[list[FakeEngine]]:
             engine.stop()
 
 
+def _two_workers(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> ServeProcess:
+    args = ["--redis-url", redis_server.url, "--block-size", str(BLOCK), "--workers", "2"]
+    for name, engine in zip(names, engines, strict=True):
+        args += ["--backend", f"{name}={engine.url}"]
+    return ServeProcess(*args, path="/health", command="gateway").start()
+
+
+def _every_worker_answers(base: str, parent: int) -> None:
+    """Each worker of ``parent`` answers ``/health`` on the one port (a new connection
+    each time: the kernel spreads them over the workers' sockets), as its own replica."""
+    replicas: set[str] = set()
+
+    def all_answered() -> bool:
+        reply = httpx.get(f"{base}/health", timeout=10)
+        if reply.status_code == 200:
+            replicas.add(reply.json()["replica"])
+        return len(replicas) == len(_children(parent))
+
+    wait_until(all_answered, 60, "every worker answering on the one port")
+    assert replicas == {f"{os.uname().nodename}-{pid}" for pid in _children(parent)}
+
+
 def _children(pid: int) -> set[int]:
     found = set()
     for entry in os.listdir("/proc"):
@@ -52,25 +76,11 @@ def test_two_workers_share_one_port_and_both_route_by_prefix(
     client = redis_server.client()
     prompt = list(range(10, 43))  # 8 whole blocks, cached on b alone
     cache(client, names[1], prompt)
-    args = ["--redis-url", redis_server.url, "--block-size", str(BLOCK), "--workers", "2"]
-    for name, engine in zip(names, engines, strict=True):
-        args += ["--backend", f"{name}={engine.url}"]
-    proc = ServeProcess(*args, path="/health", command="gateway").start()
+    proc = _two_workers(redis_server, engines, names)
     try:
         assert proc.process is not None
         wait_until(lambda: len(_children(proc.process.pid)) == 2, 30, "two workers")
-        replicas: set[str] = set()
-
-        def both_answered() -> bool:
-            # a new connection each time: the kernel spreads them over the two sockets
-            reply = httpx.get(f"{proc.base}/health", timeout=10)
-            if reply.status_code == 200:
-                replicas.add(reply.json()["replica"])
-            return len(replicas) == 2
-
-        wait_until(both_answered, 60, "both workers answering on the one port")
-        workers = {f"{os.uname().nodename}-{pid}" for pid in _children(proc.process.pid)}
-        assert replicas == workers
+        _every_worker_answers(proc.base, proc.process.pid)
         served = [complete(proc.base, {"prompt": prompt})["by"] for _ in range(8)]
         assert served == ["b"] * 8
         pids = _children(proc.process.pid)
@@ -101,10 +111,7 @@ def test_a_worker_killed_is_replaced_and_the_gateway_goes_on(
     client = redis_server.client()
     prompt = list(range(10, 43))
     cache(client, names[1], prompt)
-    args = ["--redis-url", redis_server.url, "--block-size", str(BLOCK), "--workers", "2"]
-    for name, engine in zip(names, engines, strict=True):
-        args += ["--backend", f"{name}={engine.url}"]
-    proc = ServeProcess(*args, path="/health", command="gateway").start()
+    proc = _two_workers(redis_server, engines, names)
     seen: set[int] = set()
     try:
         assert proc.process is not None
@@ -119,16 +126,7 @@ def test_a_worker_killed_is_replaced_and_the_gateway_goes_on(
             seen |= _children(parent)
         assert len(_children(parent)) == 2
         assert not first & _children(parent)  # both replaced, one after the other
-        replicas: set[str] = set()
-
-        def both_answered() -> bool:
-            reply = httpx.get(f"{proc.base}/health", timeout=10)
-            if reply.status_code == 200:
-                replicas.add(reply.json()["replica"])
-            return len(replicas) == 2
-
-        wait_until(both_answered, 60, "the new worker answering beside the other")
-        assert replicas == {f"{os.uname().nodename}-{pid}" for pid in _children(parent)}
+        _every_worker_answers(proc.base, parent)
         served = [complete(proc.base, {"prompt": prompt})["by"] for _ in range(8)]
         assert served == ["b"] * 8
     finally:
