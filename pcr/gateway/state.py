@@ -313,11 +313,7 @@ class GatewayState:
         """``listed``'s prefixes in tokens: whole blocks, never the prompt's last token;
         the KV prefixes only where longer than the usable ones."""
         size = self.config.block_size
-        # ``cached_tokens`` inlined: at most every block but the one of the last token
-        most = max(0, (count - 1) // size) if count > 0 else 0
-        usable = {
-            n: (0 if b <= 0 else b if b < most else most) * size for n, b in listed.usable.items()
-        }
+        usable = {n: cached_tokens(b, size, count) for n, b in listed.usable.items()}
         if not listed.kv:
             return usable, {}
         kv = {

@@ -436,6 +436,7 @@ def serve_workers(
     signals = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
     before = {number: signal.getsignal(number) for number in signals}
     starting = list(range(count))  # the indexes of the workers to start
+    supervising = False
     code = 0
     while True:
         for index in starting:
@@ -450,12 +451,13 @@ def serve_workers(
                 return serve(index)
             children[pid] = (index, time.monotonic())
             signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
-        if started is not None:
-            started()
-            started = None
+        if not supervising:  # the first workers are out: the parent's own part
+            supervising = True
+            if started is not None:
+                started()
+            for number in signals:
+                signal.signal(number, stop)
         starting = []
-        for number in signals:
-            signal.signal(number, stop)
         if not children:
             return code
         try:

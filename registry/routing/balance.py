@@ -243,7 +243,7 @@ class Weighed:
     gateway ranks one prompt twice, with and without the blocks of requests in flight,
     and the loads are most of the work."""
 
-    __slots__ = ("affinity", "count", "kin_terms", "prompt", "rows", "rule", "total")
+    __slots__ = ("count", "kin_terms", "prompt", "rows", "rule")
 
     def __init__(
         self,
@@ -260,12 +260,12 @@ class Weighed:
         half_life = rule.half_life
         request_tokens = rule.request_tokens
         # per candidate: name, requests in flight, queued tokens, recent tokens, full
-        rows: list[tuple[str, int, float, float, bool]] = []
+        loaded: list[tuple[str, int, float, float, bool]] = []
         total = 0.0
         for name in names:  # one pass: each one's load and recent tokens
             load = loads.get(name)
             if load is None:
-                rows.append((name, 0, 0.0, 0.0, False))
+                loaded.append((name, 0, 0.0, 0.0, False))
                 continue
             recent = load.recent.now(now, half_life)
             remote = load.remote_recent
@@ -276,10 +276,24 @@ class Weighed:
             in_flight = load.in_flight + load.remote_in_flight
             queued = load.pending + load.remote_pending
             queued += request_tokens * max(float(in_flight), load.engine_requests)
-            rows.append((name, in_flight, queued, recent, load.kv_usage >= rule.kv_usage_limit))
-        self.rows = rows
-        self.total = total
-        self.count = count = len(rows)
+            loaded.append((name, in_flight, queued, recent, load.kv_usage >= rule.kv_usage_limit))
+        self.count = count = len(loaded)
+        # what no prefix changes: each one's share of the recent work (this prompt's
+        # counted everywhere) and its queue's cost
+        shares_of = (total + count * prompt_tokens) or float(count)  # an empty prompt
+        queue_weight = rule.queue_weight
+        self.rows = [
+            (
+                name,
+                in_flight,
+                queued,
+                (recent + prompt_tokens) / shares_of,
+                queue_weight * queued,
+                full,
+            )
+            for name, in_flight, queued, recent, full in loaded
+        ]
+        rows = self.rows
         # per candidate, its kin share less its share of all requests (None: no pull,
         # its share is past the bound), before the fresh tokens weigh it
         self.kin_terms: list[float | None] | None = None
@@ -297,7 +311,6 @@ class Weighed:
                     bounded = sent_share * count <= rule.affinity_bound
                     terms.append(kin_share - sent_share if bounded else None)
                 self.kin_terms = terms
-        self.affinity = rule.affinity_weight
 
     def _costed(
         self, cached: Mapping[str, int], kv: Mapping[str, int] | None
@@ -321,17 +334,12 @@ class Weighed:
         rule, count = self.rule, self.count
         fresh = float(prompt - best_hit)
         spread = rule.spread_weight * fresh
-        queue_weight = rule.queue_weight
-        pull = self.affinity * fresh * count
-        shares_of = (self.total + count * prompt_tokens) or float(count)  # an empty prompt
+        pull = rule.affinity_weight * fresh * count
         kin_terms = self.kin_terms
         keyed: list[tuple[float, int, str, int, float, float]] = []
-        for i, (name, in_flight, queued, recent, full) in enumerate(rows):
+        for i, (name, in_flight, queued, share, queue_cost, full) in enumerate(rows):
             hit = hits[i]
-            share = (recent + prompt_tokens) / shares_of
-            cost = (
-                float(prompt_tokens - hit) + queue_weight * queued + spread * (count * share - 1.0)
-            )
+            cost = float(prompt_tokens - hit) + queue_cost + spread * (count * share - 1.0)
             if kin_terms is not None and (term := kin_terms[i]) is not None:
                 cost -= pull * term
             if kv:
