@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-busy test-engines lint typecheck wheel-smoke docs redis-server clean
 
-$(STAMP): pyproject.toml setup.py registry/core/_blockhash.c registry/fleet/_holders.c constraints.txt Makefile
+$(STAMP): pyproject.toml setup.py registry/core/_blockhash.c registry/fleet/_holders.c registry/routing/_weigh.c constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -c constraints.txt -e '.[test,dev,docs,embedded,gpu,bridge,metrics,serve,gateway]'
 	touch $(STAMP)

@@ -82,8 +82,18 @@ import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
 
 from registry.core.validation import is_number
+
+NATIVE: ModuleType | None
+"""The C extension ``registry.routing._weigh`` (``Weighed``'s arithmetic: every cost
+bit-identical to the Python here), or None where it was not built."""
+try:
+    from registry.routing import _weigh as NATIVE
+except ImportError:  # installed without its C extension
+    NATIVE = None
 
 
 @dataclass(frozen=True)
@@ -257,6 +267,19 @@ class Weighed:
         self.rule = rule
         self.prompt = prompt_tokens
         names = dict.fromkeys(candidates)  # each once (the order breaks ties by name)
+        if NATIVE is not None:  # the same arithmetic in C, where the inputs are plain
+            kinned, sent = kin or (None, None)
+            made = NATIVE.rows(
+                names, prompt_tokens, loads, now, rule.half_life, rule.request_tokens,
+                rule.kv_usage_limit, rule.queue_weight, kinned, sent, rule.affinity_bound,
+                BackendLoad, Decayed,
+            )  # fmt: skip
+            if made is not NotImplemented:
+                self.rows: list[tuple[str, int, float, float, float, bool]]
+                self.kin_terms: list[float | None] | None
+                self.rows, self.kin_terms = made
+                self.count = len(names)
+                return
         half_life = rule.half_life
         request_tokens = rule.request_tokens
         # per candidate: name, requests in flight, queued tokens, recent tokens, full
@@ -296,7 +319,7 @@ class Weighed:
         rows = self.rows
         # per candidate, its kin share less its share of all requests (None: no pull,
         # its share is past the bound), before the fresh tokens weigh it
-        self.kin_terms: list[float | None] | None = None
+        self.kin_terms = None
         kinned, sent = kin or ({}, {})
         if kinned and count:
             kin_total = sent_total = 0.0
@@ -353,6 +376,9 @@ class Weighed:
         self, cached: Mapping[str, int], kv: Mapping[str, int] | None = None
     ) -> list[Choice]:
         """The candidates from best to worst with these prefixes (``ranked``)."""
+        made = self._native(cached, kv, False)
+        if made is not NotImplemented:
+            return made  # type: ignore[no-any-return]
         keyed = self._costed(cached, kv)
         keyed.sort(key=_first_three)
         return [
@@ -362,8 +388,22 @@ class Weighed:
     def leader(self, cached: Mapping[str, int], kv: Mapping[str, int] | None = None) -> str | None:
         """The first of ``ranked``'s order alone (its name; None for no candidates),
         with no list sorted or choices built."""
+        name = self._native(cached, kv, True)
+        if name is not NotImplemented:
+            return name  # type: ignore[no-any-return]
         keyed = self._costed(cached, kv)
         return min(keyed, key=_first_three)[2] if keyed else None
+
+    def _native(self, cached: Mapping[str, int], kv: Mapping[str, int] | None, first: bool) -> Any:
+        """``ranked`` in C (``first``: the leader's name alone); NotImplemented where the
+        extension is not built or an input is not of the plain types it reads."""
+        if NATIVE is None or not self.rows:
+            return NotImplemented
+        rule = self.rule
+        return NATIVE.costed(
+            self.rows, self.kin_terms, self.prompt, cached, kv or None, rule.spread_weight,
+            rule.affinity_weight, rule.checkpoint_weight, first, Choice,
+        )  # fmt: skip
 
 
 _first_three = operator.itemgetter(0, 1, 2)
