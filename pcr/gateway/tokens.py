@@ -466,6 +466,79 @@ def _segmenter(tokenizer: Any, encode: Callable[[str], list[int]]) -> _Segmenter
     return segmenter
 
 
+TEMPLATE_PROBES = (
+    ([{"role": "user", "content": SEGMENT_PROBES[0]}], True),
+    ([{"role": "system", "content": SEGMENT_PROBES[3]},
+      {"role": "user", "content": SEGMENT_PROBES[4]}], True),
+    ([{"role": "system", "content": SEGMENT_PROBES[5]},
+      {"role": "user", "content": SEGMENT_PROBES[6]},
+      {"role": "assistant", "content": SEGMENT_PROBES[1]},
+      {"role": "user", "content": SEGMENT_PROBES[2]}], False),
+)  # fmt: skip
+"""Chats the template's self-test renders both ways (``_chat_template``)."""
+
+
+class _ChatTemplate:
+    """The tokenizer's chat template compiled once and rendered straight: what
+    ``apply_chat_template(tokenize=False)`` renders for a plain chat (no tools, no
+    documents, no message continued, no template arguments), without its per-call
+    work (choosing and looking up the template, the special tokens' map rebuilt, the
+    checks for batches, tools and masks): 14 -> 9 us a chat in process. The same
+    compiled template (transformers' own, from its cache), the same arguments."""
+
+    __slots__ = ("compiled", "special")
+
+    def __init__(self, compiled: Any, special: dict[str, Any]) -> None:
+        self.compiled = compiled
+        self.special = special
+
+    def render(self, messages: list[dict[str, Any]], generation: bool) -> str:
+        text: str = self.compiled.render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=generation,
+            **self.special,
+        )
+        return text
+
+
+def _chat_template(tokenizer: Any) -> _ChatTemplate | None:
+    """A ``_ChatTemplate`` for ``tokenizer`` where its chats render the same as through
+    ``apply_chat_template`` (the self-test: ``TEMPLATE_PROBES``, each rendered both ways,
+    or failing both ways alike), else None (no template, or this transformers does not
+    compile them as this expects)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        source = tokenizer.get_chat_template()
+        template = _ChatTemplate(
+            _compile_jinja_template(source), dict(tokenizer.special_tokens_map)
+        )
+    except Exception:  # no template; a transformers without this helper
+        return None
+    rendered = 0
+    for messages, generation in TEMPLATE_PROBES:
+        through = _outcome(
+            tokenizer.apply_chat_template,
+            messages,
+            tokenize=False,
+            add_generation_prompt=generation,
+        )
+        if through != _outcome(template.render, messages, generation):
+            return None
+        rendered += through[0] == "text"
+    return template if rendered else None
+
+
+def _outcome(render: Callable[..., str], *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """A render's text, or the type of what it raised."""
+    try:
+        return ("text", render(*args, **kwargs))
+    except Exception as exc:  # a template that wants other messages
+        return ("error", type(exc))
+
+
 class PromptTokenizer:
     """The model's tokenizer and chat template, loaded once from ``directory``; copied
     into each worker thread that tokenizes. ``max_model_len``: the prompts' longest (else
@@ -495,6 +568,7 @@ class PromptTokenizer:
         self._mine = threading.local()
         self._copying = threading.Lock()
         self.segmenter = _segmenter(self.tokenizer, self._plain)
+        self.template = _chat_template(self.tokenizer)
         self.short = _Lane("pcr-tokenize", SHORT_WORKERS)
         self.long = _Lane("pcr-tokenize-long", 1)
 
@@ -546,6 +620,9 @@ class PromptTokenizer:
         kwargs = body.get("chat_template_kwargs")
         options: dict[str, Any] = dict(kwargs) if isinstance(kwargs, dict) else {}
         tools = body.get("tools")
+        plain = not options and not continue_final and not (isinstance(tools, list) and tools)
+        if plain and self.template is not None:  # the common chat: rendered straight
+            return self.template.render(messages, generation)
         text: str = self._own().apply_chat_template(
             messages,
             tools=tools if isinstance(tools, list) and tools else None,

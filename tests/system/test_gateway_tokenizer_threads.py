@@ -140,3 +140,92 @@ def test_short_texts_on_the_loop_and_long_ones_in_the_lanes_get_the_same_tokens(
     assert handed == ["render", "encode", "encode"]
     tokenizer.close()
     alone.close()
+
+
+LLAMA_LIKE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant') }}{% endif %}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] | trim }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{% if tools %}tools: {{ tools | length }}{% endif %}"
+    "{% if think is defined %}think={{ think }}{% endif %}"
+)
+
+
+def test_a_plain_chat_is_rendered_straight_as_apply_chat_template_renders_it(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """The template compiled once and rendered straight (``_ChatTemplate``) writes what
+    ``apply_chat_template`` writes, for the test tokenizer's template and one that uses
+    its special tokens, trims and refuses a role: random chats with and without the
+    generation prompt; a refused role fails alike (routed by load), and a chat with
+    tools, template arguments or its last message continued goes through
+    ``apply_chat_template`` (what the straight render does not take)."""
+    from transformers import AutoTokenizer
+
+    from pcr.gateway.tokens import PromptTokenizer
+
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(tmp_path)
+    fast = AutoTokenizer.from_pretrained(str(tmp_path))
+    fast.chat_template = LLAMA_LIKE
+    fast.save_pretrained(tmp_path)
+    rng = random.Random(12)
+    for directory in (tokenizer_dir, tmp_path):
+        tokenizer = PromptTokenizer(directory)
+        assert tokenizer.template is not None
+        whole = tokenizer.tokenizer
+        for body in _bodies(40):
+            messages = body["messages"]
+            assert isinstance(messages, list)
+            if rng.random() < 0.5:
+                messages.append({"role": "assistant", "content": " w9 w10 "})
+                messages.append({"role": "user", "content": "w11"})
+            generation = rng.random() < 0.7
+            body["add_generation_prompt"] = generation
+            assert tokenizer.render(body) == whole.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation
+            )
+        odd = {"messages": [{"role": "tool", "content": "w5"}]}
+        if directory == tmp_path:
+            with pytest.raises(Exception, match="roles are"):
+                tokenizer.render(odd)
+        plain = [{"role": "user", "content": "w5 w6"}]
+        asked = {
+            "tools": {"messages": plain, "tools": [{"type": "function"}]},
+            "kwargs": {"messages": plain, "chat_template_kwargs": {"think": "yes"}},
+        }
+        for name, body in asked.items():
+            options = {"tools": body["tools"]} if name == "tools" else {"think": "yes"}
+            assert tokenizer.render(body) == whole.apply_chat_template(
+                plain, tokenize=False, add_generation_prompt=True, **options
+            )
+        if directory == tmp_path:
+            assert "tools: 1" in (tokenizer.render(asked["tools"]) or "")
+            assert "think=yes" in (tokenizer.render(asked["kwargs"]) or "")
+        tokenizer.close()
+
+
+def test_a_template_that_renders_otherwise_straight_goes_through_transformers(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The self-test renders its probes both ways: where the straight render differs
+    (here: a transformers whose ``apply_chat_template`` writes something more than its
+    template), no ``_ChatTemplate`` is kept and every chat goes through it."""
+    from transformers import PreTrainedTokenizerBase
+
+    from pcr.gateway.tokens import PromptTokenizer
+
+    through = PreTrainedTokenizerBase.apply_chat_template
+
+    def more(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return through(self, *args, **kwargs) + " w7"
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "apply_chat_template", more)
+    tokenizer = PromptTokenizer(tokenizer_dir)
+    assert tokenizer.template is None
+    body = {"messages": [{"role": "user", "content": "w5"}]}
+    rendered = tokenizer.render(body)
+    assert rendered is not None
+    assert rendered.endswith(" w7")
+    tokenizer.close()
