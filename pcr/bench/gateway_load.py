@@ -23,7 +23,9 @@ Two shapes: chat bodies (``/v1/chat/completions``, rendered and tokenized by the
 with a byte-level BPE tokenizer trained here, ChatML template) and completions whose
 prompt is token ids; both about 408 tokens, on 8 shared system prompts. Each router is
 pinned to one core (``taskset``, core 0), the stubs, Redis and the load generator to the
-other. Per row: requests/s, the router's CPU seconds per request (``/proc`` of its process
+other (``--router-cores`` and ``--load-cores`` move them: routers on two cores or more
+let two processes run at once, and "vs 1 proc", requests/s against one process, reads
+how they scale). Per row: requests/s, the router's CPU seconds per request (``/proc`` of its process
 tree, user + system), requests per router-CPU-second and its ratio to vllm-router's; then
 p50/p99 latency added over the stubs at a paced 200 requests/s, and each router's CPU per
 second idle.
@@ -244,8 +246,8 @@ def _load(
     return asyncio.run(main())
 
 
-def _load_in_process(queue: Any, *args: Any) -> None:
-    _pin(os.getpid(), LOAD_CORE)
+def _load_in_process(queue: Any, where: frozenset[int], *args: Any) -> None:
+    _pin(os.getpid(), where)  # a spawned process: the cores come with its arguments
     try:
         queue.put(_load(*args))
     except Exception as exc:  # reported to the parent
@@ -254,14 +256,35 @@ def _load_in_process(queue: Any, *args: Any) -> None:
 
 # -- processes, cores and CPU time ---------------------------------------------------
 
-ROUTER_CORE = 0
-LOAD_CORE = 1
+ROUTER_CORES = frozenset({0})
+"""The cores the routers run on (``--router-cores``)."""
+LOAD_CORES = frozenset({1})
+"""The cores of the stubs, Redis and the load generator (``--load-cores``)."""
 
 
-def _pin(pid: int, core: int) -> None:
+def cores(text: str) -> frozenset[int]:
+    """``0``, ``0,1`` or ``2-15`` (as taskset reads them) as a set of cores."""
+    out: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise argparse.ArgumentTypeError(f"{text!r}: cores as 0,1 or 2-15")
+        out.update(range(int(low), int(high if dash else low) + 1))
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: no core")
+    return frozenset(out)
+
+
+def _place(routers: frozenset[int], load: frozenset[int]) -> None:
+    global ROUTER_CORES, LOAD_CORES  # read by each router's start and each pin
+    ROUTER_CORES, LOAD_CORES = routers, load
+
+
+def _pin(pid: int, where: frozenset[int]) -> None:
     with contextlib.suppress(OSError, AttributeError):
-        if core < (os.cpu_count() or 1):
-            os.sched_setaffinity(pid, {core})
+        present = {c for c in where if c < (os.cpu_count() or 1)}
+        if present:
+            os.sched_setaffinity(pid, present)
 
 
 def _tree(pid: int) -> list[int]:
@@ -319,7 +342,8 @@ class Router:
             self.logs.append(log)
             with log.open("wb") as out:
                 process = subprocess.Popen(
-                    ["taskset", "-c", str(ROUTER_CORE), *command] if shutil.which("taskset")
+                    ["taskset", "-c", ",".join(map(str, sorted(ROUTER_CORES))), *command]
+                    if shutil.which("taskset")
                     else command,
                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                     env=None if self.env is None else {**os.environ, **self.env}, cwd=self.cwd,
@@ -571,7 +595,8 @@ def _measure(
     queue = context.Queue()
     targets = [("127.0.0.1", p) for p in router.ports]
     worker = context.Process(
-        target=_load_in_process, args=(queue, targets, requests, connections, warmup, seconds, rate)
+        target=_load_in_process,
+        args=(queue, LOAD_CORES, targets, requests, connections, warmup, seconds, rate),
     )
     worker.start()
     time.sleep(warmup)  # the generator warms the router up meanwhile
@@ -620,7 +645,7 @@ def _idle_cpu(router: Router, seconds: float) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="pcr-gateway-load-"))
     server = RedisServer().start()
-    _pin(server.process.pid if server.process else 0, LOAD_CORE)
+    _pin(server.process.pid if server.process else 0, LOAD_CORES)
     context = multiprocessing.get_context("spawn")
     ports = [free_port() for _ in range(args.engines)]
     ready = context.Event()
@@ -631,7 +656,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not ready.wait(30):
             raise RuntimeError("the stub engines did not start")
         assert stubs.pid is not None
-        _pin(stubs.pid, LOAD_CORE)
+        _pin(stubs.pid, LOAD_CORES)
         tokenizer_dir = log_dir / "tokenizer"
         workload = build_workload(build_tokenizer(tokenizer_dir))
         namespaces = [f"stub-{n}" for n in range(args.engines)]
@@ -721,7 +746,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--idle", type=float, default=3.0, help="seconds of idle CPU measured")
     parser.add_argument("--quick", action="store_true", help="16 and 64 connections, 2 s, 1 round")
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument(
+        "--router-cores",
+        type=cores,
+        default=ROUTER_CORES,
+        help="the cores every router runs on (default 0: CPU per request on one core); "
+        "with two or more, two processes can run at once and 'vs 1 proc' reads scaling",
+    )
+    parser.add_argument(
+        "--load-cores",
+        type=cores,
+        default=LOAD_CORES,
+        help="the cores of the stubs, Redis and the load generator (default 1)",
+    )
     args = parser.parse_args(argv)
+    _place(args.router_cores, args.load_cores)
     if args.baseline is not None and not (args.baseline / "pcr" / "__main__.py").is_file():
         parser.error(f"--baseline {args.baseline}: not a checkout of this project")
     if args.quick:
