@@ -21,54 +21,6 @@ static PyObject *s_in_flight, *s_remote_in_flight, *s_pending, *s_remote_pending
     *s_recent, *s_remote_recent, *s_remote_at, *s_engine_requests, *s_kv_usage, *s_value,
     *s_at;
 
-/* A float or int attribute as a double; -1 with an exception, 1 when it is another type. */
-static int
-number_attr(PyObject *obj, PyObject *name, double *out)
-{
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL)
-        return -1;
-    int status = 0;
-    if (PyFloat_CheckExact(value)) {
-        *out = PyFloat_AS_DOUBLE(value);
-    }
-    else if (PyLong_CheckExact(value)) {
-        *out = PyLong_AsDouble(value);
-        if (*out == -1.0 && PyErr_Occurred()) {
-            PyErr_Clear();
-            status = 1;
-        }
-    }
-    else {
-        status = 1;
-    }
-    Py_DECREF(value);
-    return status;
-}
-
-/* An exact int attribute as a long long; 1 for another type or one out of range. */
-static int
-int_attr(PyObject *obj, PyObject *name, long long *out)
-{
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL)
-        return -1;
-    int status = 0;
-    if (PyLong_CheckExact(value)) {
-        int overflow = 0;
-        *out = PyLong_AsLongLongAndOverflow(value, &overflow);
-        if (overflow || (*out == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
-            status = 1;
-        }
-    }
-    else {
-        status = 1;
-    }
-    Py_DECREF(value);
-    return status;
-}
-
 /* A number (exact float or int) as a double; 1 for anything else. */
 static int
 as_double(PyObject *value, double *out)
@@ -101,6 +53,31 @@ as_long(PyObject *value, long long *out)
         return 1;
     }
     return 0;
+}
+
+/* A number attribute as a double; -1 with an exception, 1 when it is another type. */
+static int
+number_attr(PyObject *obj, PyObject *name, double *out)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int status = as_double(value, out);
+    Py_DECREF(value);
+    return status;
+}
+
+/* An exact int attribute as a long long; -1 with an exception, 1 for another type or
+   one out of range. */
+static int
+int_attr(PyObject *obj, PyObject *name, long long *out)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int status = as_long(value, out);
+    Py_DECREF(value);
+    return status;
 }
 
 typedef struct {
