@@ -45,6 +45,10 @@ on that connection, which then fails unless the client retries it (aiohttp and u
 retry only idempotent methods, never a POST). uvicorn's own default is 5 s."""
 LINGER = 2.0
 """Seconds a connection stays half-open after its last answer, for the answer to arrive."""
+TICK_S = 1.0
+"""Seconds between the server's ticks (the date header, a stop asked for without a
+signal); uvicorn's own are 0.1 s apart, and each wake-up of an idle process costs ~0.3
+ms of CPU on these machines (3 ms a second at ten a second). A signal wakes it at once."""
 
 
 def listen_url(host: str, port: int, scheme: str = "http") -> str:
@@ -66,6 +70,29 @@ def server_class(ready: str = "") -> Any:
             await super().startup(sockets=sockets)
             if ready and self.started and not self.should_exit:
                 print(ready, flush=True)
+
+        async def main_loop(self) -> None:
+            """uvicorn's loop of ticks, one every ``TICK_S`` (each updates the date
+            header, as uvicorn's every tenth does), woken at once by a stopping signal."""
+            loop = asyncio.get_running_loop()
+            woken = asyncio.Event()
+            self._wake = lambda: loop.call_soon_threadsafe(woken.set)
+            counter = 0
+            should_exit = await self.on_tick(counter)
+            while not should_exit:
+                counter = (counter + 10) % 864_000  # uvicorn's count of 0.1 s ticks
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(TICK_S):
+                        await woken.wait()
+                woken.clear()
+                should_exit = await self.on_tick(counter)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            wake = getattr(self, "_wake", None)
+            if wake is not None:
+                with contextlib.suppress(RuntimeError):  # the loop already closed
+                    wake()
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
