@@ -272,6 +272,13 @@ def cores(text: str) -> frozenset[int]:
         out.update(range(int(low), int(high if dash else low) + 1))
     if not out:
         raise argparse.ArgumentTypeError(f"{text!r}: no core")
+    try:
+        here = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not Linux: taskset says so itself
+        here = set(out)
+    if not out <= here:
+        missing = ",".join(str(c) for c in sorted(out - here))
+        raise argparse.ArgumentTypeError(f"{text!r}: no core {missing} on this machine")
     return frozenset(out)
 
 

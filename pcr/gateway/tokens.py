@@ -620,12 +620,14 @@ class PromptTokenizer:
         kwargs = body.get("chat_template_kwargs")
         options: dict[str, Any] = dict(kwargs) if isinstance(kwargs, dict) else {}
         tools = body.get("tools")
-        plain = not options and not continue_final and not (isinstance(tools, list) and tools)
+        if not (isinstance(tools, list) and tools):
+            tools = None
+        plain = not options and not continue_final and tools is None
         if plain and self.template is not None:  # the common chat: rendered straight
             return self.template.render(messages, generation)
         text: str = self._own().apply_chat_template(
             messages,
-            tools=tools if isinstance(tools, list) and tools else None,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=generation,
             continue_final_message=continue_final,

@@ -96,12 +96,25 @@ class Running:
         return reply.status_code
 
     def scrape(self) -> list[tuple[str, dict[str, str]]]:
+        return [(name, labels) for name, labels, _value in self.samples()]
+
+    def samples(self) -> list[tuple[str, dict[str, str], float]]:
         text = httpx.get(f"{self.gateway.base}/metrics", timeout=10).text
         return [
-            (sample.name, dict(sample.labels))
+            (sample.name, dict(sample.labels), sample.value)
             for family in text_string_to_metric_families(text)
             for sample in family.samples
         ]
+
+    def exchanges(self) -> float:
+        """How many load exchanges (``gateway_load``) the gateway has timed: it runs them
+        on its own tick, after the requests that changed its load have been answered."""
+        return sum(
+            value
+            for name, labels, value in self.samples()
+            if name == "pcr_operation_duration_seconds_count"
+            and labels.get("operation") == "gateway_load"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +328,12 @@ def test_every_gateway_query_returns_data_from_prometheus(running: Running, tmp_
         wait_until(prometheus.ready, 60, "prometheus to be ready")
         before = time.time()
         wait_until(lambda: prometheus.scraped_since(before), 60, "a scrape of the gateway")
+        exchanged = running.exchanges()  # at least what that scrape saw
         running.traffic()
+        # the exchange that tells the traffic's load runs on the gateway's tick, up to a
+        # second after the last reply: the next scrape must begin after it, or the
+        # window holds no exchange and its quantiles are NaN
+        wait_until(lambda: running.exchanges() > exchanged, 60, "an exchange after the traffic")
         after = time.time()
         wait_until(lambda: prometheus.scraped_since(after), 60, "a scrape after the traffic")
         results = {expr: prometheus.query(runnable(expr)) for expr in gateway_queries()}

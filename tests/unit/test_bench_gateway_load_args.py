@@ -1,0 +1,46 @@
+"""``python -m pcr.bench.gateway_load``'s core lists: read as taskset reads them, and a
+core this machine does not have refused in one line before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pcr.bench.gateway_load import cores
+from tests.support import REPO_ROOT
+
+
+def test_core_lists_read_as_taskset_reads_them() -> None:
+    assert cores("0") == {0}
+    here = os.sched_getaffinity(0)
+    if {0, 1} <= here:
+        assert cores("0,1") == {0, 1}
+        assert cores("0-1") == {0, 1}
+        assert cores(" 1 , 0 ") == {0, 1}
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-", "-1", "0,,1", "1.5"])
+def test_a_list_that_is_not_cores_is_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="cores as 0,1 or 2-15"):
+        cores(text)
+
+
+def test_a_core_the_machine_lacks_is_refused_in_one_line() -> None:
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(argparse.ArgumentTypeError, match=f"no core {missing} on this machine"):
+        cores(f"0,{missing}")
+    ran = subprocess.run(
+        [sys.executable, "-m", "pcr.bench.gateway_load", "--router-cores", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert ran.returncode == 2
+    assert ran.stdout == ""
+    assert "Traceback" not in ran.stderr
+    assert f"no core {missing} on this machine" in ran.stderr.splitlines()[-1]
