@@ -353,6 +353,14 @@ class Router:
     logs: list[Path] = field(default_factory=list)
 
     def start(self, log_dir: Path) -> Router:
+        """Start its processes and wait until each answers; stopped again if one does not."""
+        try:
+            return self._start(log_dir)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, log_dir: Path) -> Router:
         for n, command in enumerate(self.commands):
             log = log_dir / f"{self.label.replace(' ', '_')}-{n}.log"
             self.logs.append(log)
@@ -679,7 +687,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fill(server.url, namespaces, workload)
         which = set(args.routers.split(","))
         made = _routers(server.url, backends, tokenizer_dir, which, args.baseline)
-        routers = [r.start(log_dir) for r in made]
+        for router in made:  # each in the list as it starts: stopped below if one fails
+            routers.append(router.start(log_dir))
         say(f"routers: {', '.join(r.label for r in routers)}; logs in {log_dir}")
         idle = {r.label: _idle_cpu(r, args.idle) for r in routers}
         shapes = {

@@ -295,6 +295,11 @@ class LoadExchange:
         if (self._changed and since >= self.batch) or since >= self._entry_ttl_ms / 3000:
             await self.share()
 
+    def keep_alive_in(self) -> float:
+        """Seconds until the periodic exchange's keep-alive is due (0: now)."""
+        since = time.monotonic() - self._shared_at
+        return max(0.0, self._entry_ttl_ms / 3000 - since)
+
     @property
     def changed(self) -> bool:
         """A request started or ended here since the last exchange."""

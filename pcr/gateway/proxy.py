@@ -97,6 +97,7 @@ async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat
     """One proxied request: read, tokenize, choose, forward, answer."""
     arrived = time.perf_counter()
     state = front.gateway
+    state.arrived()  # after a pause: the engines' figures and the tick at once
     if not json_body(scope["headers"]):
         await answer_error(send, 415, "the body must be JSON (Content-Type: application/json)")
         return

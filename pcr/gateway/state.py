@@ -52,9 +52,16 @@ log = logging.getLogger(__name__)
 
 VIEW_START_S = 5.0
 """Seconds the gateway waits at start for its fleet view's first load."""
-IDLE_TICK_S = 1.0
+IDLE_TICK_S = 5.0
 """Seconds between the gateway's ticks while nothing is in flight or pending (else
-``share_interval``): the keep-alive, the registry's health and the gauges need no more."""
+``share_interval``), or sooner where the load exchange's keep-alive is due: the
+registry's health and the gauges need no more while no request comes."""
+IDLE_SCRAPE_S = 5.0
+"""Seconds between two reads of the engines' ``/metrics`` while nothing is in flight or
+pending (else ``scrape_interval``, where that is shorter)."""
+IDLE_DISCOVER_S = 10.0
+"""Seconds between two reads of the engines announced in Redis while nothing is in
+flight or pending (else ``discover_interval``, where that is shorter)."""
 SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 UPSTREAM_KEEP_ALIVE_S = 4.0
 """Seconds the gateway keeps an idle connection to an engine: below the 5 s after which
@@ -133,6 +140,7 @@ class GatewayState:
         self.kin = Kin()  # per prompt root, the requests sent to each backend lately
         self.mean_prefill = 0.0
         self._tasks: list[asyncio.Task[None]] = []
+        self._woken: asyncio.Future[None] | None = None  # set by the next request (arrived)
         self._stopping = False
         self.view: FleetView | None = None
 
@@ -186,15 +194,25 @@ class GatewayState:
         # in batches, only once it knows of some).
         await self.exchange.share_quietly()
         await self.models.refresh(self.http, self.backends)
-        loops = [self._every(self._tick_interval, self._tick)]
+        # While no request is in flight or pending, the tick, the engines' scrape and the
+        # discovery slow down (each wake-up of an idle process costs CPU), and the first
+        # request after that wakes them at once (``arrived``).
+        config = self.config
+        loops = [self._every(config.share_interval, self._tick, idle=self._tick_idle)]
         loops.append(self._every(REFRESH_S, self._read_models))
-        if self.config.announced:
-            loops.append(self._every(self.config.discover_interval, self._discover))
+        if config.announced:
+            interval = config.discover_interval
+            loops.append(self._every(interval, self._discover, idle=IDLE_DISCOVER_S))
         loops.append(self.exchange.listen())
-        if self.config.scrape_interval > 0:
+        if config.scrape_interval > 0:
             scraper = EngineScraper(self.http, self.metrics)
             loops.append(
-                self._every(self.config.scrape_interval, lambda: scraper.scrape(self.backends))
+                self._every(
+                    config.scrape_interval,
+                    lambda: scraper.scrape(self.backends),
+                    idle=IDLE_SCRAPE_S,
+                    first=True,
+                )
             )
         self._tasks = [asyncio.ensure_future(loop) for loop in loops]
 
@@ -224,11 +242,27 @@ class GatewayState:
             await self.http.close()
 
     async def _every(
-        self, interval: float | Callable[[], float], step: Callable[[], Awaitable[None]]
+        self,
+        interval: float | Callable[[], float],
+        step: Callable[[], Awaitable[None]],
+        *,
+        idle: float | Callable[[], float] | None = None,
+        first: bool = False,
     ) -> None:
-        """``step`` every ``interval`` seconds (a callable: asked before each wait)."""
+        """``step`` every ``interval`` seconds (a callable: asked before each wait); with
+        ``idle`` (the same), every ``idle`` seconds (or ``interval``, where longer) while
+        nothing is in flight or pending, a wait the next request cuts short
+        (``arrived``); with ``first``, once at the start too."""
+        waited = not first
         while not self._stopping:
-            await asyncio.sleep(interval() if callable(interval) else interval)
+            if waited:
+                seconds = interval() if callable(interval) else interval
+                if idle is not None and not self._busy():
+                    longer = idle() if callable(idle) else idle
+                    await self._idle_wait(max(seconds, longer))
+                else:
+                    await asyncio.sleep(seconds)
+            waited = True
             try:
                 await step()
             except asyncio.CancelledError:
@@ -236,11 +270,27 @@ class GatewayState:
             except Exception as exc:  # a background step never ends the loop
                 log.debug("gateway background step failed: %s", type(exc).__name__)
 
-    def _tick_interval(self) -> float:
-        """``share_interval`` while anything is in flight or pending, else
-        ``IDLE_TICK_S`` (or ``share_interval``, where longer)."""
-        interval = self.config.share_interval
-        return interval if self._busy() else max(interval, IDLE_TICK_S)
+    async def _idle_wait(self, seconds: float) -> None:
+        """Up to ``seconds``, or until a request arrives."""
+        woken = self._woken
+        if woken is None or woken.done():
+            woken = self._woken = asyncio.get_running_loop().create_future()
+        await asyncio.wait((woken,), timeout=seconds)
+
+    def arrived(self) -> None:
+        """A request arrived: the loops waiting out an idle interval run their step now
+        (the engines' queues read, the announced engines, the tick), so the decisions
+        after a pause do not go on figures as old as that interval."""
+        woken = self._woken
+        if woken is not None:
+            self._woken = None
+            if not woken.done():
+                woken.set_result(None)
+
+    def _tick_idle(self) -> float:
+        """The tick's wait while idle: ``IDLE_TICK_S``, or less where the load exchange's
+        keep-alive is due sooner."""
+        return min(IDLE_TICK_S, self.exchange.keep_alive_in())
 
     def _busy(self) -> bool:
         """Whether this replica has requests in flight, blocks pending or a change not

@@ -47,8 +47,13 @@ LINGER = 2.0
 """Seconds a connection stays half-open after its last answer, for the answer to arrive."""
 TICK_S = 1.0
 """Seconds between the server's ticks (the date header, a stop asked for without a
-signal); uvicorn's own are 0.1 s apart, and each wake-up of an idle process costs ~0.3
-ms of CPU on these machines (3 ms a second at ten a second). A signal wakes it at once."""
+signal) while a connection is open; uvicorn's own are 0.1 s apart, and each wake-up of
+an idle process costs ~0.3 ms of CPU on these machines (3 ms a second at ten a second).
+A signal wakes it at once."""
+IDLE_TICK_S = 30.0
+"""Seconds between the server's ticks while no connection is open: nothing uses the
+date header then, and a new connection wakes the loop for a tick at once (before its
+first request is read), so its answers carry the date of now."""
 
 
 def listen_url(host: str, port: int, scheme: str = "http") -> str:
@@ -72,17 +77,22 @@ def server_class(ready: str = "") -> Any:
                 print(ready, flush=True)
 
         async def main_loop(self) -> None:
-            """uvicorn's loop of ticks, one every ``TICK_S`` (each updates the date
-            header, as uvicorn's every tenth does), woken at once by a stopping signal."""
+            """uvicorn's loop of ticks, one every ``TICK_S`` while a connection is open
+            (each updates the date header, as uvicorn's every tenth does), else every
+            ``IDLE_TICK_S``; woken at once by a stopping signal, and by a connection
+            opened while none was."""
             loop = asyncio.get_running_loop()
             woken = asyncio.Event()
             self._wake = lambda: loop.call_soon_threadsafe(woken.set)
+            connections = self.server_state.connections
+            # a connection opened on an idle server: its tick now (``_Deadlines``)
+            self.server_state.wake_ticks = woken.set  # type: ignore[attr-defined]
             counter = 0
             should_exit = await self.on_tick(counter)
             while not should_exit:
                 counter = (counter + 10) % 864_000  # uvicorn's count of 0.1 s ticks
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(TICK_S):
+                    async with asyncio.timeout(TICK_S if connections else IDLE_TICK_S):
                         await woken.wait()
                 woken.clear()
                 should_exit = await self.on_tick(counter)
@@ -165,6 +175,10 @@ class _Deadlines(_HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(Coalescing(transport))  # type: ignore[arg-type]
+        if len(self.connections) == 1:  # the server was idle: its ticks slowed down
+            wake = getattr(self.server_state, "wake_ticks", None)
+            if wake is not None:
+                wake()  # its tick runs before this connection's first request is read
         self._watch()
 
     def data_received(self, data: bytes) -> None:

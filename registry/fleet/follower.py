@@ -58,7 +58,8 @@ also wakes it, where the subscription's socket can be waited on)."""
 IDLE_WAIT_S = 1.0
 """The longest the follower waits on the channel with nothing due: a message, a landed
 load, ``sync`` or ``resync`` wake it (its socket and a wake pipe waited on together), so
-an idle view wakes about three times a second (the live read, its ping, the pong)."""
+an idle view wakes about twice a second (the live read, whose reply comes with the
+answer to the ping sent just before it)."""
 POLL_S = 0.1
 """How long it waits where the socket cannot be waited on directly (TLS data buffered,
 a client without one): then ``sync`` and the loads wait up to this."""
@@ -322,8 +323,10 @@ class RecordFollower:
                     now - self.live_read_at >= self.live_cache_ttl or self.read_live.is_set()
                 ):
                     self.read_live.clear()
-                    self.refresh_live()
+                    # the ping first: its answer arrives while the live read is under way
+                    # and is read with it, one wake-up less a second for an idle view
                     self._ping(pubsub)
+                    self.refresh_live()
                 if now >= resync_at or self.resync.is_set():
                     self.resync.clear()
                     self.counts.resyncs += 1

@@ -176,7 +176,7 @@ class SnapshotLoader:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._asked.wait(1.0)
+            self._asked.wait()  # request and close set it: no wake-up while idle
             round_, names = self._take()
             if not names:
                 continue

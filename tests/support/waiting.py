@@ -16,3 +16,17 @@ def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str =
             return
         time.sleep(0.002)
     raise AssertionError(f"timed out waiting for {what or condition}")
+
+
+async def wait_until_async(
+    condition: Callable[[], bool], timeout: float = 30.0, what: str = ""
+) -> None:
+    """``wait_until`` on an event loop: polls between turns of the loop, which runs on."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"timed out waiting for {what or condition}")

@@ -100,6 +100,7 @@ def _age(pid: int) -> float:
         return float(handle.read().split()[0]) - started
 
 
+@pytest.mark.timeout(400)  # three waits of 12 s for workers to settle, four starts
 def test_a_worker_killed_is_replaced_and_the_gateway_goes_on(
     redis_server: RedisServer, engines: list[FakeEngine]
 ) -> None:
