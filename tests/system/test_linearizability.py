@@ -674,6 +674,9 @@ def test_a_register_kv_done_as_separate_hsets_is_caught(
 WAIT_TIMEOUT = 0.2
 """``wait_timeout`` of the clients with ``wait_replicas=1`` (under ``READ_TIMEOUT``)."""
 DURABLE = {"wait_replicas": 1, "wait_timeout": WAIT_TIMEOUT}
+SENTINEL_TRIES = 3
+"""Starts of the sentinel before giving up: its port can be taken between choosing and
+binding it by another worker's server."""
 BLOCKED_TIMEOUT = 20.0
 """Socket timeouts of the clients whose calls must still be blocked on a stopped server
 when it is killed: longer than any failover here takes."""
@@ -688,13 +691,20 @@ class SentinelSet:
         self.replica: RedisServer | None = None
         self.sentinel: subprocess.Popen[bytes] | None = None
         self.directory = Path(tempfile.mkdtemp(prefix="pcr-lin-sentinel-"))
-        self.port = free_port()
+        self.port = 0  # chosen when it starts
 
     @property
     def url(self) -> str:
         return f"redis+sentinel://127.0.0.1:{self.port}/mymaster"
 
     def __enter__(self) -> SentinelSet:
+        try:
+            return self._start()
+        except BaseException:
+            self.__exit__()  # what started stops: no server left running past the test
+            raise
+
+    def _start(self) -> SentinelSet:
         binary = find_redis_server()
         assert binary is not None
         self.primary.start()
@@ -705,18 +715,29 @@ class SentinelSet:
         # later on a busy machine. A history started before then has its writes
         # unconfirmed and lost with the failover, though its readers saw them.
         wait_until(lambda: replicas_streamed(self.primary) >= 1, DEADLINE, "replica online")
-        (self.directory / "sentinel.conf").write_text(
-            f"port {self.port}\nbind 127.0.0.1\ndir {self.directory}\n"
-            f"sentinel monitor mymaster 127.0.0.1 {self.primary.port} 1\n"
-            "sentinel down-after-milliseconds mymaster 500\n"
-            "sentinel failover-timeout mymaster 2000\n"
-        )
-        self.sentinel = subprocess.Popen(
-            [binary, str(self.directory / "sentinel.conf"), "--sentinel"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        wait_until(lambda: self.ask("PING") is not None, DEADLINE, "sentinel up")
-        return self
+        for _ in range(SENTINEL_TRIES):  # a port taken meanwhile: another one
+            self.port = free_port()
+            (self.directory / "sentinel.conf").write_text(
+                f"port {self.port}\nbind 127.0.0.1\ndir {self.directory}\n"
+                f"sentinel monitor mymaster 127.0.0.1 {self.primary.port} 1\n"
+                "sentinel down-after-milliseconds mymaster 500\n"
+                "sentinel failover-timeout mymaster 2000\n"
+            )
+            self.sentinel = subprocess.Popen(
+                [binary, str(self.directory / "sentinel.conf"), "--sentinel"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            wait_until(self._sentinel_up_or_gone, DEADLINE, "sentinel up")
+            if self.sentinel.poll() is None:
+                return self
+            self.sentinel.wait(DEADLINE)
+        raise AssertionError(f"the sentinel exited at its start {SENTINEL_TRIES} times")
+
+    def _sentinel_up_or_gone(self) -> bool:
+        """The sentinel answers as a sentinel (not another server that took its port),
+        or it exited (its port taken)."""
+        assert self.sentinel is not None
+        return self.sentinel.poll() is not None or self.ask("SENTINEL", "MYID") is not None
 
     def __exit__(self, *_exc: object) -> None:
         if self.sentinel is not None:
