@@ -46,6 +46,9 @@ from pcr.gateway.tokens import (
 )
 from pcr.gateway.upstream import Reply, UpstreamError
 from pcr.web.auth import model_allowed, routable, salted_tenant
+from pcr.web.server import WHOLE
+
+NONE: dict[str, Any] = {}
 
 PROXIED = {"/v1/completions": False, "/v1/chat/completions": True}
 WATCH_AFTER_S = 0.05
@@ -285,7 +288,8 @@ async def _forward(
             if stream:
                 await _streamed(state, backend, upstream, send, arrived, watch, end)
             else:
-                await _whole(state, backend, upstream, send, arrived, watch, end)
+                whole = WHOLE in scope.get("extensions", NONE)
+                await _whole(state, backend, upstream, send, arrived, watch, end, whole)
         finally:
             end()
         return
@@ -323,8 +327,10 @@ async def _whole(
     arrived: float,
     watch: _ClientWatch,
     end: Ending,
+    whole: bool = False,
 ) -> None:
-    """A reply read whole; a client that leaves meanwhile cancels it (``_ClientWatch``)."""
+    """A reply read whole; a client that leaves meanwhile cancels it (``_ClientWatch``);
+    ``whole``: passed on as one message (``pcr.web.server.WHOLE``)."""
     try:
         content = await upstream.read()
     except asyncio.CancelledError:
@@ -342,7 +348,7 @@ async def _whole(
     watch.stop()
     end.told(ok=200 <= upstream.status < 300)
     answered(state, backend, upstream.status, arrived, first_byte=True)
-    await respond(send, upstream.status, content, reply_headers(upstream.headers))
+    await respond(send, upstream.status, content, reply_headers(upstream.headers), whole)
 
 
 async def _streamed(

@@ -51,9 +51,19 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
 async def respond(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+    send: Send,
+    status: int,
+    body: bytes,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    whole: bool = False,
 ) -> None:
-    """A whole response: its head (with the body's length) and its body."""
+    """A whole response: its head (with the body's length) and its body; ``whole``: in
+    one message, where the server takes it so (``pcr.web.server.WHOLE``)."""
+    if whole:
+        start = {"type": "http.response.start", "status": status, "body": body}
+        start["headers"] = JSON_HEADERS if headers is None else headers
+        await send(start)
+        return
     head = list(JSON_HEADERS if headers is None else headers)
     head.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": head})

@@ -27,7 +27,7 @@ from pcr.serve.routes import ExactRoute, add_routes
 from pcr.serve.schema import MAX_BODY_BYTES, ScoreRequest
 from pcr.serve.state import State
 from pcr.web.auth import Access, AccessPolicy
-from pcr.web.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT
+from pcr.web.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_POOL_TIMEOUT, Direct
 from registry.core.keys import DEFAULT_KEY_PREFIX
 from registry.core.validation import is_number
 
@@ -76,6 +76,17 @@ class ScoringApp(FastAPI):
             await proxied(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+    @property
+    def direct(self) -> Direct | None:
+        """The proxied routes for the server to take straight from its protocol
+        (``pcr.web.server.Direct``): to the access layer, or to ``proxied`` where there
+        is none; None without proxied routes."""
+        proxied = self.proxied
+        if proxied is None:
+            return None
+        paths = frozenset(path.encode("ascii") for path in proxied.app.paths)
+        return Direct(paths, self.front if self.front is not None else proxied)
 
     def openapi(self) -> dict[str, Any]:
         spec = super().openapi()

@@ -15,13 +15,15 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 # Shared by pcr serve and pcr gateway (their apps and their command lines).
 DEFAULT_MAX_CONNECTIONS = 64
@@ -133,11 +135,27 @@ class _HeadTooLarge(Exception):
     """Raised from the parser's callbacks: the request's head is over ``HEAD_LIMIT``."""
 
 
-def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = False) -> type[Any]:
+@dataclass(frozen=True)
+class Direct:
+    """Requests an app takes straight from the server's protocol: a ``POST`` whose path
+    is one of ``paths`` as sent (no percent-escape; the query aside) goes to ``app`` (an
+    ASGI callable that answers its own faults and checks its own keys) with no layer of
+    uvicorn's between (its proxy-headers middleware: nothing of ours reads the client's
+    address or scheme), and its response head is written without uvicorn's general
+    checks (``_DirectCycle``). Every other request (those paths spelt with escapes
+    included) goes through the whole app, which routes them to the same place."""
+
+    paths: frozenset[bytes]
+    app: Any
+
+
+def _protocol_class(
+    header_timeout: float, body_timeout: float, openai: bool = False, direct: Direct | None = None
+) -> type[Any]:
     """uvicorn's httptools protocol (llhttp, a C parser: about half the CPU of h11's per
     request) with the request deadlines, a limit on the head, and JSON for what uvicorn
     answers itself (malformed HTTP: 400, a head over ``HEAD_LIMIT``: 431): ``_Deadlines``
-    on uvicorn's class, imported only now."""
+    on uvicorn's class, imported only now; ``direct``: the app's ``Direct`` requests."""
     import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -146,8 +164,112 @@ def _protocol_class(header_timeout: float, body_timeout: float, openai: bool = F
         "header_timeout": header_timeout,
         "body_timeout": body_timeout,
         "openai_errors": openai,
+        "direct": direct,
+        "direct_cycle": None if direct is None else _direct_cycle_class(),
     }
     return type("Protocol", (_Deadlines, HttpToolsProtocol), attributes)
+
+
+def _direct_cycle_class() -> type[Any]:
+    """uvicorn's request cycle with ``_DirectCycle``'s response head (uvicorn imported now)."""
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
+
+    return type("DirectCycle", (_DirectCycle, RequestResponseCycle), {"status_lines": STATUS_LINE})
+
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as _Cycle
+else:
+    _Cycle = object  # the base _direct_cycle_class gives once uvicorn is imported
+
+_FALL_BACK = frozenset({b"transfer-encoding", b"connection"})
+"""Response headers whose meaning uvicorn's own ``send`` works out (``_DirectCycle``)."""
+_NAME_RE = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
+_VALUE_RE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+"""What a header's name and value may not hold (as uvicorn checks)."""
+
+
+WHOLE = "pcr.whole"
+"""The scope extension of a ``Direct`` request: its response may come as one message,
+``http.response.start`` with its ``body`` (the whole of it; ``content-length`` is the
+server's to write), head and body then going out in one write."""
+_WHOLE_EXTENSIONS: dict[str, dict[str, Any]] = {WHOLE: {}}
+
+
+class _DirectCycle(_Cycle):
+    """uvicorn's request cycle for a ``Direct`` request, with a shorter way to the
+    response's head for what those apps send (lower-case names, a ``content-length`` or
+    a streamed body): one pass over the headers, checked as uvicorn checks them; a
+    whole response in one message (``WHOLE``) written at once; any other head (a
+    ``connection`` or ``transfer-encoding`` header, a status without a body) and every
+    later message go through uvicorn's own ``send``."""
+
+    status_lines: ClassVar[dict[int, bytes]] = {}  # uvicorn's (``_direct_cycle_class``)
+
+    async def send(self, message: Any) -> None:
+        if self.response_started or message["type"] != "http.response.start":
+            await super().send(message)
+            return
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()  # as uvicorn's own send waits
+        if self.disconnected:
+            return
+        status = message["status"]
+        if status < 200 or status in (204, 304):
+            await self._uvicorns(message)
+            return
+        content = [self.status_lines[status]]
+        whole = message.get("body")
+        length = None if whole is None else len(whole)
+        for name, value in (*self.default_headers, *message.get("headers", ())):
+            if name == b"content-length" and whole is not None:
+                raise RuntimeError("A whole response's content-length is the server's.")
+            if name in _FALL_BACK:
+                await self._uvicorns(message)
+                return
+            if _NAME_RE.search(name) or _VALUE_RE.search(value):
+                raise RuntimeError("Invalid HTTP header.")
+            if name == b"content-length" and length is None:
+                length = int(value.decode())
+            content += (name, b": ", value, b"\r\n")
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        if whole is not None:
+            content += (b"content-length: %d\r\n" % len(whole),)
+            if not self.keep_alive:
+                content.append(b"connection: close\r\n")
+            content += (b"\r\n", whole)
+            self.transport.write_now(b"".join(content))  # type: ignore[attr-defined]
+            self.chunked_encoding = False
+            self.response_complete = True
+            self.message_event.set()
+            if not self.keep_alive:
+                self.transport.close()
+            self.on_response()
+            return
+        if length is None:
+            self.chunked_encoding = True
+            content.append(b"transfer-encoding: chunked\r\n")
+        else:
+            self.chunked_encoding = False
+            self.expected_content_length = length
+        if not self.keep_alive:
+            content.append(b"connection: close\r\n")
+        content.append(b"\r\n")
+        self.transport.write(b"".join(content))
+
+    async def _uvicorns(self, start: Any) -> None:
+        """A head left to uvicorn's ``send``; a whole response's as its two messages."""
+        whole = start.get("body")
+        if whole is None:
+            await super().send(start)
+            return
+        headers = list(start.get("headers", ()))
+        if start["status"] >= 200 and start["status"] not in (204, 304):  # those have none
+            headers.append((b"content-length", b"%d" % len(whole)))
+        await super().send({"type": "http.response.start", "status": start["status"],
+                            "headers": headers})  # fmt: skip
+        await super().send({"type": "http.response.body", "body": whole})
 
 
 class _Deadlines(_HttpToolsProtocol):
@@ -165,6 +287,8 @@ class _Deadlines(_HttpToolsProtocol):
     header_timeout = HEADER_TIMEOUT
     body_timeout = BODY_TIMEOUT
     openai_errors = False
+    direct: Direct | None = None
+    direct_cycle: Any = None
     _deadline: asyncio.TimerHandle | None = None
     _waiting_for: str | None = None
     phase: str | None = "new"
@@ -172,6 +296,8 @@ class _Deadlines(_HttpToolsProtocol):
     _unfinished = 0  # bytes received while a head stayed incomplete
     _too_large = False
     _lingering = False
+    _idle_since: float | None = None  # when the last response ended; None: a request runs
+    _idle_timer: asyncio.TimerHandle | None = None  # the keep-alive deadline's check
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(Coalescing(transport))  # type: ignore[arg-type]
@@ -213,7 +339,47 @@ class _Deadlines(_HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self.phase = "body"
-        super().on_headers_complete()
+        if self.direct is None or not self._start_direct(self.direct):
+            super().on_headers_complete()
+
+    def _start_direct(self, direct: Direct) -> bool:
+        """Start a ``Direct`` request as uvicorn starts any (its scope, a cycle, a task,
+        or queued behind a pipelined one); False: not one (uvicorn's way then)."""
+        parser = self.parser
+        if parser.get_method() != b"POST" or self.limit_concurrency is not None or self.root_path:
+            return False
+        path, _, query = self.url.partition(b"?")
+        if path not in direct.paths or b"#" in query or parser.should_upgrade():
+            return False
+        scope = self.scope
+        scope["method"] = "POST"
+        version = parser.get_http_version()
+        if version != "1.1":
+            scope["http_version"] = version
+        scope["path"] = path.decode("ascii")
+        scope["raw_path"] = path
+        scope["query_string"] = query
+        scope["extensions"] = _WHOLE_EXTENSIONS  # type: ignore[typeddict-item]
+        previous = self.cycle
+        self.cycle = self.direct_cycle(
+            scope=scope,
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=self.access_log,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=self.expect_100_continue,
+            keep_alive=version != "1.0" and parser.should_keep_alive(),
+            on_response=self.on_response_complete,
+        )
+        if previous is None or previous.response_complete:
+            self._start_asgi_task(self.cycle, direct.app)
+        else:  # pipelined: after the one before it
+            self.flow.pause_reading()
+            self.pipeline.appendleft((self.cycle, direct.app))
+        return True
 
     def on_message_complete(self) -> None:
         self.phase = None
@@ -235,11 +401,43 @@ class _Deadlines(_HttpToolsProtocol):
         _answer(self, 431, f"request headers are limited to {HEAD_LIMIT:,} bytes")
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        """uvicorn's, but the keep-alive deadline is one timer per connection, checked
+        when it fires against when the connection went idle (``_idle_since``), not a
+        timer made and cancelled per request."""
+        self.server_state.total_requests += 1
+        if not self.transport.is_closing():
+            self.flow.resume_reading()
+            if self.pipeline:  # the next pipelined request, already read
+                self._idle_since = None
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:
+                self._idle_since = self.loop.time()
+                if self._idle_timer is None:
+                    self._idle_timer = self.loop.call_later(
+                        self.timeout_keep_alive, self._idle_check
+                    )
         self._watch()
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None  # a request began (or the connection ends): not idle
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        since = self._idle_since
+        if since is None or self.transport.is_closing():
+            return  # busy: its response arms the deadline again
+        left = since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self._idle_timer = self.loop.call_later(left, self._idle_check)
+        else:
+            self.timeout_keep_alive_handler()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         super().connection_lost(exc)
 
     # the deadlines
@@ -300,6 +498,17 @@ class Coalescing:
         if not self._pending:
             self._loop.call_soon(self.flush)
         self._pending.append(bytes(data))
+
+    def write_now(self, data: bytes) -> None:
+        """``data`` sent now, after what this turn wrote before it (a whole response:
+        nothing of it is left to join)."""
+        if self._ended:
+            return
+        if self._pending:
+            self._pending.append(data)
+            self.flush()
+        elif not self._transport.is_closing():
+            self._transport.write(data)
 
     def writelines(self, lines: Any) -> None:
         for data in lines:
@@ -385,6 +594,7 @@ def uvicorn_config(
     body_timeout: float = BODY_TIMEOUT,
     keep_alive_timeout: int = KEEP_ALIVE_TIMEOUT,
     openai_errors: bool = False,
+    direct: Direct | None = None,
     **options: Any,
 ) -> Any:
     """The ``uvicorn.Config`` ``pcr serve`` runs ``app`` with: its deadlines, no
@@ -397,7 +607,7 @@ def uvicorn_config(
     options.setdefault("server_header", False)
     return uvicorn.Config(
         app,
-        http=_protocol_class(header_timeout, body_timeout, openai_errors),
+        http=_protocol_class(header_timeout, body_timeout, openai_errors, direct),
         ws="none",
         timeout_keep_alive=keep_alive_timeout,
         access_log=False,
@@ -427,6 +637,7 @@ def run_app(
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
+        direct=getattr(app, "direct", None),
         **options,
     )
     host, port = sock.getsockname()[:2]
