@@ -96,7 +96,11 @@ class Listed:
 
     def held(self, name: str) -> int:
         """``name``'s KV prefix in blocks."""
-        return max(self.usable.get(name, 0), self.kv.get(name, 0))
+        usable = self.usable.get(name, 0)
+        if not self.kv:
+            return usable
+        kv = self.kv.get(name, 0)
+        return kv if kv > usable else usable
 
     def reach(self, name: str, registry: Listed) -> Reach:
         """``name``'s prefixes here (with pending blocks), beside what ``registry``

@@ -480,7 +480,8 @@ class GatewayState:
         reach = choice.reach
         if not self.pending.on or reach is None or ids is None or not ids.hashes:
             return None
-        marks = checkpoints(reach.hybrid, ids.count, self.config.block_size, reach.kv, reach.usable)
+        size = self.config.block_size
+        marks = checkpoints(True, ids.count, size, reach.kv, reach.usable) if reach.hybrid else ()
         name = backend.namespace
         record = self.pending.sent(name, ids.hashes, reach.held, marks, time.monotonic())
         if record is not None and self.metrics.on:

@@ -188,11 +188,13 @@ def cached_tokens(usable_blocks: int, block_size: int, prompt_tokens: int) -> in
     return max(0, min(usable_blocks, (prompt_tokens - 1) // block_size)) * block_size
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Reach:
     """A chosen backend's prefix of the prompt in blocks, for the blocks its request
     leaves pending there: ``held`` listed by the registry, ``kv`` with the pending ones,
-    ``usable`` what its engine reuses, ``hybrid`` a hybrid model's node."""
+    ``usable`` what its engine reuses, ``hybrid`` a hybrid model's node. Not frozen (as
+    ``Choice``): made twice per request, and a frozen dataclass's constructor costs
+    several times as much; nothing changes one once made."""
 
     held: int = 0
     kv: int = 0
