@@ -168,9 +168,10 @@ class _Backend:
     def __init__(self) -> None:
         self.kv: dict[int, _Entry] = {}
         self.marks: dict[int, tuple[int, _Entry]] = {}
-        # oldest first; an OrderedDict: a plain dict's first item, after deletions at
+        # oldest first, keyed by the record itself (identity hash: no int made per
+        # request); an OrderedDict: a plain dict's first item, after deletions at
         # the front, is found past every deleted slot (O(n) where this is O(1))
-        self.sent: OrderedDict[int, Sent] = OrderedDict()
+        self.sent: OrderedDict[Sent, Sent] = OrderedDict()
 
     def extend(self, hashes: Sequence[int], start: int) -> int:
         """How far ``hashes``' prefix of ``start`` blocks continues through pending ones."""
@@ -264,7 +265,7 @@ class PendingPrefixes:
         self.bounds = bounds or PendingBounds()
         self.counts = PendingCounts()
         self._backends: dict[str, _Backend] = {}
-        self._live: OrderedDict[int, Sent] = OrderedDict()  # every live one, oldest first
+        self._live: OrderedDict[Sent, Sent] = OrderedDict()  # every live one, oldest first
         self._grace: deque[Sent] = deque()  # ended, in their grace (``until``)
         self._changes: deque[HeldChange] = deque()
         self._far: dict[str, _Far] = {}
@@ -320,8 +321,8 @@ class PendingPrefixes:
                 marked.append(known)
             record.marks = marked
         self.counts.sent += len(entries)
-        pending.sent[id(record)] = record
-        self._live[id(record)] = record
+        pending.sent[record] = record
+        self._live[record] = record
         while len(kv) > self.bounds.max_blocks:  # the oldest requests' blocks go first
             oldest = next(iter(pending.sent.values()))
             if oldest is record:
@@ -346,10 +347,10 @@ class PendingPrefixes:
             return
         record.done = True
         pending = self._backends.get(record.backend)
-        self._live.pop(id(record), None)
+        self._live.pop(record, None)
         if pending is None:
             return
-        pending.sent.pop(id(record), None)
+        pending.sent.pop(record, None)
         kv = pending.kv
         start = record.held
         pending_part = record.chain[start : start + len(record.entries)]

@@ -164,6 +164,15 @@ class _Arming:
         # dict past every slot deleted before it (as ``pcr.gateway.pending``'s queues)
         self.waiting: OrderedDict[_ClientWatch, float] = OrderedDict()
         self.timer: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def running_loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, kept: ``asyncio.get_running_loop`` makes a ``getpid``
+        system call each time (CPython 3.11), which costs microseconds on these machines."""
+        loop = self.loop
+        if loop is None or not loop.is_running():
+            loop = self.loop = asyncio.get_running_loop()
+        return loop
 
     def add(self, watch: _ClientWatch, loop: asyncio.AbstractEventLoop) -> None:
         self.waiting[watch] = loop.time() + WATCH_AFTER_S
@@ -193,7 +202,8 @@ class _ClientWatch:
     streams, a chunk sent to a client that left is dropped without a word."""
 
     def __init__(self, receive: Receive, arming: _Arming) -> None:
-        task = asyncio.current_task()
+        loop = arming.running_loop()
+        task = asyncio.current_task(loop)
         assert task is not None
         self.task = task
         self.receive = receive
@@ -203,11 +213,11 @@ class _ClientWatch:
         # Watched from WATCH_AFTER_S on: most replies (and every instant one) are done
         # before, and reading for the disconnect takes a task of its own.
         self.arming = arming
-        arming.add(self, task.get_loop())
+        arming.add(self, loop)
 
     def watch(self) -> None:
         if not self.stopped:
-            self.gone = asyncio.ensure_future(_disconnected(self.receive))
+            self.gone = self.task.get_loop().create_task(_disconnected(self.receive))
             self.gone.add_done_callback(self._left)
 
     def _left(self, gone: asyncio.Future[None]) -> None:
