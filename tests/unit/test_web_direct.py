@@ -7,6 +7,7 @@ HTTP/1.0, pipelining, the deadlines and uvicorn's header checks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -59,6 +60,8 @@ async def _direct(scope: Any, receive: Any, send: Any) -> None:
     }
     content = json.dumps(seen).encode()
     how = scope["query_string"]
+    if how == b"slow":  # past the keep-alive deadline of ``idle_port``
+        await asyncio.sleep(2 * KEEP_ALIVE_S)
     if how == b"stream":
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
@@ -81,12 +84,31 @@ async def _direct(scope: Any, receive: Any, send: Any) -> None:
                     "body": content})  # fmt: skip
 
 
+KEEP_ALIVE_S = 1
+
+
 @pytest.fixture
 def port() -> Iterator[int]:
     """A server of ``_main`` with ``_direct`` for ``PATH``, its body deadline 1 s."""
+    yield from _serve()
+
+
+@pytest.fixture
+def idle_port() -> Iterator[int]:
+    """As ``port``, idle connections closed after ``KEEP_ALIVE_S``."""
+    yield from _serve(keep_alive_timeout=KEEP_ALIVE_S)
+
+
+def _serve(**options: Any) -> Iterator[int]:
     direct = web.Direct(frozenset({PATH}), _direct)
     config = web.uvicorn_config(
-        _main, host="127.0.0.1", port=0, log_level="critical", direct=direct, body_timeout=1.0
+        _main,
+        host="127.0.0.1",
+        port=0,
+        log_level="critical",
+        direct=direct,
+        body_timeout=1.0,
+        **options,
     )
     server = web.server_class()(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -266,3 +288,21 @@ def test_a_direct_requests_body_still_has_its_deadline(port: int) -> None:
     assert status == 408
     assert headers["connection"] == "close"
     assert "did not arrive" in json.loads(body)["detail"]
+
+
+def test_the_keep_alive_deadline_counts_from_the_last_response_not_the_first(
+    idle_port: int,
+) -> None:
+    """One timer per connection: armed by the first response, it fires while the second
+    request is still running (twice the deadline), which must not close the connection;
+    the next response arms it again, and the silence after it does close it."""
+    with _connect(idle_port) as sock:
+        reader = _Reader(sock)
+        sock.sendall(_request(PATH, b"first"))
+        assert json.loads(reader.response()[2])["body"] == "first"
+        sock.sendall(_request(PATH + b"?slow", b"slow"))
+        assert json.loads(reader.response()[2])["body"] == "slow"
+        sock.sendall(_request(PATH, b"after"))  # at once: the connection is still open
+        assert json.loads(reader.response()[2])["body"] == "after"
+        sock.settimeout(60)
+        assert reader.closed()  # then silence: closed by the deadline (well within 60 s)
