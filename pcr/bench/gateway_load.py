@@ -291,6 +291,19 @@ def cores(text: str) -> frozenset[int]:
     return frozenset(out)
 
 
+def connection_counts(text: str) -> list[int]:
+    """``--connections``: positive whole numbers, comma-separated."""
+    counts = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: connection counts are positive whole numbers, comma-separated"
+            )
+        counts.append(int(part))
+    return counts
+
+
 def _place(routers: frozenset[int], load: frozenset[int]) -> None:
     global ROUTER_CORES, LOAD_CORES  # read by each router's start and each pin
     ROUTER_CORES, LOAD_CORES = routers, load
@@ -753,9 +766,7 @@ def say(text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcr.bench.gateway_load", description=__doc__)
     parser.add_argument("--engines", type=int, default=ENGINES)
-    parser.add_argument(
-        "--connections", type=lambda t: [int(x) for x in t.split(",")], default=list(CONNECTIONS)
-    )
+    parser.add_argument("--connections", type=connection_counts, default=list(CONNECTIONS))
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--routers", default="gateway,replicas,workers,floor,floor-raw,vllm-router")
     parser.add_argument(

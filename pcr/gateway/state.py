@@ -256,10 +256,9 @@ class GatewayState:
         waited = not first
         while not self._stopping:
             if waited:
-                seconds = interval() if callable(interval) else interval
+                seconds = _seconds(interval)
                 if idle is not None and not self._busy():
-                    longer = idle() if callable(idle) else idle
-                    await self._idle_wait(max(seconds, longer))
+                    await self._idle_wait(max(seconds, _seconds(idle)))
                 else:
                     await asyncio.sleep(seconds)
             waited = True
@@ -497,3 +496,8 @@ class GatewayState:
         if self.metrics.on:
             counted = backend.metrics(self.metrics).pending_blocks
             counted.set(self.pending.blocks(backend.namespace))
+
+
+def _seconds(value: float | Callable[[], float]) -> float:
+    """A number of seconds, or what a callable says now."""
+    return value() if callable(value) else value

@@ -537,6 +537,10 @@ class Coalescing:
         self._pending.clear()
         self._transport.abort()
 
+    def is_closing(self) -> bool:
+        closing: bool = self._transport.is_closing()  # asked a few times per request
+        return closing
+
     def get_write_buffer_size(self) -> int:
         size: int = self._transport.get_write_buffer_size()
         return size + sum(map(len, self._pending))

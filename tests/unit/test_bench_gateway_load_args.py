@@ -1,5 +1,6 @@
-"""``python -m pcr.bench.gateway_load``'s core lists: read as taskset reads them, and a
-core this machine does not have refused in one line before anything starts."""
+"""``python -m pcr.bench.gateway_load``'s core lists and connection counts: core lists
+read as taskset reads them, connection counts as positive whole numbers, and a bad one
+(a core this machine does not have included) refused in one line before anything starts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from pcr.bench.gateway_load import cores
+from pcr.bench.gateway_load import connection_counts, cores
 from tests.support import REPO_ROOT
 
 
@@ -44,3 +45,20 @@ def test_a_core_the_machine_lacks_is_refused_in_one_line() -> None:
     assert ran.stdout == ""
     assert "Traceback" not in ran.stderr
     assert f"no core {missing} on this machine" in ran.stderr.splitlines()[-1]
+
+
+def test_connection_counts_are_positive_whole_numbers() -> None:
+    assert connection_counts("16,64, 256") == [16, 64, 256]
+    for text in ("abc", "", "0", "16,-1", "1.5", "16,,64"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive whole numbers"):
+            connection_counts(text)
+    ran = subprocess.run(
+        [sys.executable, "-m", "pcr.bench.gateway_load", "--connections", "abc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert ran.returncode == 2
+    assert "Traceback" not in ran.stderr
+    assert "connection counts are positive whole numbers" in ran.stderr.splitlines()[-1]

@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,6 +34,18 @@ def _server(port: int = 0) -> Any:
     return web.server_class()(config)
 
 
+def _after_each_tick(server: Any, seen: Callable[[int], None]) -> None:
+    """``seen(counter)`` after each of ``server``'s ticks."""
+    tick = server.on_tick
+
+    async def counted(counter: int) -> bool:
+        stop = await tick(counter)
+        seen(counter)
+        return bool(stop)
+
+    server.on_tick = counted
+
+
 def test_each_tick_counts_a_second_of_uvicorns_and_updates_the_date(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -41,17 +54,14 @@ def test_each_tick_counts_a_second_of_uvicorns_and_updates_the_date(
     server = _server()
     counters: list[int] = []
     dates: list[bytes] = []
-    tick = server.on_tick
 
-    async def counted(counter: int) -> bool:
-        stop = await tick(counter)
+    def seen(counter: int) -> None:
         counters.append(counter)
         dates.append(dict(server.server_state.default_headers)[b"date"])
         if len(counters) == 4:
             server.should_exit = True  # a stop asked for without a signal: the next tick
-        return stop
 
-    server.on_tick = counted
+    _after_each_tick(server, seen)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     thread.join(60)
@@ -67,13 +77,7 @@ def test_a_stopping_signal_ends_the_wait_at_once(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(web, "IDLE_TICK_S", 3_600.0)
     server = _server()
     ticked = threading.Event()
-    tick = server.on_tick
-
-    async def counted(counter: int) -> bool:
-        ticked.set()
-        return bool(await tick(counter))
-
-    server.on_tick = counted
+    _after_each_tick(server, lambda _counter: ticked.set())
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     assert ticked.wait(60)  # started, in its loop of ticks
@@ -95,16 +99,13 @@ def test_an_idle_server_ticks_when_a_connection_opens(monkeypatch: pytest.Monkey
     server = _server(port)
     counters: list[int] = []
     dates: list[float] = []
-    tick = server.on_tick
 
-    async def counted(counter: int) -> bool:
-        stop = await tick(counter)
+    def seen(counter: int) -> None:
         counters.append(counter)
         date = dict(server.server_state.default_headers)[b"date"].decode()
         dates.append(email.utils.parsedate_to_datetime(date).timestamp())
-        return bool(stop)
 
-    server.on_tick = counted
+    _after_each_tick(server, seen)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
