@@ -58,8 +58,7 @@ it); one that leaves earlier is found out then."""
 
 
 class Proxy:
-    """The proxied routes' ASGI endpoint: ``proxy`` with the gateway's state and body
-    limit."""
+    """The proxied routes' ASGI endpoint, with the gateway's state and body limit."""
 
     paths = PROXIED
 
@@ -70,7 +69,64 @@ class Proxy:
         self.arming = _Arming()
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
-        await proxy(self, scope, receive, send, PROXIED[scope["path"]])
+        """One proxied request: read, tokenize, choose, forward, answer (here, not in a
+        function this calls: each frame between the task and the upstream's wait is
+        passed through at every wake-up of the request)."""
+        chat = PROXIED[scope["path"]]
+        arrived = time.perf_counter()
+        state = self.gateway
+        state.arrived()  # after a pause: the engines' figures and the tick at once
+        if not json_body(scope["headers"]):
+            await answer_error(send, 415, "the body must be JSON (Content-Type: application/json)")
+            return
+        raw = await _read_body(scope, receive, self.limit)
+        if raw is None:  # gone mid-body, or stopped by the body deadline (answered 408)
+            return
+        if raw == 413:
+            await respond(send, 413, self.too_large)
+            return
+        assert isinstance(raw, bytes)
+        size = state.config.block_size
+        routed = state.config.policy != "round-robin"
+        hashed = state.config.policy == "prefix"
+        adapters = state.models.adapters  # a salt, an adapter: hashed as the engine does
+        tenant = salted_tenant(scope, state.config.tenant_salts)
+        try:  # a large body in the helper process: never parsed on the loop
+            body, ids = await state.parser.parse(
+                raw, chat, state.max_tokens, size if routed else None, hashed, adapters, tenant
+            )
+            if tenant is not None:  # its own cache on the engines (``tenant_salt``)
+                raw = salted_body(raw, body["cache_salt"])
+            if not model_allowed(scope, body.get("model")):  # a tenant's key lists its models
+                await answer_error(send, 404, "the model is not available to this key")
+                return
+            if not state.backends:
+                await answer_error(send, 503, "no backend is configured or announced")
+                return
+            serving = state.models.serving(body.get("model"), state.backends)
+            if not serving:  # no backend lists the model (pcr.gateway.models)
+                await answer_error(send, 404, unknown_model(body.get("model")))
+                return
+            if routed and ids is None:
+                tokens = await prompt_tokens(state.tokenizer, body, chat)
+                keys = chain_keys(body, adapters)
+                ids = None if tokens is None else await prompt_ids(tokens, size, hashed, keys)
+        except BadBody as refused:  # not JSON, or a prompt over the model's length
+            await answer_error(send, 400, str(refused))
+            return
+        # those serving its model; for a tenant, of its own backends
+        order, outcome = await state.choose(ids, narrowed(serving, routable(scope)))
+        if state.metrics.on:
+            state.metrics.routed_as[outcome].inc()
+        watch = _ClientWatch(receive, self.arming)
+        try:
+            await _forward(state, scope, send, body, raw, order, ids, arrived, watch)
+        except asyncio.CancelledError:
+            if not watch.left:
+                raise  # the server is stopping
+            watch.uncancel()  # the client left: nobody to answer
+        finally:
+            watch.stop()
 
 
 async def _read_body(scope: Message, receive: Receive, limit: int) -> bytes | int | None:
@@ -94,64 +150,6 @@ async def _read_body(scope: Message, receive: Receive, limit: int) -> bytes | in
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def proxy(front: Proxy, scope: Message, receive: Receive, send: Send, chat: bool) -> None:
-    """One proxied request: read, tokenize, choose, forward, answer."""
-    arrived = time.perf_counter()
-    state = front.gateway
-    state.arrived()  # after a pause: the engines' figures and the tick at once
-    if not json_body(scope["headers"]):
-        await answer_error(send, 415, "the body must be JSON (Content-Type: application/json)")
-        return
-    raw = await _read_body(scope, receive, front.limit)
-    if raw is None:  # gone mid-body, or stopped by the body deadline (answered 408)
-        return
-    if raw == 413:
-        await respond(send, 413, front.too_large)
-        return
-    assert isinstance(raw, bytes)
-    size = state.config.block_size
-    routed = state.config.policy != "round-robin"
-    hashed = state.config.policy == "prefix"
-    adapters = state.models.adapters  # a salt, an adapter: hashed as the engine does
-    tenant = salted_tenant(scope, state.config.tenant_salts)
-    try:  # a large body in the helper process: never parsed on the loop
-        body, ids = await state.parser.parse(
-            raw, chat, state.max_tokens, size if routed else None, hashed, adapters, tenant
-        )
-        if tenant is not None:  # its own cache on the engines (``tenant_salt``)
-            raw = salted_body(raw, body["cache_salt"])
-        if not model_allowed(scope, body.get("model")):  # a tenant's key lists its models
-            await answer_error(send, 404, "the model is not available to this key")
-            return
-        if not state.backends:
-            await answer_error(send, 503, "no backend is configured or announced")
-            return
-        serving = state.models.serving(body.get("model"), state.backends)
-        if not serving:  # no backend lists the model (pcr.gateway.models)
-            await answer_error(send, 404, unknown_model(body.get("model")))
-            return
-        if routed and ids is None:
-            tokens = await prompt_tokens(state.tokenizer, body, chat)
-            keys = chain_keys(body, adapters)
-            ids = None if tokens is None else await prompt_ids(tokens, size, hashed, keys)
-    except BadBody as refused:  # not JSON, or a prompt over the model's length
-        await answer_error(send, 400, str(refused))
-        return
-    # those serving its model; for a tenant, of its own backends
-    order, outcome = await state.choose(ids, narrowed(serving, routable(scope)))
-    if state.metrics.on:
-        state.metrics.routed_as[outcome].inc()
-    watch = _ClientWatch(receive, front.arming)
-    try:
-        await _forward(state, scope, send, body, raw, order, ids, arrived, watch)
-    except asyncio.CancelledError:
-        if not watch.left:
-            raise  # the server is stopping
-        watch.uncancel()  # the client left: nobody to answer
-    finally:
-        watch.stop()
 
 
 class _Arming:
@@ -264,6 +262,8 @@ async def _forward(
     query = scope.get("query_string", b"")
     target = scope["path"].encode() + (b"?" + query if query else b"")
     method = scope["method"].encode()
+    client = state.upstream
+    assert client is not None
     tried = 0
     for choice in order[:2]:  # the best, and once more on the next best
         backend = state.backends.get(choice.namespace)
@@ -275,8 +275,8 @@ async def _forward(
         try:
             if state.metrics.on:
                 state.metrics.overhead.observe(time.perf_counter() - arrived)
-            upstream = await _send(state, method, backend, target, raw, headers)
-        except _Failed as failed:
+            upstream = await client.request(backend.url, method, target, raw, headers)
+        except UpstreamError as failed:  # before the backend's reply began
             ended(state, backend, prefill, sent=sent)
             count_error(state, backend, failed.kind)
             if failed.kind == "connect":
@@ -305,28 +305,6 @@ async def _forward(
         return
     watch.stop()
     await answer_error(send, 503, "no backend could take the request")
-
-
-class _Failed(Exception):
-    def __init__(self, kind: str) -> None:
-        super().__init__(kind)
-        self.kind = kind
-
-
-async def _send(
-    state: GatewayState,
-    method: bytes,
-    backend: Backend,
-    target: bytes,
-    raw: bytes,
-    headers: list[tuple[bytes, bytes]],
-) -> Reply:
-    """The backend's reply, its headers read (the body not yet); ``_Failed`` before."""
-    assert state.upstream is not None
-    try:
-        return await state.upstream.request(backend.url, method, target, raw, headers)
-    except UpstreamError as failed:
-        raise _Failed(failed.kind) from None
 
 
 async def _whole(
