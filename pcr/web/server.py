@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 # Shared by pcr serve and pcr gateway (their apps and their command lines).
 DEFAULT_MAX_CONNECTIONS = 64
@@ -63,6 +63,17 @@ def listen_url(host: str, port: int, scheme: str = "http") -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+def say_line(line: str, stream: TextIO) -> None:
+    """``line`` and its newline in one write, flushed: the workers of one gateway share
+    their stdout, and ``print`` writes a line's text and its newline apart where output
+    is unbuffered (``PYTHONUNBUFFERED``), so two workers' ready lines came out as
+    ``ready...ready...`` and an empty line, which a supervisor waiting for the line
+    never sees. One write of a line (shorter than ``PIPE_BUF``) to a pipe is never
+    interleaved with another's."""
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def server_class(ready: str = "") -> Any:
     """uvicorn's server class for ``pcr serve`` and ``pcr gateway``; ``ready`` is the line
     it prints on stdout once it accepts connections (its app started)."""
@@ -76,7 +87,7 @@ def server_class(ready: str = "") -> Any:
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets=sockets)
             if ready and self.started and not self.should_exit:
-                print(ready, flush=True)
+                say_line(ready, sys.stdout)
 
         async def main_loop(self) -> None:
             """uvicorn's loop of ticks, one every ``TICK_S`` while a connection is open
@@ -726,8 +737,7 @@ def serve_workers(
             exit_code = 0  # asked to stop before its own handlers were in place
         if not stopping and index >= 0 and time.monotonic() - began >= respawn_after:
             how = f"signal {-exit_code}" if exit_code < 0 else f"status {exit_code}"
-            print(f"worker {index} (pid {pid}) ended with {how}; starting another",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            say_line(f"worker {index} (pid {pid}) ended with {how}; starting another", sys.stderr)
             starting = [index]
             continue
         if exit_code != 0 and code == 0:
