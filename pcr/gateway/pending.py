@@ -39,6 +39,7 @@ of the shared prefix, all of it for a prompt that extends the chain: the next tu
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -122,26 +123,32 @@ class PendingCounts:
 
 
 class _Entry:
-    """One pending block at one backend: how many requests in flight hold it."""
+    """One pending block at one backend: how many requests in flight hold it, and until
+    when the grace of the last successful one to end keeps it (pending while either
+    holds; a dead one is dropped by the next sweep, ``PendingPrefixes.expire``)."""
 
-    __slots__ = ("refs",)
+    __slots__ = ("refs", "until")
 
     def __init__(self) -> None:
         self.refs = 0
+        self.until = 0.0
 
 
 class Sent:
     """One request's blocks counted as arriving at one backend: what its end gives back.
     ``chain[held:held + len(entries)]`` are its pending blocks; ``marks`` its Mamba
     checkpoints (position, entry); ``shared`` False once the backend was seen cleared
-    (no longer told to other replicas); ``until`` the end of its grace, once ended.
+    (no longer told to other replicas); ``until`` the end of its grace, once ended;
+    ``done`` once its blocks were given back (its end, a failure, ``ttl``, the bound).
 
-    Records live seconds (a request, then its grace), thousands at a time on a busy
-    gateway, so each full collection of the garbage collector walks them: the chain is
-    a tuple (of ints: untracked by the collector once a young collection has seen it),
-    no list is made for checkpoints where there are none, and the grace queue holds
-    the records themselves (BENCHMARKS.md, "One weighing per decision, lighter pending
-    records")."""
+    A record lives as long as its request: its end gives its blocks back at once, while
+    its memory is warm, a success's blocks stamped with the end of their grace
+    (``_Entry.until``) rather than walked again when the grace runs out (a walk of
+    records two seconds old, their memory cold, cost ~9% of a busy gateway's event loop,
+    BENCHMARKS.md "Straight from the protocol"); only the newest few ended ones stay,
+    for the other replicas (``_Backend.recent``). The chain is a tuple (of ints:
+    untracked by the garbage collector once a young collection has seen it), and no list
+    is made for checkpoints where there are none."""
 
     __slots__ = (
         "backend", "chain", "done", "entries", "held", "marks", "shared", "started", "until"
@@ -161,9 +168,11 @@ class Sent:
 
 class _Backend:
     """One backend's pending blocks: ``kv`` hash -> entry, ``marks`` hash -> (position,
-    entry), ``sent`` its live requests, oldest first."""
+    entry), ``sent`` its live requests, oldest first, ``recent`` the newest successful
+    ones that ended (told to the other replicas during their grace). An entry is pending
+    while a request holds it or its grace lasts."""
 
-    __slots__ = ("kv", "marks", "sent")
+    __slots__ = ("kv", "marks", "recent", "sent")
 
     def __init__(self) -> None:
         self.kv: dict[int, _Entry] = {}
@@ -172,21 +181,45 @@ class _Backend:
         # request); an OrderedDict: a plain dict's first item, after deletions at
         # the front, is found past every deleted slot (O(n) where this is O(1))
         self.sent: OrderedDict[Sent, Sent] = OrderedDict()
+        self.recent: deque[Sent] = deque(maxlen=WIRE_CHAINS)
 
-    def extend(self, hashes: Sequence[int], start: int) -> int:
+    def extend(self, hashes: Sequence[int], start: int, now: float) -> int:
         """How far ``hashes``' prefix of ``start`` blocks continues through pending ones."""
         kv, end, i = self.kv, len(hashes), start
-        while i < end and hashes[i] in kv:
+        while i < end:
+            entry = kv.get(hashes[i])
+            if entry is None or not (entry.refs or entry.until > now):
+                break
             i += 1
         return i
 
-    def checkpoint(self, hashes: Sequence[int], upto: int) -> int:
+    def checkpoint(self, hashes: Sequence[int], upto: int, now: float) -> int:
         """The farthest pending checkpoint of ``hashes`` within ``upto`` blocks, or 0."""
         best = 0
-        for value, (position, _entry) in self.marks.items():
-            if best < position <= upto and hashes[position - 1] == value:
+        for value, (position, entry) in self.marks.items():
+            live = entry.refs or entry.until > now
+            if live and best < position <= upto and hashes[position - 1] == value:
                 best = position
         return best
+
+    def sweep(self, now: float) -> None:
+        """Drop the entries no request holds whose grace has run out."""
+        kv, marks = self.kv, self.marks
+        for value in [v for v, e in kv.items() if e.refs <= 0 and e.until <= now]:
+            del kv[value]
+        for value in [v for v, (_p, e) in marks.items() if e.refs <= 0 and e.until <= now]:
+            del marks[value]
+
+    def live(self, now: float) -> bool:
+        """Whether anything here still counts (or a record could be told)."""
+        if self.sent or self.kv or self.marks:
+            return True
+        return any(record.until > now for record in self.recent)
+
+
+SWEEP_S = 0.5
+"""Seconds between sweeps of the entries whose holders ended and whose grace ran out
+(``PendingPrefixes.expire``); meanwhile they are kept but count for nothing."""
 
 
 class _Far:
@@ -266,7 +299,8 @@ class PendingPrefixes:
         self.counts = PendingCounts()
         self._backends: dict[str, _Backend] = {}
         self._live: OrderedDict[Sent, Sent] = OrderedDict()  # every live one, oldest first
-        self._grace: deque[Sent] = deque()  # ended, in their grace (``until``)
+        self._swept = 0.0  # when ``expire`` last swept the dead entries
+        self._now = 0.0  # the time of the decisions being made (``expire``'s)
         self._changes: deque[HeldChange] = deque()
         self._far: dict[str, _Far] = {}
         self._told: list[Mapping[str, Any]] = []
@@ -323,26 +357,37 @@ class PendingPrefixes:
         self.counts.sent += len(entries)
         pending.sent[record] = record
         self._live[record] = record
-        while len(kv) > self.bounds.max_blocks:  # the oldest requests' blocks go first
+        bound = self.bounds.max_blocks
+        if len(kv) > bound:  # those no request holds go first, then the oldest requests'
+            pending.sweep(now)
+            if len(kv) > bound:
+                pending.sweep(math.inf)
+        while len(kv) > bound:
             oldest = next(iter(pending.sent.values()))
             if oldest is record:
                 break
             self.counts.truncated += 1
-            self._release(oldest)
+            self._release(oldest, now)
         return record
 
     def ended(self, record: Sent | None, ok: bool, now: float) -> None:
         """``record``'s request ended: a success (``ok``) leaves its blocks counting
-        ``grace`` seconds more; anything else drops them now."""
+        ``grace`` seconds more (never past ``ttl`` from its start); anything else drops
+        them now."""
         if record is None or record.done:
             return
-        if ok and self.bounds.grace > 0:
-            record.until = now + self.bounds.grace
-            self._grace.append(record)
-        else:
-            self._release(record)
+        grace = self.bounds.grace
+        if ok and grace > 0:
+            until = min(now + grace, record.started + self.bounds.ttl)
+            if until > now:
+                record.until = until
+                self._release(record, now, until)
+                return
+        self._release(record, now)
 
-    def _release(self, record: Sent) -> None:
+    def _release(self, record: Sent, now: float, until: float = 0.0) -> None:
+        """``record``'s blocks given back; those it alone held count until ``until``
+        (its grace) or, with none, go now (unless another's grace keeps them)."""
         if record.done:
             return
         record.done = True
@@ -351,31 +396,41 @@ class PendingPrefixes:
         if pending is None:
             return
         pending.sent.pop(record, None)
+        if until > now and record.shared:
+            pending.recent.append(record)  # told to the other replicas while it counts
         kv = pending.kv
-        start = record.held
-        pending_part = record.chain[start : start + len(record.entries)]
-        for value, entry in zip(pending_part, record.entries, strict=True):
+        chain, start = record.chain, record.held
+        for offset, entry in enumerate(record.entries):
             entry.refs -= 1
-            if entry.refs <= 0 and kv.get(value) is entry:
-                del kv[value]
+            if until > entry.until:  # a success: each of its blocks counts for its grace
+                entry.until = until
+            elif entry.refs <= 0 and entry.until <= now:
+                value = chain[start + offset]
+                if kv.get(value) is entry:
+                    del kv[value]
         for position, entry in record.marks:
             entry.refs -= 1
-            value = record.chain[position - 1]
-            known = pending.marks.get(value)
-            if entry.refs <= 0 and known is not None and known[1] is entry:
-                del pending.marks[value]
-        if not pending.sent:
+            if until > entry.until:
+                entry.until = until
+            elif entry.refs <= 0 and entry.until <= now:
+                value = chain[position - 1]
+                known = pending.marks.get(value)
+                if known is not None and known[1] is entry:
+                    del pending.marks[value]
+        if not pending.live(now):
             del self._backends[record.backend]
 
     def busy(self) -> bool:
         """Whether blocks of this replica's requests are pending anywhere (in flight, or
-        ended and in their grace)."""
+        ended and in their grace, until the sweep after it)."""
         return bool(self._backends)
 
     def expire(self, now: float) -> None:
-        """Apply what the view heard meanwhile, then drop what ``ttl`` and ``grace``
-        ended."""
-        self._apply_heard()
+        """Apply what the view heard meanwhile, drop what ``ttl`` ended, and every
+        ``SWEEP_S`` the entries whose grace ran out; ``now`` is the time the decisions
+        until the next call are made at."""
+        if self._changes:
+            self._apply_heard()
         oldest = now - self.bounds.ttl
         live = self._live
         while live:
@@ -383,10 +438,15 @@ class PendingPrefixes:
             if record.started > oldest:
                 break
             self.counts.expired += 1
-            self._release(record)
-        grace = self._grace
-        while grace and (grace[0].until <= now or grace[0].done):
-            self._release(grace.popleft())
+            self._release(record, now)
+        self._now = now
+        backends = self._backends
+        if now - self._swept >= SWEEP_S or now < self._swept:
+            self._swept = now
+            for name, pending in list(backends.items()):
+                pending.sweep(now)
+                if not pending.live(now):
+                    del backends[name]
 
     # -- what the view hears -------------------------------------------------------------
 
@@ -425,6 +485,7 @@ class PendingPrefixes:
             pending.kv.clear()
             for record in pending.sent.values():
                 record.shared = False
+            pending.recent.clear()
         pending.marks.clear()
 
     # -- scoring -------------------------------------------------------------------------
@@ -435,6 +496,7 @@ class PendingPrefixes:
         local, far = self._backends, self._remote()
         if not local and not far:
             return None
+        at = self._now  # blocks pending as of the last ``expire``
         usable: dict[str, int] | None = None
         kv: dict[str, int] = {}
         listed_usable, listed_kv = listed.usable, listed.kv
@@ -447,15 +509,15 @@ class PendingPrefixes:
                 held = max(held, listed_kv.get(name, 0))
             reach, mark = held, 0
             if mine is not None:
-                reach = mine.extend(hashes, held)
+                reach = mine.extend(hashes, held, at)
             if theirs is not None:
                 told, mark = theirs.prefix(hashes, held, name in listed.hybrid)
                 if told > reach:
-                    reach = mine.extend(hashes, told) if mine is not None else told
+                    reach = mine.extend(hashes, told, at) if mine is not None else told
             before = listed_usable.get(name, 0)
             if name in listed.hybrid:
                 if mine is not None:
-                    mark = max(mark, mine.checkpoint(hashes, reach))
+                    mark = max(mark, mine.checkpoint(hashes, reach, at))
                 now = max(before, mark if mark <= reach else 0)
             else:
                 now = reach
@@ -473,7 +535,8 @@ class PendingPrefixes:
         return Listed(usable, merged, listed.hybrid)
 
     def blocks(self, backend: str) -> int:
-        """``backend``'s pending blocks (this replica's)."""
+        """``backend``'s pending blocks (this replica's; those whose grace ran out in the
+        last ``SWEEP_S`` seconds too, until the sweep)."""
         pending = self._backends.get(backend)
         return len(pending.kv) if pending is not None else 0
 
@@ -491,7 +554,8 @@ class PendingPrefixes:
         for name, pending in self._backends.items():
             chains: list[Any] = []
             lasts: set[int] = set()
-            for record in reversed(pending.sent.values()):
+            ended = [r for r in reversed(pending.recent) if r.until > self._now]
+            for record in itertools.chain(reversed(pending.sent.values()), ended):  # live first
                 if total >= WIRE_TOTAL or len(chains) >= WIRE_CHAINS:
                     break
                 length = record.held + len(record.entries)

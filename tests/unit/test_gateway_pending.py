@@ -276,3 +276,66 @@ def test_records_in_their_grace_leave_little_for_the_collector_to_walk() -> None
     assert usable(pending, CHAIN)["a"] == 24  # the sibling's shared part is left
     pending.ended(marked, ok=False, now=2.0)
     assert not pending.busy()
+
+
+def test_a_request_gives_its_blocks_back_at_its_end_its_grace_stamped_on_them() -> None:
+    """A success's record is let go at its end (its memory still warm): its blocks count
+    for the grace through a stamp on each, the newest few records are kept only to be
+    told to the other replicas, and a sweep drops the blocks once the grace is over."""
+    pending = PendingPrefixes(PendingBounds(grace=2.0))
+    for i in range(50):
+        record = pending.sent("a", [*CHAIN[:10], 1000 + i], 0, (), now=float(i) / 100)
+        pending.ended(record, ok=True, now=float(i) / 100 + 0.01)
+    assert not pending._live  # no record waits for its grace
+    assert len(pending._backends["a"].recent) <= 8
+    assert [c[2][-1] for c in pending.wire()["a"]][:2] == [1049, 1048]  # told in the grace
+    pending.expire(1.0)
+    assert usable(pending, [*CHAIN[:10], 1000]) == {"a": 11}  # the first one's grace lasts
+    pending.expire(2.4)
+    assert usable(pending, [*CHAIN[:10], 1000]) == {"a": 10}  # its own block's grace is over
+    assert usable(pending, [*CHAIN[:10], 1049]) == {"a": 11}
+    pending.expire(3.0)
+    assert usable(pending, CHAIN) == {}
+    assert pending.blocks("a") == 0  # swept
+    assert pending.wire() == {}
+    assert not pending.busy()
+
+
+def test_the_grace_never_outlasts_the_ttl() -> None:
+    pending = PendingPrefixes(PendingBounds(ttl=5.0, grace=2.0))
+    record = pending.sent("a", CHAIN[:30], 0, (), now=0.0)
+    pending.ended(record, ok=True, now=4.5)
+    pending.expire(4.9)
+    assert usable(pending, CHAIN) == {"a": 30}
+    pending.expire(5.0)
+    assert usable(pending, CHAIN) == {}
+
+
+def test_a_block_in_its_grace_taken_up_again_counts_while_held() -> None:
+    """A block whose holder ended successfully, sent again: held by the new request past
+    the old grace; the new one failing drops it at once (its grace being over)."""
+    pending = PendingPrefixes(PendingBounds(grace=2.0))
+    first = pending.sent("a", CHAIN[:30], 0, (), now=0.0)
+    pending.ended(first, ok=True, now=1.0)
+    again = pending.sent("a", CHAIN[:20], 0, (), now=1.5)
+    assert pending.blocks("a") == 30
+    pending.expire(3.5)  # the first one's grace is over: its last 10 blocks with it
+    assert usable(pending, CHAIN) == {"a": 20}
+    assert pending.blocks("a") == 20
+    pending.ended(again, ok=False, now=3.6)
+    assert usable(pending, CHAIN) == {}
+    assert not pending.busy()
+
+
+def test_a_failure_leaves_the_grace_of_an_earlier_success_sharing_its_blocks() -> None:
+    pending = PendingPrefixes(PendingBounds(grace=2.0))
+    done = pending.sent("a", CHAIN[:30], 0, (), now=0.0)
+    failing = pending.sent("a", SIBLING, 0, (), now=0.0)
+    pending.ended(done, ok=True, now=1.0)  # the shared 24 still held by the other too
+    pending.ended(failing, ok=False, now=1.5)  # its own 10 go at once
+    pending.expire(1.6)
+    assert usable(pending, SIBLING) == {"a": 24}  # the shared part: done's grace
+    assert usable(pending, CHAIN) == {"a": 30}
+    pending.expire(3.0)
+    assert usable(pending, CHAIN) == {}
+    assert not pending.busy()
