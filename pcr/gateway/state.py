@@ -459,7 +459,7 @@ class GatewayState:
         loads = {b.namespace: b.load for b in backends}
         now = time.monotonic()
         rule = self.config.rule
-        kin = self.kin.counts(root, now, rule.half_life)
+        kin = self.kin.sums(root)  # decayed as the weighing reads them
         weighed = Weighed(names, prompt, loads, rule, now, kin)  # the loads read once
         order = weighed.ranked(cached, kv)
         if found is None:

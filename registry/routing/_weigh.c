@@ -6,6 +6,7 @@
  *
  * rows(names, prompt_tokens, loads, now, half_life, request_tokens, kv_usage_limit,
  *      queue_weight, kinned, sent, affinity_bound, load_type, decayed_type)
+ *   (kinned and sent: numbers, or Decayed sums read as of now)
  *   -> (rows, kin_terms) | NotImplemented
  * costed(rows, kin_terms, prompt_tokens, cached, kv, spread_weight, affinity_weight,
  *        checkpoint_weight, leader, choice)
@@ -78,6 +79,23 @@ int_attr(PyObject *obj, PyObject *name, long long *out)
     int status = as_long(value, out);
     Py_DECREF(value);
     return status;
+}
+
+/* A kin count as a double: a number, or a Decayed sum (registry.routing.balance.Kin.sums)
+   as of now, as balance.decayed reads it; -1 with an exception, 1 for another type. */
+static int
+kin_count(PyObject *count, PyObject *decayed_type, double now, double half_life, double *out)
+{
+    if ((PyObject *)Py_TYPE(count) != decayed_type)
+        return as_double(count, out);
+    double value, at;
+    int status = number_attr(count, s_value, &value);
+    if (!status)
+        status = number_attr(count, s_at, &at);
+    if (status)
+        return status;
+    *out = value != 0.0 && now > at ? value * pow(0.5, (now - at) / half_life) : value;
+    return 0;
 }
 
 typedef struct {
@@ -239,7 +257,12 @@ weigh_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
             kins[i] = 0.0;
             sents[i] = 0.0;
-            if ((k != NULL && as_double(k, &kins[i])) || (s != NULL && as_double(s, &sents[i])))
+            int status = k == NULL ? 0 : kin_count(k, decayed_type, now, half_life, &kins[i]);
+            if (!status && s != NULL)
+                status = kin_count(s, decayed_type, now, half_life, &sents[i]);
+            if (status < 0)
+                PyErr_Clear();
+            if (status)
                 bad = 1;
             kin_total += kins[i];
             sent_total += sents[i];

@@ -158,6 +158,26 @@ class Decayed:
         self.at = max(now, self.at)
 
 
+KinCounts = tuple[Mapping[str, "float | Decayed"], Mapping[str, "float | Decayed"]]
+"""Per backend, its recent requests sharing the prompt's root and of any root: numbers,
+or ``Decayed`` sums (``Kin.sums``) read as of the decision."""
+
+
+def decayed(
+    counts: Mapping[str, float | Decayed], now: float, half_life: float
+) -> Mapping[str, float]:
+    """``counts`` with each ``Decayed`` as of ``now`` (``counts`` itself where it holds
+    none): the arithmetic of ``_weigh.c``'s kin, to the bit."""
+    if not any(isinstance(v, Decayed) for v in counts.values()):
+        return counts  # type: ignore[return-value]
+    return {
+        name: (v.value * 0.5 ** ((now - v.at) / half_life) if v.value and now > v.at else v.value)
+        if isinstance(v, Decayed)
+        else v
+        for name, v in counts.items()
+    }
+
+
 @dataclass
 class BackendLoad:
     """What one backend carries, as this replica knows it."""
@@ -225,12 +245,13 @@ def ranked(
     loads: Mapping[str, BackendLoad],
     rule: BalanceRule,
     now: float,
-    kin: tuple[Mapping[str, float], Mapping[str, float]] | None = None,
+    kin: KinCounts | None = None,
     kv: Mapping[str, int] | None = None,
 ) -> list[Choice]:
     """The candidates from best to worst by the rule (module docstring); ``kin``: each
     backend's recent requests that share this prompt's first block, and its recent
-    requests of any kind (``Kin.counts``); ``kv``: each hybrid node's KV prefix in
+    requests of any kind (``Kin.counts``, or ``Kin.sums`` decayed as they are read);
+    ``kv``: each hybrid node's KV prefix in
     tokens, where it exceeds ``cached``."""
     return Weighed(candidates, prompt_tokens, loads, rule, now, kin).ranked(cached, kv)
 
@@ -242,7 +263,7 @@ def leader(
     loads: Mapping[str, BackendLoad],
     rule: BalanceRule,
     now: float,
-    kin: tuple[Mapping[str, float], Mapping[str, float]] | None = None,
+    kin: KinCounts | None = None,
     kv: Mapping[str, int] | None = None,
 ) -> str | None:
     """The first of ``ranked``'s order alone (its name; None for no candidates)."""
@@ -264,7 +285,7 @@ class Weighed:
         loads: Mapping[str, BackendLoad],
         rule: BalanceRule,
         now: float,
-        kin: tuple[Mapping[str, float], Mapping[str, float]] | None = None,
+        kin: KinCounts | None = None,
     ) -> None:
         self.rule = rule
         self.prompt = prompt_tokens
@@ -324,6 +345,7 @@ class Weighed:
         self.kin_terms = None
         kinned, sent = kin or ({}, {})
         if kinned and count:
+            kinned, sent = decayed(kinned, now, half_life), decayed(sent, now, half_life)
             kin_total = sent_total = 0.0
             for name, *_rest in rows:
                 kin_total += kinned.get(name, 0.0)
@@ -425,28 +447,28 @@ class Kin:
 
     def counts(
         self, root: Hashable | None, now: float, half_life: float
-    ) -> tuple[dict[str, float], dict[str, float]] | None:
+    ) -> tuple[Mapping[str, float], Mapping[str, float]] | None:
+        """Per backend, the requests sent there lately with ``root`` and of any root,
+        decayed to ``now``; None where no request with ``root`` was sent lately."""
+        sums = self.sums(root)
+        if sums is None:
+            return None
+        return decayed(sums[0], now, half_life), decayed(sums[1], now, half_life)
+
+    def sums(self, root: Hashable | None) -> KinCounts | None:
+        """``counts`` as the sums themselves, decayed by whoever reads them: ``Weighed``
+        decays only its candidates' (in C where built), no dict made per decision. The
+        sums are live: read them before the next ``record``."""
         kinned = self._roots.get(root) if root is not None else None
         if not kinned:
             return None
-        # ``Decayed.now`` of each, inlined: two of these per decision, a call per backend
-        return (
-            {
-                name: d.value * 0.5 ** ((now - d.at) / half_life)
-                if d.value and now > d.at
-                else d.value
-                for name, d in kinned.items()
-            },
-            {
-                name: d.value * 0.5 ** ((now - d.at) / half_life)
-                if d.value and now > d.at
-                else d.value
-                for name, d in self._all.items()
-            },
-        )
+        return kinned, self._all
 
     def record(self, root: Hashable | None, backend: str, now: float, half_life: float) -> None:
-        self._all.setdefault(backend, Decayed()).add(1.0, now, half_life)
+        every = self._all.get(backend)
+        if every is None:
+            every = self._all[backend] = Decayed()
+        _one_more(every, now, half_life)
         if root is None:
             return
         sent = self._roots.get(root)
@@ -456,10 +478,23 @@ class Kin:
                 self._roots.popitem(last=False)
         else:
             self._roots.move_to_end(root)
-        sent.setdefault(backend, Decayed()).add(1.0, now, half_life)
+        mine = sent.get(backend)
+        if mine is None:
+            mine = sent[backend] = Decayed()
+        _one_more(mine, now, half_life)
 
     def __len__(self) -> int:
         return len(self._roots)
+
+
+def _one_more(sum_: Decayed, now: float, half_life: float) -> None:
+    """``sum_.add(1.0, now, half_life)``, inlined (two per request sent)."""
+    value, at = sum_.value, sum_.at
+    if value != 0.0 and now > at:
+        value *= math.pow(0.5, (now - at) / half_life)
+    sum_.value = value + 1.0
+    if now > at:
+        sum_.at = now
 
 
 def prompt_root(tokens: Sequence[int] | None, block_size: int) -> Hashable | None:

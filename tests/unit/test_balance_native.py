@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from registry.routing import balance
-from registry.routing.balance import BackendLoad, BalanceRule, Choice, Decayed, Weighed
+from registry.routing.balance import BackendLoad, BalanceRule, Choice, Decayed, Kin, Weighed
 
 NATIVE = balance.NATIVE
 needs_extension = pytest.mark.skipif(NATIVE is None, reason="C extension not built")
@@ -100,7 +100,18 @@ def _kin(rng: random.Random, names: list[str]) -> Any:
     sent = {n: rng.choice([0.0, 1.0, rng.uniform(0.0, 400.0)]) for n in names if rng.random() < 0.8}
     if shape < 0.5:
         kinned = {n: 0.0 for n in kinned}  # no pull: every kin share 0
+    elif shape < 0.75:  # ``Kin.sums``: the sums themselves, decayed as they are read
+        kinned = {n: _sum(rng, v) for n, v in kinned.items()}
+        sent = {n: _sum(rng, v) for n, v in sent.items()}
     return kinned, sent
+
+
+def _sum(rng: random.Random, value: float) -> Any:
+    """``value`` as a ``Decayed`` sum last added to at some time (past, now or later),
+    or left a number (a mix of both is read alike)."""
+    if rng.random() < 0.2:
+        return value
+    return Decayed(value, rng.choice([0.0, 5.0, rng.uniform(0.0, 600.0)]))
 
 
 def _prefixes(rng: random.Random, names: list[str], prompt: int) -> tuple[Any, Any]:
@@ -181,3 +192,41 @@ def test_no_candidates_rank_as_none(pure: Any) -> None:
         weighed = make([], 64, {}, BalanceRule(), 1.0)
         assert weighed.ranked({}) == []
         assert weighed.leader({}) is None
+
+
+def test_kin_sums_weigh_as_its_counts_to_the_bit(pure: Any) -> None:
+    """The gateway hands the weighing ``Kin.sums`` (no dict per decision): the same rows,
+    kin terms and order as ``Kin.counts``, in C and in Python; ``record`` adds to the
+    sums as ``Decayed.add`` does."""
+    rng = random.Random(7)
+    kin = Kin()
+    shadow: dict[Any, dict[str, Decayed]] = {}
+    every: dict[str, Decayed] = {}
+    rule = BalanceRule(half_life=2.0)
+    now = 0.0
+    names = [f"engine-{n}" for n in range(6)]
+    loads = {n: BackendLoad(in_flight=rng.randrange(4)) for n in names}
+    for _ in range(400):
+        now += rng.choice([0.0, 0.01, 0.3, 5.0])
+        root = rng.randrange(5)
+        counts, sums = kin.counts(root, now, rule.half_life), kin.sums(root)
+        assert (counts is None) == (sums is None)
+        for make in (Weighed, pure):
+            by_counts = make(names, 64, loads, rule, now, counts)
+            by_sums = make(names, 64, loads, rule, now, sums)
+            assert _rows(by_counts) == _rows(by_sums)
+            terms = [_bits(t) for t in by_counts.kin_terms or []]
+            assert terms == [_bits(t) for t in by_sums.kin_terms or []]
+            assert _choices(by_counts.ranked({})) == _choices(by_sums.ranked({}))
+        backend = rng.choice(names)
+        kin.record(root, backend, now, rule.half_life)
+        every.setdefault(backend, Decayed()).add(1.0, now, rule.half_life)
+        shadow.setdefault(root, {}).setdefault(backend, Decayed()).add(1.0, now, rule.half_life)
+        sums = kin.sums(root)
+        assert sums is not None
+        assert {n: (_bits(d.value), d.at) for n, d in sums[0].items()} == {
+            n: (_bits(d.value), d.at) for n, d in shadow[root].items()
+        }
+        assert {n: (_bits(d.value), d.at) for n, d in sums[1].items()} == {
+            n: (_bits(d.value), d.at) for n, d in every.items()
+        }
