@@ -11,6 +11,9 @@ sent one after another on one kept-alive connection, then off. Every thread of t
 gateway is counted (its view's follower and its background loops too, a small share).
 One connection means a wake-up of the event loop per request: the figure is higher than
 under load, where one wake-up serves several; compare checkouts with it, not routers.
+Valgrind hides the CPU's SHA extensions, so the block hashes are counted on the C
+extension's portable SHA-256 (about 28% of a token-id request's figure, where they cost
+a few percent of the CPU with SHA-NI); cache misses and the kernel's time are not counted.
 
 ``python -m pcr.bench.gateway_instructions --baseline DIR`` counts this checkout's gateway
 and DIR's (another checkout, its C extensions built in place) in turns, ``--rounds``
