@@ -29,8 +29,10 @@ other (``--router-cores`` and ``--load-cores`` move them: routers on two cores o
 let two processes run at once, and "vs 1 proc", requests/s against one process, reads
 how they scale). Per row: requests/s, the router's CPU seconds per request (``/proc`` of its process
 tree, user + system), requests per router-CPU-second and its ratio to vllm-router's; then
-p50/p99 latency added over the stubs at a paced 200 requests/s, and each router's CPU per
-second idle.
+p50/p99 latency added over the stubs at a paced 200 requests/s (``--rounds`` turns, the
+stubs alone measured in each: the median of the turns, each turn's p50 shown, and the
+router's CPU per request at that rate, where a request arrives alone and pays for a
+wake-up and cold memory), and each router's CPU per second idle.
 
 Run it as ``python -m pcr.bench.gateway_load`` or ``make bench-gateway-load``.
 """
@@ -41,6 +43,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -727,13 +730,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         latency = []
         direct = Router("stubs direct", [], ports[:1])
         for shape in args.shapes.split(","):
-            base = _measure(direct, shapes[shape], 8, 1.0, args.seconds, PACED_RATE)
-            for router in routers:
-                got = _measure(router, shapes[shape], 8, 1.0, args.seconds, PACED_RATE)
+            added: dict[str, list[dict[str, float]]] = {r.label: [] for r in routers}
+            for turn in range(args.rounds):  # the stubs alone, then each router, in turns
+                base = _measure(direct, shapes[shape], 8, 1.0, args.seconds, PACED_RATE)
+                for router in routers if turn % 2 == 0 else routers[::-1]:
+                    got = _measure(router, shapes[shape], 8, 1.0, args.seconds, PACED_RATE)
+                    added[router.label].append(
+                        {"p50": got["p50_ms"] - base["p50_ms"],
+                         "p99": got["p99_ms"] - base["p99_ms"], "cpu_us": got["cpu_us"]}
+                    )  # fmt: skip
+            for label, runs in added.items():
                 latency.append(
-                    {"shape": shape, "router": router.label,
-                     "added_p50_ms": got["p50_ms"] - base["p50_ms"],
-                     "added_p99_ms": got["p99_ms"] - base["p99_ms"]}
+                    {"shape": shape, "router": label,
+                     "added_p50_ms": statistics.median(r["p50"] for r in runs),
+                     "added_p99_ms": statistics.median(r["p99"] for r in runs),
+                     "paced_cpu_us": statistics.median(r["cpu_us"] for r in runs),
+                     "added_p50_ms_each": [r["p50"] for r in runs]}
                 )  # fmt: skip
         away = {r.label: _registry_away(r) for r in routers if r.label.startswith("gateway")}
         return {"rows": rows, "latency": latency, "idle_ms_per_s": idle, "registry_away": away}
@@ -815,8 +827,11 @@ def main(argv: Sequence[str] | None = None) -> int:
          "vs 1 proc", "p50 ms", "p99 ms", "failed"], table))  # fmt: skip
     print()
     print(format_table(
-        ["shape", "router", f"added p50 ms @{PACED_RATE:.0f}/s", "added p99 ms"],
-        [[r["shape"], r["router"], f"{r['added_p50_ms']:.2f}", f"{r['added_p99_ms']:.2f}"]
+        ["shape", "router", f"added p50 ms @{PACED_RATE:.0f}/s", "added p99 ms",
+         "CPU us/req", "p50 of each round"],
+        [[r["shape"], r["router"], f"{r['added_p50_ms']:.2f}", f"{r['added_p99_ms']:.2f}",
+          f"{r.get('paced_cpu_us', math.nan):.0f}",
+          " ".join(f"{x:.2f}" for x in r.get("added_p50_ms_each", []))]
          for r in result["latency"]]))  # fmt: skip
     print()
     print(format_table(["router", "routed by load: registry taken for away"],
