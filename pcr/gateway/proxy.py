@@ -271,11 +271,18 @@ async def _forward(
             continue
         tried += 1
         prefill = max(0, prompt - choice.cached)
-        sent = started(state, backend, prefill, choice, ids)
+        # written first (where a connection is pooled): the engine starts on it while the
+        # request is counted here, and no other decision runs before it is counted
+        exchange = client.send(backend.url, method, target, raw, headers)
+        try:
+            sent = started(state, backend, prefill, choice, ids)
+        except BaseException:
+            exchange.abandon()
+            raise
         try:
             if state.metrics.on:
                 state.metrics.overhead.observe(time.perf_counter() - arrived)
-            upstream = await client.request(backend.url, method, target, raw, headers)
+            upstream = await exchange.reply()
         except UpstreamError as failed:  # before the backend's reply began
             ended(state, backend, prefill, sent=sent)
             count_error(state, backend, failed.kind)

@@ -312,6 +312,44 @@ class Reply:
         self._conn.abort()
 
 
+class Exchange:
+    """A request to an engine between its two halves (``Upstream.send``): written on
+    ``conn`` already, or to be sent on a fresh connection; ``error``: what its reply
+    raises."""
+
+    __slots__ = ("client", "conn", "error", "message", "origin")
+
+    def __init__(self, client: Upstream) -> None:
+        self.client = client
+        self.origin: _Origin | None = None
+        self.message: tuple[bytes, ...] = ()
+        self.conn: _Connection | None = None
+        self.error: BaseException | None = None
+
+    async def reply(self) -> Reply:
+        """The reply once its headers are read; ``UpstreamError`` when that fails."""
+        if self.error is not None:
+            raise self.error
+        client, conn = self.client, self.conn
+        if conn is not None:
+            self.conn = None
+            try:
+                return await client._replied(conn)
+            except UpstreamError as error:
+                # The engine closed the idle connection as it was taken: once more, fresh
+                if conn.received or error.kind != "protocol":
+                    raise
+        assert self.origin is not None
+        return await client._exchange(await client._connect(self.origin), self.message)
+
+    def abandon(self) -> None:
+        """Never to be awaited: a request already written is dropped with its connection
+        (the engine aborts it)."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.abort()
+
+
 class Upstream:
     """The pool of connections to the engines (one per engine, by base URL)."""
 
@@ -356,29 +394,48 @@ class Upstream:
         check, as a server's parser does), the body's length and ``body`` to the engine
         at ``base``; the reply once its headers are read. ``UpstreamError`` when that
         fails."""
+        return await self.send(base, method, target, body, headers).reply()
+
+    def send(
+        self,
+        base: str,
+        method: bytes,
+        target: bytes,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+    ) -> Exchange:
+        """``request`` in two halves: the message written now where an idle connection
+        to ``base`` is pooled (the engine starts on it while the caller does its own
+        bookkeeping), then the reply awaited (``Exchange.reply``: on a fresh connection
+        where none was pooled, or where the engine had closed the one taken). Never
+        raises: a failure is the reply's."""
+        exchange = Exchange(self)
         if self._closed:
-            raise UpstreamError("connect")
+            exchange.error = UpstreamError("connect")
+            return exchange
         try:
-            origin = self.origin(base)
+            origin = exchange.origin = self.origin(base)
         except ValueError:  # an announced engine's URL that is not one
-            raise UpstreamError("connect") from None
+            exchange.error = UpstreamError("connect")
+            return exchange
         lines = [method, b" ", origin.prefix, target, b" HTTP/1.1\r\n", origin.host_header]
         for name, value in headers:
             lines += (name, b": ", value, b"\r\n")
         lines += (b"content-length: ", str(len(body)).encode(), b"\r\n\r\n")
         if len(body) <= JOIN_BODY:
-            message: tuple[bytes, ...] = (b"".join([*lines, body]),)
+            exchange.message = (b"".join([*lines, body]),)
         else:  # a large body is not copied into the head's buffer
-            message = (b"".join(lines), body)
+            exchange.message = (b"".join(lines), body)
         conn = self._pooled(origin)
         if conn is not None:
             try:
-                return await self._exchange(conn, message)
-            except UpstreamError as error:
-                # The engine closed the idle connection as it was taken: once more, fresh
-                if conn.received or error.kind != "protocol":
-                    raise
-        return await self._exchange(await self._connect(origin), message)
+                self._write(conn, exchange.message)
+            except Exception as error:
+                conn.abort()
+                exchange.error = error
+                return exchange
+            exchange.conn = conn
+        return exchange
 
     def _pooled(self, origin: _Origin) -> _Connection | None:
         idle = origin.idle
@@ -404,13 +461,16 @@ class Upstream:
             raise UpstreamError("connect") from None
         return conn
 
-    async def _exchange(self, conn: _Connection, message: tuple[bytes, ...]) -> Reply:
+    def _write(self, conn: _Connection, message: tuple[bytes, ...]) -> None:
         assert conn.transport is not None
         conn.watch(self.read_timeout)
+        for part in message:
+            conn.transport.write(part)
+
+    async def _replied(self, conn: _Connection) -> Reply:
+        """The reply on ``conn``, its request written, once its headers are read."""
         reply = Reply(conn)
         try:
-            for part in message:
-                conn.transport.write(part)
             while not conn.status:
                 await conn.wait()
         except BaseException:
@@ -419,6 +479,14 @@ class Upstream:
         reply.status = conn.status
         reply.headers = conn.headers
         return reply
+
+    async def _exchange(self, conn: _Connection, message: tuple[bytes, ...]) -> Reply:
+        try:
+            self._write(conn, message)
+        except BaseException:
+            conn.abort()
+            raise
+        return await self._replied(conn)
 
     async def close(self) -> None:
         """Every idle connection closed; later requests fail as ``connect``."""

@@ -520,3 +520,71 @@ def test_a_large_body_arrives_whole_beside_a_small_one() -> None:
             assert engine.connections == 1
 
     run(main())
+
+
+def test_send_writes_on_a_pooled_connection_before_the_reply_is_awaited() -> None:
+    """``send`` then ``reply``: on a kept connection the engine has the request while the
+    caller is still busy (nothing awaited yet); on none, it goes when the reply is
+    awaited; either way the same reply, on one connection."""
+    requests: list = []
+
+    async def main() -> None:
+        async with Engine(_fixed(b'{"ok":1}', requests=requests)) as engine:
+            client = _client()
+            first = client.send(engine.url, b"POST", b"/a", b"1", [])
+            await asyncio.sleep(0.05)
+            assert requests == []  # no connection yet: nothing sent before the reply
+            reply = await first.reply()
+            assert await reply.read() == b'{"ok":1}'
+            reply.release()
+            second = client.send(engine.url, b"POST", b"/b", b"2", [])
+            for _ in range(600):  # the engine reads it with the reply not awaited
+                if len(requests) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert [r[0] for r in requests] == [b"POST /a HTTP/1.1", b"POST /b HTTP/1.1"]
+            reply = await second.reply()
+            assert reply.status == 200
+            assert await reply.read() == b'{"ok":1}'
+            reply.release()
+            assert engine.connections == 1
+            await client.close()
+
+    run(main())
+
+
+def test_an_abandoned_send_drops_its_connection_and_the_next_one_is_fresh() -> None:
+    requests: list = []
+
+    async def main() -> None:
+        async with Engine(_fixed(b"{}", requests=requests)) as engine:
+            client = _client()
+            reply = await client.request(engine.url, b"POST", b"/", b"", [])
+            await reply.read()
+            reply.release()
+            exchange = client.send(engine.url, b"POST", b"/dropped", b"", [])
+            exchange.abandon()  # the caller failed before awaiting it
+            exchange.abandon()  # twice: nothing more
+            reply = await client.request(engine.url, b"POST", b"/", b"", [])
+            assert await reply.read() == b"{}"
+            reply.release()
+            assert engine.connections == 2  # the abandoned one was not pooled again
+            await client.close()
+
+    run(main())
+
+
+def test_send_never_raises_and_its_reply_does() -> None:
+    async def main() -> None:
+        client = _client()
+        bad = client.send("not a url", b"POST", b"/", b"", [])
+        with pytest.raises(UpstreamError) as failed:
+            await bad.reply()
+        assert failed.value.kind == "connect"
+        await client.close()
+        closed = client.send("http://127.0.0.1:1", b"POST", b"/", b"", [])
+        with pytest.raises(UpstreamError) as failed:
+            await closed.reply()
+        assert failed.value.kind == "connect"
+
+    run(main())
