@@ -32,7 +32,8 @@ tree, user + system), requests per router-CPU-second and its ratio to vllm-route
 p50/p99 latency added over the stubs at a paced 200 requests/s (``--rounds`` turns, the
 stubs alone measured in each: the median of the turns, each turn's p50 shown, and the
 router's CPU per request at that rate, where a request arrives alone and pays for a
-wake-up and cold memory), and each router's CPU per second idle.
+wake-up and cold memory), and each router's CPU per second idle (read last, once the
+traffic has settled).
 
 Run it as ``python -m pcr.bench.gateway_load`` or ``make bench-gateway-load``.
 """
@@ -75,6 +76,8 @@ FILLER_BLOCKS = 4_096
 CONNECTIONS = (16, 64, 256)
 SHAPES = ("chat", "ids")
 PACED_RATE = 200.0
+IDLE_SETTLE_S = 5.0
+"""Seconds after the last measured traffic before each router's idle CPU is read."""
 FLOORS = {
     "floor": ("uvicorn + upstream", []),
     "floor-aiohttp": ("uvicorn + aiohttp", ["--client", "aiohttp"]),
@@ -706,7 +709,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for router in made:  # each in the list as it starts: stopped below if one fails
             routers.append(router.start(log_dir))
         say(f"routers: {', '.join(r.label for r in routers)}; logs in {log_dir}")
-        idle = {r.label: _idle_cpu(r, args.idle) for r in routers}
         shapes = {
             "chat": [_request("/v1/chat/completions", 0, json.loads(b)) for b in workload.chat],
             "ids": [_request("/v1/completions", 0, json.loads(b)) for b in workload.ids],
@@ -747,6 +749,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "paced_cpu_us": statistics.median(r["cpu_us"] for r in runs),
                      "added_p50_ms_each": [r["p50"] for r in runs]}
                 )  # fmt: skip
+        # idle once the traffic is over and settled (a request's blocks count 2 s after
+        # it; right after its start a router still finishes starting: a gateway's first
+        # scrape of the engines and its lazy imports read as 20 ms of a 3 s window)
+        time.sleep(IDLE_SETTLE_S)
+        idle = {r.label: _idle_cpu(r, args.idle) for r in routers}
         away = {r.label: _registry_away(r) for r in routers if r.label.startswith("gateway")}
         return {"rows": rows, "latency": latency, "idle_ms_per_s": idle, "registry_away": away}
     finally:
