@@ -20,6 +20,7 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 
 from pcr.web import server as web  # noqa: E402
+from tests.support.asgi import lifespan  # noqa: E402
 
 PATH = b"/v1/completions"
 
@@ -36,9 +37,7 @@ async def _read(receive: Any) -> bytes:
 async def _main(scope: Any, receive: Any, send: Any) -> None:
     """The whole app: says it was the one, with the client it saw."""
     if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+        await lifespan(receive, send)
         return
     await _read(receive)
     body = json.dumps({"app": "main", "path": scope["path"], "client": scope["client"][0]})

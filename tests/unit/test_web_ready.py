@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
 
 import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
 
 from pcr.web import server as web  # noqa: E402
+from tests.support.asgi import lifespan_only  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
 
 
@@ -35,15 +35,8 @@ class _Writes:
         return False
 
 
-async def _app(scope: Any, receive: Any, send: Any) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-
-
 def test_the_ready_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = web.uvicorn_config(_app, host="127.0.0.1", port=0, log_level="error")
+    config = web.uvicorn_config(lifespan_only, host="127.0.0.1", port=0, log_level="error")
     server = web.server_class("pcr test: ready on http://127.0.0.1:1")(config)
     out = _Writes()
     monkeypatch.setattr("sys.stdout", out)  # once uvicorn's logging is set up

@@ -19,18 +19,12 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 
 from pcr.web import server as web  # noqa: E402
+from tests.support.asgi import lifespan_only  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
 
 
-async def _app(scope: Any, receive: Any, send: Any) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-
-
 def _server(port: int = 0) -> Any:
-    config = web.uvicorn_config(_app, host="127.0.0.1", port=port, log_level="error")
+    config = web.uvicorn_config(lifespan_only, host="127.0.0.1", port=port, log_level="error")
     return web.server_class()(config)
 
 
