@@ -154,8 +154,11 @@ class Decayed:
         return self.value * math.pow(0.5, (now - self.at) / half_life)
 
     def add(self, amount: float, now: float, half_life: float) -> None:
-        self.value = self.now(now, half_life) + amount
-        self.at = max(now, self.at)
+        value, at = self.value, self.at  # ``now``'s arithmetic inlined: two per request
+        if not (value == 0.0 or now <= at):
+            value *= math.pow(0.5, (now - at) / half_life)
+        self.value = value + amount
+        self.at = max(now, at)
 
 
 KinCounts = tuple[Mapping[str, "float | Decayed"], Mapping[str, "float | Decayed"]]
@@ -251,8 +254,7 @@ def ranked(
     """The candidates from best to worst by the rule (module docstring); ``kin``: each
     backend's recent requests that share this prompt's first block, and its recent
     requests of any kind (``Kin.counts``, or ``Kin.sums`` decayed as they are read);
-    ``kv``: each hybrid node's KV prefix in
-    tokens, where it exceeds ``cached``."""
+    ``kv``: each hybrid node's KV prefix in tokens, where it exceeds ``cached``."""
     return Weighed(candidates, prompt_tokens, loads, rule, now, kin).ranked(cached, kv)
 
 
@@ -468,7 +470,7 @@ class Kin:
         every = self._all.get(backend)
         if every is None:
             every = self._all[backend] = Decayed()
-        _one_more(every, now, half_life)
+        every.add(1.0, now, half_life)
         if root is None:
             return
         sent = self._roots.get(root)
@@ -481,20 +483,10 @@ class Kin:
         mine = sent.get(backend)
         if mine is None:
             mine = sent[backend] = Decayed()
-        _one_more(mine, now, half_life)
+        mine.add(1.0, now, half_life)
 
     def __len__(self) -> int:
         return len(self._roots)
-
-
-def _one_more(sum_: Decayed, now: float, half_life: float) -> None:
-    """``sum_.add(1.0, now, half_life)``, inlined (two per request sent)."""
-    value, at = sum_.value, sum_.at
-    if value != 0.0 and now > at:
-        value *= math.pow(0.5, (now - at) / half_life)
-    sum_.value = value + 1.0
-    if now > at:
-        sum_.at = now
 
 
 def prompt_root(tokens: Sequence[int] | None, block_size: int) -> Hashable | None:
