@@ -310,6 +310,24 @@ def connection_counts(text: str) -> list[int]:
     return counts
 
 
+def positive_count(text: str) -> int:
+    """``--engines`` and ``--rounds``: a whole number of at least 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
+    return int(text)
+
+
+def positive_seconds(text: str) -> float:
+    """``--seconds``, ``--warmup`` and ``--idle``: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds above 0")
+    return value
+
+
 def _place(routers: frozenset[int], load: frozenset[int]) -> None:
     global ROUTER_CORES, LOAD_CORES  # read by each router's start and each pin
     ROUTER_CORES, LOAD_CORES = routers, load
@@ -784,7 +802,7 @@ def say(text: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcr.bench.gateway_load", description=__doc__)
-    parser.add_argument("--engines", type=int, default=ENGINES)
+    parser.add_argument("--engines", type=positive_count, default=ENGINES)
     parser.add_argument("--connections", type=connection_counts, default=list(CONNECTIONS))
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--routers", default="gateway,replicas,workers,floor,floor-raw,vllm-router")
@@ -794,10 +812,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="another checkout of the project (C extensions built in place): its gateway "
         "measured in the same run, alternating with this one's",
     )
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--warmup", type=float, default=1.5)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--idle", type=float, default=3.0, help="seconds of idle CPU measured")
+    parser.add_argument("--seconds", type=positive_seconds, default=5.0)
+    parser.add_argument("--warmup", type=positive_seconds, default=1.5)
+    parser.add_argument("--rounds", type=positive_count, default=2)
+    parser.add_argument(
+        "--idle", type=positive_seconds, default=3.0, help="seconds of idle CPU measured"
+    )
     parser.add_argument("--quick", action="store_true", help="16 and 64 connections, 2 s, 1 round")
     parser.add_argument("--json", type=Path, help="write the results here too")
     parser.add_argument(

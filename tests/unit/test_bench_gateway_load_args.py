@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pcr.bench.gateway_load import connection_counts, cores
+from pcr.bench.gateway_load import connection_counts, cores, positive_count, positive_seconds
 from tests.support import REPO_ROOT
 
 
@@ -62,3 +62,26 @@ def test_connection_counts_are_positive_whole_numbers() -> None:
     assert ran.returncode == 2
     assert "Traceback" not in ran.stderr
     assert "connection counts are positive whole numbers" in ran.stderr.splitlines()[-1]
+
+
+def test_counts_and_seconds_are_positive() -> None:
+    """``--rounds 0`` once ended in a traceback (no turn to take the median of)."""
+    assert positive_count("3") == 3
+    assert positive_seconds("0.5") == 0.5
+    for text in ("0", "-1", "abc", "", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole number of at least 1"):
+            positive_count(text)
+    for text in ("0", "-2", "abc", "nan", "inf", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="seconds above 0"):
+            positive_seconds(text)
+    for flag, value in (("--rounds", "0"), ("--seconds", "nan"), ("--engines", "x")):
+        ran = subprocess.run(
+            [sys.executable, "-m", "pcr.bench.gateway_load", flag, value],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO_ROOT,
+        )
+        assert ran.returncode == 2
+        assert "Traceback" not in ran.stderr
+        assert flag in ran.stderr.splitlines()[-1]
