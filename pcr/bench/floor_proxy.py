@@ -12,6 +12,10 @@ stack can go below. ``python -m pcr.bench.floor_proxy --port P --backend URL ...
 ``--server raw``: the same client behind httptools' parser on a plain asyncio protocol
 (no uvicorn, no ASGI; keep-alive, one request at a time per connection, as the bench's
 clients send), so the bench can say how much of the floor is uvicorn's and the ASGI's.
+``--server direct``: the same ASGI callable on the gateway's own server stack
+(``pcr.web.server``: its protocol with the deadlines and write coalescing, the proxied
+paths taken as ``Direct`` requests, a whole reply in one message), so the bench can say
+how much of the gateway's cost its server is.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class FloorProxy:
         self.client = client
         self.http: aiohttp.ClientSession | None = None
         self.upstream = Upstream(connect_timeout=2.0, read_timeout=600.0, keep_alive=4.0)
+        self.whole = False  # the reply as one message (``pcr.web.server.WHOLE``)
 
     async def __call__(self, scope: Message, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -63,6 +68,10 @@ class FloorProxy:
             )
             body = await reply.read()
             reply.release()
+            if self.whole:
+                await send({"type": "http.response.start", "status": reply.status,
+                            "headers": JSON_HEADERS, "body": body})  # fmt: skip
+                return
             await send({"type": "http.response.start", "status": reply.status,
                         "headers": JSON_HEADERS})  # fmt: skip
             await send({"type": "http.response.body", "body": body})
@@ -167,18 +176,33 @@ def _serve_raw(port: int, backends: Sequence[str]) -> None:
     uvloop.run(serve())
 
 
+def _serve_direct(app: FloorProxy, port: int) -> None:
+    from pcr.web.server import Direct, server_class, uvicorn_config
+
+    app.whole = True
+    paths = frozenset({b"/v1/completions", b"/v1/chat/completions"})
+    config = uvicorn_config(
+        app, host="127.0.0.1", port=port, loop="uvloop", direct=Direct(paths, app)
+    )
+    server_class()(config).run()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcr.bench.floor_proxy")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--backend", action="append", required=True)
     parser.add_argument("--client", choices=("upstream", "aiohttp"), default="upstream")
-    parser.add_argument("--server", choices=("uvicorn", "raw"), default="uvicorn")
+    parser.add_argument("--server", choices=("uvicorn", "raw", "direct"), default="uvicorn")
     args = parser.parse_args(argv)
     if args.server == "raw":
         _serve_raw(args.port, [b.rstrip("/") for b in args.backend])
         return 0
+    app = FloorProxy([b.rstrip("/") for b in args.backend], args.client)
+    if args.server == "direct":
+        _serve_direct(app, args.port)
+        return 0
     config = uvicorn.Config(
-        FloorProxy([b.rstrip("/") for b in args.backend], args.client),
+        app,
         host="127.0.0.1",
         port=args.port,
         http="httptools",

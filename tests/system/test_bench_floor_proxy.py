@@ -1,6 +1,7 @@
 """``pcr.bench.floor_proxy``, the floors ``pcr.bench.gateway_load`` sets the gateway
 against: each forwards bodies unchanged to its engines in turn and passes the reply back,
-on one kept-alive connection, through uvicorn and through the plain protocol alike."""
+on one kept-alive connection, through uvicorn, the plain protocol and the gateway's own
+server (``Direct`` requests) alike."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def engines() -> Iterator[list[FakeEngine]]:
             engine.stop()
 
 
-@pytest.mark.parametrize("server", ["uvicorn", "raw"])
+@pytest.mark.parametrize("server", ["uvicorn", "raw", "direct"])
 def test_a_floor_forwards_each_body_to_its_engines_in_turn(
     engines: list[FakeEngine], server: str, tmp_path: Path
 ) -> None:
