@@ -106,6 +106,34 @@ def test_the_keep_alive_goes_at_a_third_of_the_published_ttl() -> None:
     asyncio.run(run())
 
 
+def test_a_change_waits_for_the_batch_with_peers_and_the_keep_alive_without() -> None:
+    """Alone, a start is told at the busy keep-alive's cadence (nobody reads it sooner);
+    once another replica is heard, within the batch; a new one heard is told at once."""
+
+    async def run() -> None:
+        ex, router = exchange()
+        ex.backends["a"].load.in_flight = 1
+        await ex.share()  # a busy entry: 1 s TTL
+        assert ex.batch < 0.2 < ex.ttl_ms() / 3000
+        ex.nudge()
+        ex._shared_at = time.monotonic() - 0.2  # past the batch, before the keep-alive
+        await ex.tick()
+        assert len(router.calls) == 1  # alone: not yet
+        ex._shared_at = time.monotonic() - 0.4
+        await ex.tick()
+        assert len(router.calls) == 2  # the keep-alive's cadence reached
+        ex._pushed("peer " + payload(1, {"a": [1, 0, 0]}))  # another replica starts
+        assert ex._flush is not None  # told within the batch, by the timer
+        ex._flush.cancel()
+        ex._flush = None
+        ex.nudge()
+        ex._shared_at = time.monotonic() - 0.2
+        await ex.tick()
+        assert len(router.calls) == 3  # with a peer: past the batch is enough
+
+    asyncio.run(run())
+
+
 def test_a_failed_exchange_is_tried_again_at_the_busy_cadence() -> None:
     async def run() -> None:
         from registry.core.errors import RegistryUnavailable
