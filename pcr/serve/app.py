@@ -80,13 +80,17 @@ class ScoringApp(FastAPI):
     @property
     def direct(self) -> Direct | None:
         """The proxied routes for the server to take straight from its protocol
-        (``pcr.web.server.Direct``): to the access layer, or to ``proxied`` where there
-        is none; None without proxied routes."""
+        (``pcr.web.server.Direct``): to the access layer, or where there is none to
+        ``proxied`` without its ``Faults`` (the server's cycle for a direct request
+        answers a fault as ``Faults`` does, in the shape of the server's
+        ``openai_errors``); None without proxied routes."""
         proxied = self.proxied
         if proxied is None:
             return None
         paths = frozenset(path.encode("ascii") for path in proxied.app.paths)
-        return Direct(paths, self.front if self.front is not None else proxied)
+        if self.front is not None:
+            return Direct(paths, self.front)
+        return Direct(paths, proxied.app if isinstance(proxied, Faults) else proxied)
 
     def openapi(self) -> dict[str, Any]:
         spec = super().openapi()

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import re
 import signal
@@ -24,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
+
+_log = logging.getLogger("pcr.serve.errors")  # a Direct request's fault, as Faults logs it
 
 # Shared by pcr serve and pcr gateway (their apps and their command lines).
 DEFAULT_MAX_CONNECTIONS = 64
@@ -207,15 +210,136 @@ server's to write), head and body then going out in one write."""
 _WHOLE_EXTENSIONS: dict[str, dict[str, Any]] = {WHOLE: {}}
 
 
+class _Signal:
+    """What uvicorn's protocol calls a cycle's ``message_event`` (it calls ``set`` as the
+    body comes, ends, or the client leaves), lighter than an ``asyncio.Event`` made per
+    request: a flag, and a future only while a ``receive`` waits for the body."""
+
+    __slots__ = ("flag", "loop", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.flag = False
+        self.loop = loop
+        self.waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self.flag = True
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def clear(self) -> None:
+        self.flag = False
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    async def wait(self) -> bool:
+        while not self.flag:
+            waiter = self.waiter = self.loop.create_future()
+            await waiter
+        return True
+
+
+_NOTHING: Callable[[], None] = lambda: None  # noqa: E731  (a finished cycle's on_response)
+
+
 class _DirectCycle(_Cycle):
-    """uvicorn's request cycle for a ``Direct`` request, with a shorter way to the
-    response's head for what those apps send (lower-case names, a ``content-length`` or
-    a streamed body): one pass over the headers, checked as uvicorn checks them; a
-    whole response in one message (``WHOLE``) written at once; any other head (a
-    ``connection`` or ``transfer-encoding`` header, a status without a body) and every
-    later message go through uvicorn's own ``send``."""
+    """uvicorn's request cycle for a ``Direct`` request, made per request with only its
+    own values (the rest are class defaults), the body kept as the bytes that came (the
+    usual single chunk is handed over uncopied), a ``_Signal`` for uvicorn's event, and
+    the service's answer to a fault of the app (as ``pcr.serve.errors.Faults``: an
+    exception before the response started is answered 500 ``internal error`` in the
+    service's JSON shape, logged, and the connection kept; after, the connection is
+    closed). Its response head takes a shorter way for what those apps send (lower-case
+    names, a ``content-length`` or a streamed body): one pass over the headers, checked
+    as uvicorn checks them; a whole response in one message (``WHOLE``) written at
+    once; any other head (a ``connection`` or ``transfer-encoding`` header, a status
+    without a body) and every later message go through uvicorn's own ``send``."""
 
     status_lines: ClassVar[dict[int, bytes]] = {}  # uvicorn's (``_direct_cycle_class``)
+    # uvicorn's per-request state, its starting values shared (a request sets its own)
+    disconnected = False
+    more_body = True
+    response_started = False
+    response_complete = False
+    chunked_encoding: bool | None = None
+    expected_content_length = 0
+    access_log = False
+    body: bytes = b""  # type: ignore[assignment]  # ``+=`` of the first chunk onto b"" copies nothing
+    openai_errors = False
+
+    def __init__(self, protocol: Any, scope: Any, keep_alive: bool) -> None:
+        # not uvicorn's __init__: only what differs per request
+        self.scope = scope
+        self.transport = protocol.transport
+        self.flow = protocol.flow
+        self.logger = protocol.logger
+        self.access_logger = protocol.access_logger
+        self.default_headers = protocol.server_state.default_headers
+        self.message_event = _Signal(protocol.loop)  # type: ignore[assignment]
+        self.waiting_for_100_continue = protocol.expect_100_continue
+        self.keep_alive = keep_alive
+        self.on_response = protocol.on_response_complete
+        self.openai_errors = protocol.openai_errors
+
+    async def run_asgi(self, app: Any) -> None:
+        try:
+            result = await app(self.scope, self.receive, self.send)
+        except Exception as exc:
+            if self.response_started:
+                self.logger.error("Exception in ASGI application\n", exc_info=exc)
+                self.transport.close()
+            else:
+                await self._fault(exc)
+        except BaseException as exc:  # cancelled (the server stopping), as uvicorn does
+            self.logger.error("Exception in ASGI application\n", exc_info=exc)
+            if not self.response_started:
+                await self.send_500_response()
+            else:
+                self.transport.close()
+        else:
+            if result is not None:
+                self.logger.error("ASGI callable should return None, but returned '%s'.", result)
+                self.transport.close()
+            elif not self.response_started and not self.disconnected:
+                self.logger.error("ASGI callable returned without starting response.")
+                await self.send_500_response()
+            elif not self.response_complete and not self.disconnected:
+                self.logger.error("ASGI callable returned without completing response.")
+                self.transport.close()
+        finally:
+            self.on_response = _NOTHING
+
+    async def _fault(self, exc: Exception) -> None:
+        """``pcr.serve.errors.Faults``' answer to an exception of the app's own code."""
+        from pcr.web.errors import error_body
+
+        scope = self.scope
+        _log.error("internal error on %s %s", scope["method"], scope["path"], exc_info=exc)
+        body = error_body("internal error", type(exc).__name__, 500, openai=self.openai_errors)
+        await self.send({"type": "http.response.start", "status": 500,
+                         "headers": [(b"content-type", b"application/json")],
+                         "body": body})  # fmt: skip
+
+    async def receive(self) -> Any:
+        """uvicorn's ``receive``, the body handed over as it came (no copy)."""
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.waiting_for_100_continue = False
+        if not self.disconnected and not self.response_complete:
+            self.flow.resume_reading()
+            signal = self.message_event
+            if not signal.flag:  # type: ignore[attr-defined]
+                await signal.wait()
+            signal.flag = False  # type: ignore[attr-defined]
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        body = self.body
+        self.body = b""
+        return {"type": "http.request", "body": body, "more_body": self.more_body}
 
     async def send(self, message: Any) -> None:
         if self.response_started or message["type"] != "http.response.start":
@@ -372,19 +496,7 @@ class _Deadlines(_HttpToolsProtocol):
         scope["query_string"] = query
         scope["extensions"] = _WHOLE_EXTENSIONS  # type: ignore[typeddict-item]
         previous = self.cycle
-        self.cycle = self.direct_cycle(
-            scope=scope,
-            transport=self.transport,
-            flow=self.flow,
-            logger=self.logger,
-            access_logger=self.access_logger,
-            access_log=self.access_log,
-            default_headers=self.server_state.default_headers,
-            message_event=asyncio.Event(),
-            expect_100_continue=self.expect_100_continue,
-            keep_alive=version != "1.0" and parser.should_keep_alive(),
-            on_response=self.on_response_complete,
-        )
+        self.cycle = self.direct_cycle(self, scope, version != "1.0" and parser.should_keep_alive())
         if previous is None or previous.response_complete:
             self._start_asgi_task(self.cycle, direct.app)
         else:  # pipelined: after the one before it

@@ -59,6 +59,13 @@ async def _direct(scope: Any, receive: Any, send: Any) -> None:
     }
     content = json.dumps(seen).encode()
     how = scope["query_string"]
+    if how == b"raise":  # a bug of the app's, before its response
+        raise LookupError("not for the client's eyes")
+    if how == b"raise-late":  # after its response began
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        raise LookupError("mid-stream")
     if how == b"slow":  # past the keep-alive deadline of ``idle_port``
         await asyncio.sleep(2 * KEEP_ALIVE_S)
     if how == b"stream":
@@ -305,3 +312,50 @@ def test_the_keep_alive_deadline_counts_from_the_last_response_not_the_first(
         assert json.loads(reader.response()[2])["body"] == "after"
         sock.settimeout(60)
         assert reader.closed()  # then silence: closed by the deadline (well within 60 s)
+
+
+def test_a_fault_of_the_direct_app_is_answered_500_in_the_json_shape_and_keeps_the_connection(
+    port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As ``pcr.serve.errors.Faults`` answers it: the exception's type named, nothing of
+    its text, logged with its traceback; the connection goes on. Once the response has
+    begun there is nothing to answer: the connection is closed."""
+    with caplog.at_level("ERROR", logger="pcr.serve.errors"), _connect(port) as sock:
+        reader = _Reader(sock)
+        sock.sendall(_request(PATH + b"?raise"))
+        status, headers, body = reader.response()
+        assert status == 500
+        assert headers["content-type"] == "application/json"
+        assert json.loads(body) == {"error": "internal error", "detail": "LookupError"}
+        assert b"eyes" not in body
+        assert "internal error on POST /v1/completions" in caplog.text
+        sock.sendall(_request(PATH, b"after"))  # the same connection
+        assert json.loads(reader.response()[2])["body"] == "after"
+        sock.sendall(_request(PATH + b"?raise-late"))
+        with pytest.raises(AssertionError):
+            reader.response()  # a chunk, then the connection closed mid-body
+        assert reader.closed()
+
+
+def test_a_body_that_comes_in_parts_and_an_expected_continue_reach_the_direct_app(
+    port: int,
+) -> None:
+    """The app waits for what has not come yet (the cycle's ``_Signal``), and a client
+    that asks to be told to go on is told ``100 Continue`` when the app reads."""
+    body = b'{"part": "' + b"x" * 3000 + b'"}'
+    with _connect(port) as sock:
+        reader = _Reader(sock)
+        raw = _request(PATH, body)
+        head_end = raw.index(b"\r\n\r\n") + 4
+        sock.sendall(raw[: head_end + 100])
+        time.sleep(0.2)  # the app is waiting by now (not needed for the test to hold)
+        sock.sendall(raw[head_end + 100 :])
+        assert json.loads(reader.response()[2])["body"] == body.decode()
+        expecting = _request(PATH, b"goes", extra=b"expect: 100-continue\r\n")
+        sock.sendall(expecting[: expecting.index(b"\r\n\r\n") + 4])
+        while b"\r\n\r\n" not in reader.buffer:
+            assert reader._more()
+        assert reader.buffer.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        reader.buffer = reader.buffer[len(b"HTTP/1.1 100 Continue\r\n\r\n") :]
+        sock.sendall(b"goes")
+        assert json.loads(reader.response()[2])["body"] == "goes"
