@@ -46,15 +46,16 @@ from pcr.gateway.tokens import (
 )
 from pcr.gateway.upstream import Reply, UpstreamError
 from pcr.web.auth import model_allowed, routable, salted_tenant
-from pcr.web.server import WHOLE
+from pcr.web.server import WHOLE, leaving
 
 NONE: dict[str, Any] = {}
 
 PROXIED = {"/v1/completions": False, "/v1/chat/completions": True}
+"""The proxied paths, and whether each takes chat messages."""
 WATCH_AFTER_S = 0.05
 """Seconds into a request after which its client's leaving is watched for (and cancels
-it); one that leaves earlier is found out then."""
-"""The proxied paths, and whether each takes chat messages."""
+it); one that leaves earlier is found out then. Only where the server does not tell of
+it itself (``_Leaving``: the requests it takes straight from its protocol)."""
 
 
 class Proxy:
@@ -118,7 +119,12 @@ class Proxy:
         order, outcome = await state.choose(ids, narrowed(serving, routable(scope)))
         if state.metrics.on:
             state.metrics.routed_as[outcome].inc()
-        watch = _ClientWatch(receive, self.arming)
+        cycle = leaving(receive)  # the server tells of the client's leaving: no watcher
+        watch: Watch
+        if cycle is not None and cycle.watch_leave():
+            watch = _Leaving(cycle)
+        else:
+            watch = _ClientWatch(receive, self.arming)
         try:
             await _forward(state, scope, send, body, raw, order, ids, arrived, watch)
         except asyncio.CancelledError:
@@ -236,6 +242,32 @@ class _ClientWatch:
                 self.gone.cancel()
 
 
+class _Leaving:
+    """``_ClientWatch``'s part where the server itself tells of the client's leaving
+    (a ``Direct`` request: ``pcr.web.server.leaving``): the request's task is cancelled
+    when the connection is lost, with no task reading for it and no timer."""
+
+    __slots__ = ("cycle", "task")
+
+    def __init__(self, cycle: Any) -> None:
+        self.cycle = cycle
+        self.task = cycle.task
+
+    @property
+    def left(self) -> bool:
+        return bool(self.cycle.left)
+
+    def uncancel(self) -> None:
+        self.task.uncancel()
+
+    def stop(self) -> None:
+        self.cycle.unwatch_leave()
+
+
+Watch = _ClientWatch | _Leaving
+"""How a request learns that its client left (``left``, ``uncancel``, ``stop``)."""
+
+
 async def _disconnected(receive: Receive) -> None:
     while True:
         message = await receive()
@@ -252,7 +284,7 @@ async def _forward(
     order: list[Choice],
     ids: PromptIds | None,
     arrived: float,
-    watch: _ClientWatch,
+    watch: Watch,
 ) -> None:
     """Send to the best backend, once more to the next best on a failure before its
     first byte; answer with the reply, or the error."""
@@ -320,7 +352,7 @@ async def _whole(
     upstream: Reply,
     send: Send,
     arrived: float,
-    watch: _ClientWatch,
+    watch: Watch,
     end: Ending,
     whole: bool = False,
 ) -> None:
@@ -352,7 +384,7 @@ async def _streamed(
     upstream: Reply,
     send: Send,
     arrived: float,
-    watch: _ClientWatch,
+    watch: Watch,
     end: Ending,
 ) -> None:
     """The backend's chunks as they come; a client that leaves closes the upstream

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import ctypes
 import logging
 import os
@@ -163,6 +164,14 @@ class Direct:
     app: Any
 
 
+def leaving(receive: Any) -> Any:
+    """The cycle of a ``Direct`` request whose ``receive`` this is (the app was handed
+    the cycle's own, unwrapped), for ``watch_leave``, ``unwatch_leave`` and ``left``;
+    None for any other request (or a ``receive`` a layer wrapped)."""
+    owner = getattr(receive, "__self__", None)
+    return owner if isinstance(owner, _DirectCycle) else None
+
+
 def _protocol_class(
     header_timeout: float, body_timeout: float, openai: bool = False, direct: Direct | None = None
 ) -> type[Any]:
@@ -270,6 +279,11 @@ class _DirectCycle(_Cycle):
     access_log = False
     body: bytes = b""  # type: ignore[assignment]  # ``+=`` of the first chunk onto b"" copies nothing
     openai_errors = False
+    task: asyncio.Task[None] | None = None  # the request's task, while it runs
+    watching_leave = False
+    left = False
+    """Whether the client's connection was lost while ``watch_leave`` held (and the
+    request's task was cancelled for it)."""
 
     def __init__(self, protocol: Any, scope: Any, keep_alive: bool) -> None:
         # not uvicorn's __init__: only what differs per request
@@ -312,6 +326,34 @@ class _DirectCycle(_Cycle):
                 self.transport.close()
         finally:
             self.on_response = _NOTHING
+            self.task = None
+
+    def watch_leave(self) -> bool:
+        """From now until ``unwatch_leave``, the client's connection lost before the
+        response completes cancels this request's task, and ``left`` says so (at once
+        where it is lost already): the app learns of a client that left while it waits
+        on something else, with no task or timer of its own. False where this cycle's
+        task is not known (the app must watch another way)."""
+        if self.task is None:
+            return False
+        self.watching_leave = True
+        if self.disconnected and not self.response_complete:
+            self.lost()
+        return True
+
+    def unwatch_leave(self) -> None:
+        self.watching_leave = False
+
+    def lost(self) -> None:
+        """The client's connection is gone (or answered and ended by the server) before
+        the response completed: a ``receive`` reads a disconnect, a ``send`` writes
+        nothing, and a request watching for it (``watch_leave``) is cancelled."""
+        self.disconnected = True
+        self.message_event.set()
+        task = self.task
+        if self.watching_leave and not self.left and task is not None:
+            self.left = True
+            task.cancel()
 
     async def _fault(self, exc: Exception) -> None:
         """``pcr.serve.errors.Faults``' answer to an exception of the app's own code."""
@@ -433,6 +475,7 @@ class _Deadlines(_HttpToolsProtocol):
     _lingering = False
     _idle_since: float | None = None  # when the last response ended; None: a request runs
     _idle_timer: asyncio.TimerHandle | None = None  # the keep-alive deadline's check
+    _running: Any = None  # the Direct request whose task started last
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(Coalescing(transport))  # type: ignore[arg-type]
@@ -581,7 +624,31 @@ class _Deadlines(_HttpToolsProtocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+        self._lost()
         super().connection_lost(exc)
+
+    def _lost(self) -> None:
+        """The Direct requests of this connection still answering are told it is gone
+        (``_DirectCycle.lost``): the last one read, and the one running (where requests
+        were pipelined, an earlier one)."""
+        for cycle in (self.cycle, self._running):
+            if isinstance(cycle, _DirectCycle) and not cycle.response_complete:
+                cycle.lost()
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        """uvicorn's (0.54), the task kept on a ``Direct`` request's cycle (its client's
+        leaving cancels it, ``_DirectCycle.watch_leave``)."""
+        if not isinstance(cycle, _DirectCycle):
+            super()._start_asgi_task(cycle, app)
+            return
+        if self.config.reset_contextvars:
+            task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
+        else:
+            task = self.loop.create_task(cycle.run_asgi(app))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+        cycle.task = task
+        self._running = cycle
 
     # the deadlines
 
@@ -728,7 +795,8 @@ def _answer(protocol: Any, status: int, detail: str) -> None:
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
         )
         protocol.transport.write(head.encode("latin-1") + body)
-    if cycle is not None and not cycle.response_complete:
+    protocol._lost()  # its Direct requests: as when the connection is lost
+    if cycle is not None and not isinstance(cycle, _DirectCycle) and not cycle.response_complete:
         cycle.disconnected = True  # the app reads a disconnect and sends nothing
         cycle.message_event.set()
     protocol.linger()

@@ -34,11 +34,16 @@ async def _read(receive: Any) -> bytes:
             return body
 
 
+LEFT: list[bool] = []
+"""What each ``?leave`` request's cycle said when its task was cancelled."""
+
+
 async def _main(scope: Any, receive: Any, send: Any) -> None:
     """The whole app: says it was the one, with the client it saw."""
     if scope["type"] == "lifespan":
         await lifespan(receive, send)
         return
+    assert web.leaving(receive) is None  # not a Direct request: no cycle of that kind
     await _read(receive)
     body = json.dumps({"app": "main", "path": scope["path"], "client": scope["client"][0]})
     await send({"type": "http.response.start", "status": 200,
@@ -66,6 +71,16 @@ async def _direct(scope: Any, receive: Any, send: Any) -> None:
                     "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
         await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
         raise LookupError("mid-stream")
+    if how == b"leave":  # waits on something else; the client's leaving cancels it
+        cycle = web.leaving(receive)
+        assert cycle is not None
+        assert cycle.watch_leave()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            LEFT.append(cycle.left)
+            raise
+        return
     if how == b"slow":  # past the keep-alive deadline of ``idle_port``
         await asyncio.sleep(2 * KEEP_ALIVE_S)
     if how == b"stream":
@@ -359,3 +374,22 @@ def test_a_body_that_comes_in_parts_and_an_expected_continue_reach_the_direct_ap
         reader.buffer = reader.buffer[len(b"HTTP/1.1 100 Continue\r\n\r\n") :]
         sock.sendall(b"goes")
         assert json.loads(reader.response()[2])["body"] == "goes"
+
+
+def test_a_direct_request_watching_for_its_client_is_cancelled_when_the_client_leaves(
+    port: int,
+) -> None:
+    """``leaving(receive).watch_leave()``: the request's task is cancelled when its
+    connection is lost, with nothing of the app's own reading for it, and ``left`` says
+    why; the server goes on serving."""
+    LEFT.clear()
+    with _connect(port) as sock:
+        sock.sendall(_request(PATH + b"?leave"))
+        time.sleep(0.2)  # the request is waiting (the test holds without it)
+    deadline = time.monotonic() + 30
+    while not LEFT:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.01)
+    assert LEFT == [True]
+    status, _, body = _exchange(port, _request(PATH, b"next"))
+    assert (status, json.loads(body)["body"]) == (201, "next")
