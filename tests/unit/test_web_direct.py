@@ -92,6 +92,10 @@ async def _direct(scope: Any, receive: Any, send: Any) -> None:
     elif how == b"bad-header":
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"x-bad", b"a\r\nset-cookie: x")], "body": b"{}"})  # fmt: skip
+    elif how == b"lists":
+        await send({"type": "http.response.start", "status": 200, "body": b"{}",
+                    "headers": [[b"content-type", b"application/json"],
+                                [b"x-pair", b"list"]]})  # fmt: skip
     elif how == b"no-content":
         await send({"type": "http.response.start", "status": 204, "headers": [], "body": b""})
     elif how == b"two":  # the usual two messages, with a content-length
@@ -297,9 +301,21 @@ def test_http_1_0_and_connection_close_end_the_connection(port: int, how: bytes)
 
 
 def test_a_header_that_could_split_the_response_is_refused(port: int) -> None:
-    status, headers, _ = _exchange(port, _request(PATH + b"?bad-header"))
-    assert status == 500
-    assert "set-cookie" not in headers
+    for _ in range(2):  # each time: a header found bad is never taken as checked
+        status, headers, _ = _exchange(port, _request(PATH + b"?bad-header"))
+        assert status == 500
+        assert "set-cookie" not in headers
+
+
+def test_headers_sent_as_lists_are_checked_and_written_each_time(port: int) -> None:
+    """ASGI allows a header as any pair, a list included (not kept among the headers
+    found valid, which are tuples): written the same on every reply."""
+    with _connect(port) as sock:
+        reader = _Reader(sock)
+        for _ in range(2):
+            sock.sendall(_request(PATH + b"?lists"))
+            status, headers, body = reader.response()
+            assert (status, headers["x-pair"], body) == (200, "list", b"{}")
 
 
 def test_a_direct_requests_body_still_has_its_deadline(port: int) -> None:
