@@ -392,15 +392,17 @@ def test_a_body_that_comes_in_parts_and_an_expected_continue_reach_the_direct_ap
         assert json.loads(reader.response()[2])["body"] == "goes"
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["alone", "pipelined"])
 def test_a_direct_request_watching_for_its_client_is_cancelled_when_the_client_leaves(
-    port: int,
+    port: int, pipelined: bool
 ) -> None:
     """``leaving(receive).watch_leave()``: the request's task is cancelled when its
     connection is lost, with nothing of the app's own reading for it, and ``left`` says
-    why; the server goes on serving."""
+    why (also where the client sent another request behind it, still queued); the
+    server goes on serving."""
     LEFT.clear()
     with _connect(port) as sock:
-        sock.sendall(_request(PATH + b"?leave"))
+        sock.sendall(_request(PATH + b"?leave") + (_request(PATH) if pipelined else b""))
         time.sleep(0.2)  # the request is waiting (the test holds without it)
     deadline = time.monotonic() + 30
     while not LEFT:
