@@ -146,6 +146,11 @@ HEAD_LIMIT = 16 << 10
 past it, 431."""
 
 
+HEAD_LINE = 64
+"""Bytes of a head the parser's callbacks do not show (its method, version, line ends),
+allowed for each message that ends in one read (``_Deadlines.data_received``)."""
+
+
 class _HeadTooLarge(Exception):
     """Raised from the parser's callbacks: the request's head is over ``HEAD_LIMIT``."""
 
@@ -180,6 +185,7 @@ def _protocol_class(
     answers itself (malformed HTTP: 400, a head over ``HEAD_LIMIT``: 431): ``_Deadlines``
     on uvicorn's class, imported only now; ``direct``: the app's ``Direct`` requests."""
     import httptools
+    from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     assert httptools  # imported first: a missing httptools fails here, not per connection
@@ -189,6 +195,7 @@ def _protocol_class(
         "openai_errors": openai,
         "direct": direct,
         "direct_cycle": None if direct is None else _direct_cycle_class(),
+        "high_water": HIGH_WATER_LIMIT,
     }
     return type("Protocol", (_Deadlines, HttpToolsProtocol), attributes)
 
@@ -471,6 +478,10 @@ class _Deadlines(_HttpToolsProtocol):
     phase: str | None = "new"
     _head = 0  # bytes of the current request's head seen by the callbacks
     _unfinished = 0  # bytes received while a head stayed incomplete
+    _began = False  # a message began in the data being read
+    _fed = 0  # bytes of the data being read known to precede the current head (about)
+    _head_from = 0  # ``_fed`` when the current message began
+    high_water = 65536  # uvicorn's HIGH_WATER_LIMIT (``_protocol_class``)
     _too_large = False
     _lingering = False
     _idle_since: float | None = None  # when the last response ended; None: a request runs
@@ -488,11 +499,19 @@ class _Deadlines(_HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._lingering:
             return  # after the last answer: read and drop until the client closes
+        self._began = False
+        self._fed = 0
         super().data_received(data)
         if self._lingering or self.transport.is_closing():
             return  # answered and ended by the parser's callbacks (400, 431)
         if self.phase in ("new", "headers"):  # a head that never ends (one long line)
-            self._unfinished += len(data)
+            # Only what went to the head counts: one begun in this data may follow the
+            # end of a body read with it (a busy server reads in larger pieces), whose
+            # bytes the parser's callbacks counted (``_fed``, ``_head_from``)
+            if self._began:
+                self._unfinished = max(0, len(data) - self._head_from)
+            else:
+                self._unfinished += len(data)
             if self._unfinished > HEAD_LIMIT:
                 self._refuse_head()
                 return
@@ -523,6 +542,8 @@ class _Deadlines(_HttpToolsProtocol):
         }
         self.phase = "headers"
         self._head = 0
+        self._began = True
+        self._head_from = self._fed
 
     def on_url(self, url: bytes) -> None:
         self._head += len(url)
@@ -573,8 +594,19 @@ class _Deadlines(_HttpToolsProtocol):
             self.pipeline.appendleft((self.cycle, direct.app))
         return True
 
+    def on_body(self, body: bytes) -> None:  # uvicorn's (0.54), its bytes counted
+        self._fed += len(body)
+        cycle = self.cycle
+        if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > self.high_water:
+            self.flow.pause_reading()
+        cycle.message_event.set()
+
     def on_message_complete(self) -> None:
         self.phase = None
+        self._fed += self._head + HEAD_LINE  # the head before its body (about)
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:

@@ -411,3 +411,28 @@ def test_a_direct_request_watching_for_its_client_is_cancelled_when_the_client_l
     assert LEFT == [True]
     status, _, body = _exchange(port, _request(PATH, b"next"))
     assert (status, json.loads(body)["body"]) == (201, "next")
+
+
+@pytest.mark.parametrize("target", [b"/v1/other", PATH], ids=["whole-app", "direct"])
+def test_a_bodys_tail_read_with_the_next_head_is_not_taken_for_a_head_too_large(
+    port: int, target: bytes
+) -> None:
+    """A large body whose last 40 KB arrive in one read with the start of the next
+    request's head: only the head's own bytes count against ``HEAD_LIMIT`` (a busy
+    server reads in bigger pieces, and took such a tail for a head of 40 KB: 431)."""
+    body = b'{"pad": "' + b"x" * 100_000 + b'"}'
+    first = _request(target, body)
+    second = _request(target, b"second")
+    with _connect(port) as sock:
+        reader = _Reader(sock)
+        tail = 40_000
+        sock.sendall(first[:-tail])
+        time.sleep(0.3)  # that much read before the rest (the test holds without it)
+        sock.sendall(first[-tail:] + second[:20])  # the tail and a head just begun
+        status, _, reply = reader.response()
+        assert status in (200, 201)
+        assert json.loads(reply)["body"] == body.decode() if target == PATH else True
+        time.sleep(0.3)
+        sock.sendall(second[20:])
+        status, _, reply = reader.response()
+        assert status in (200, 201), reply
