@@ -247,18 +247,17 @@ class _Leaving:
     (a ``Direct`` request: ``pcr.web.server.leaving``): the request's task is cancelled
     when the connection is lost, with no task reading for it and no timer."""
 
-    __slots__ = ("cycle", "task")
+    __slots__ = ("cycle",)
 
     def __init__(self, cycle: Any) -> None:
         self.cycle = cycle
-        self.task = cycle.task
 
     @property
     def left(self) -> bool:
         return bool(self.cycle.left)
 
     def uncancel(self) -> None:
-        self.task.uncancel()
+        self.cycle.task.uncancel()  # the cycle keeps its task until the request ends
 
     def stop(self) -> None:
         self.cycle.unwatch_leave()

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from pcr.serve.schema import ERROR_MEANINGS, MAX_BODY_BYTES, ScoreRequest
-from pcr.web.errors import ERROR_KINDS, error_body, error_content
+from pcr.web.errors import ERROR_KINDS, error_body, error_content, fault_body
 from registry.core.errors import RegistryError, RegistryUnavailable
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,7 @@ class Faults:
         except Exception as exc:
             if started:
                 raise
-            log.error("internal error on %s %s", scope["method"], scope["path"], exc_info=exc)
-            body = error_body("internal error", type(exc).__name__, 500, openai=self.openai)
+            body = fault_body(exc, scope["method"], scope["path"], openai=self.openai)
             headers = [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),

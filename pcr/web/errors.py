@@ -8,7 +8,10 @@ the request's data.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
+
+_faults = logging.getLogger("pcr.serve.errors")  # the name operators have filtered on
 
 ERROR_KINDS = {
     400: "bad request",
@@ -22,6 +25,15 @@ ERROR_KINDS = {
 }
 """The ``error`` of each status; a 500 is ``registry fault`` (an operator must act) or
 ``internal error`` (a fault of the service), a 503 of ``/health`` is ``unhealthy``."""
+
+
+def fault_body(exc: BaseException, method: str, path: str, *, openai: bool = False) -> bytes:
+    """The answer to an exception of a service's own code (a bug) before its response
+    began: logged with its traceback, and the body of a 500 ``internal error`` naming
+    only the exception's type (``pcr.serve.errors.Faults``, and the server's cycle for
+    a ``Direct`` request)."""
+    _faults.error("internal error on %s %s", method, path, exc_info=exc)
+    return error_body("internal error", type(exc).__name__, 500, openai=openai)
 
 
 def error_body(kind: str, detail: Any, status: int = 500, *, openai: bool = False) -> bytes:

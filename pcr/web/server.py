@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import contextvars
 import ctypes
-import logging
 import os
 import re
 import signal
@@ -26,8 +25,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
-
-_log = logging.getLogger("pcr.serve.errors")  # a Direct request's fault, as Faults logs it
 
 # Shared by pcr serve and pcr gateway (their apps and their command lines).
 DEFAULT_MAX_CONNECTIONS = 64
@@ -364,11 +361,10 @@ class _DirectCycle(_Cycle):
 
     async def _fault(self, exc: Exception) -> None:
         """``pcr.serve.errors.Faults``' answer to an exception of the app's own code."""
-        from pcr.web.errors import error_body
+        from pcr.web.errors import fault_body
 
         scope = self.scope
-        _log.error("internal error on %s %s", scope["method"], scope["path"], exc_info=exc)
-        body = error_body("internal error", type(exc).__name__, 500, openai=self.openai_errors)
+        body = fault_body(exc, scope["method"], scope["path"], openai=self.openai_errors)
         await self.send({"type": "http.response.start", "status": 500,
                          "headers": [(b"content-type", b"application/json")],
                          "body": body})  # fmt: skip

@@ -52,16 +52,7 @@ def test_connection_counts_are_positive_whole_numbers() -> None:
     for text in ("abc", "", "0", "16,-1", "1.5", "16,,64"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive whole numbers"):
             connection_counts(text)
-    ran = subprocess.run(
-        [sys.executable, "-m", "pcr.bench.gateway_load", "--connections", "abc"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
-    )
-    assert ran.returncode == 2
-    assert "Traceback" not in ran.stderr
-    assert "connection counts are positive whole numbers" in ran.stderr.splitlines()[-1]
+    assert "connection counts are positive whole numbers" in _refused("--connections", "abc")
 
 
 def test_counts_and_seconds_are_positive() -> None:
@@ -75,13 +66,19 @@ def test_counts_and_seconds_are_positive() -> None:
         with pytest.raises(argparse.ArgumentTypeError, match="seconds above 0"):
             positive_seconds(text)
     for flag, value in (("--rounds", "0"), ("--seconds", "nan"), ("--engines", "x")):
-        ran = subprocess.run(
-            [sys.executable, "-m", "pcr.bench.gateway_load", flag, value],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=REPO_ROOT,
-        )
-        assert ran.returncode == 2
-        assert "Traceback" not in ran.stderr
-        assert flag in ran.stderr.splitlines()[-1]
+        assert flag in _refused(flag, value)
+
+
+def _refused(*args: str) -> str:
+    """The bench run with ``args``: refused by argparse (status 2, no traceback); the
+    last line of its stderr."""
+    ran = subprocess.run(
+        [sys.executable, "-m", "pcr.bench.gateway_load", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert ran.returncode == 2
+    assert "Traceback" not in ran.stderr
+    return ran.stderr.splitlines()[-1]
