@@ -312,6 +312,21 @@ def connection_counts(text: str) -> list[int]:
     return counts
 
 
+ROUTERS = ("gateway", "round-robin", "replicas", "workers", *FLOORS, "vllm-router")
+"""What ``--routers`` can name."""
+
+
+def router_names(text: str) -> set[str]:
+    """``--routers``: names of ``ROUTERS``, comma-separated."""
+    names = {part.strip() for part in text.split(",")}
+    unknown = sorted(names - set(ROUTERS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(map(repr, unknown))}: not a router here (choose from {', '.join(ROUTERS)})"
+        )
+    return names
+
+
 def positive_count(text: str) -> int:
     """``--engines`` and ``--rounds``: a whole number of at least 1."""
     if not text.strip().isdigit() or int(text) < 1:
@@ -724,7 +739,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         namespaces = [f"stub-{n}" for n in range(args.engines)]
         backends = {ns: f"http://127.0.0.1:{p}" for ns, p in zip(namespaces, ports, strict=True)}
         fill(server.url, namespaces, workload)
-        which = set(args.routers.split(","))
+        which = args.routers
         made = _routers(server.url, backends, tokenizer_dir, which, args.baseline)
         for router in made:  # each in the list as it starts: stopped below if one fails
             routers.append(router.start(log_dir))
@@ -807,7 +822,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engines", type=positive_count, default=ENGINES)
     parser.add_argument("--connections", type=connection_counts, default=list(CONNECTIONS))
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--routers", default="gateway,replicas,workers,floor,floor-raw,vllm-router")
+    parser.add_argument(
+        "--routers",
+        type=router_names,
+        default=router_names("gateway,replicas,workers,floor,floor-raw,vllm-router"),
+    )
     parser.add_argument(
         "--baseline",
         type=Path,

@@ -11,7 +11,13 @@ import sys
 
 import pytest
 
-from pcr.bench.gateway_load import connection_counts, cores, positive_count, positive_seconds
+from pcr.bench.gateway_load import (
+    connection_counts,
+    cores,
+    positive_count,
+    positive_seconds,
+    router_names,
+)
 from tests.support import REPO_ROOT
 
 
@@ -82,3 +88,11 @@ def _refused(*args: str) -> str:
     assert ran.returncode == 2
     assert "Traceback" not in ran.stderr
     return ran.stderr.splitlines()[-1]
+
+
+def test_router_names_are_the_benchs_own() -> None:
+    assert router_names("gateway, floor-direct") == {"gateway", "floor-direct"}
+    for text in ("nope", "gateway,nope", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a router here"):
+            router_names(text)
+    assert "not a router here" in _refused("--routers", "floor-direct,nope")
