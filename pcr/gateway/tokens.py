@@ -62,7 +62,7 @@ import math
 import multiprocessing
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -76,7 +76,13 @@ except ImportError:  # pragma: no cover - installed without it: json alone
     _fast_loads = None  # type: ignore[assignment]
 
 from pcr.gateway.balance import prompt_root
-from registry.core.hashing import ChainKeys, block_hashes, request_chain_keys, token_ids
+from registry.core.hashing import (
+    ChainKeys,
+    block_hashes,
+    body_token_ids,
+    request_chain_keys,
+    token_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +157,9 @@ class PromptIds:
 
 NO_KEYS = ChainKeys()
 """An unsalted request on a base model: the plain chain."""
+TOKEN_LIMIT = 2**31
+"""A token id is an int in ``[0, TOKEN_LIMIT)``: a prompt holding any other value is
+not taken for token ids."""
 
 
 def chain_keys(body: dict[str, Any], adapters: frozenset[str] = frozenset()) -> ChainKeys:
@@ -199,7 +208,7 @@ def salted_body(raw: bytes, salt: str) -> bytes:
 
 
 def ids_of(
-    tokens: list[int], block_size: int, hashed: bool, keys: ChainKeys = NO_KEYS
+    tokens: Sequence[int], block_size: int, hashed: bool, keys: ChainKeys = NO_KEYS
 ) -> PromptIds:
     """The prompt's ids for routing, its hashes chained from ``keys`` as the engine's are
     (a salted or adapter prompt's kin are the prompts with the same keys too)."""
@@ -261,10 +270,7 @@ def parse_body(
         raise BadBody("the body is not JSON") from None
     if not isinstance(body, dict):
         raise BadBody("the body must be a JSON object")
-    keys = chain_keys(body, adapters)  # the request's own salt checked first
-    if tenant is not None:  # then the tenant's own in its place (``salted_body``)
-        body["cache_salt"] = tenant_salt(tenant, body.get("cache_salt"))
-        keys = chain_keys(body, adapters)
+    keys = _keyed(body, adapters, tenant)
     if chat:
         return body, None
     prompt = body.get("prompt")
@@ -275,6 +281,46 @@ def parse_body(
     tokens = token_prompt(body)
     ids = None if tokens is None or block_size is None else ids_of(tokens, block_size, hashed, keys)
     return body, ids
+
+
+def _keyed(body: dict[str, Any], adapters: frozenset[str], tenant: str | None) -> ChainKeys:
+    """``chain_keys`` of the body, the request's own salt checked first; for a tenant,
+    then the tenant's own salt set in its place (``salted_body``)."""
+    keys = chain_keys(body, adapters)
+    if tenant is not None:
+        body["cache_salt"] = tenant_salt(tenant, body.get("cache_salt"))
+        keys = chain_keys(body, adapters)
+    return keys
+
+
+def _token_body(
+    raw: bytes,
+    max_tokens: int | None,
+    block_size: int | None,
+    hashed: bool,
+    adapters: frozenset[str],
+    tenant: str | None,
+) -> tuple[dict[str, Any], PromptIds | None] | None:
+    """``_parse_apart``'s answer for a completion whose prompt is one list of token ids,
+    with no Python int made per id: the ids read from the bytes in C
+    (``body_token_ids``), the rest of the body parsed with the list left out. None
+    where the body is not of that shape, or not JSON: ``parse_body`` then reads it all
+    and answers as ever (the same body, ids and errors either way)."""
+    found = body_token_ids(raw, TOKEN_LIMIT)
+    if found is None:
+        return None
+    start, end, tokens = found
+    try:
+        body = loads(b"".join((raw[:start], b"0", raw[end:])))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict) or "prompt" not in body:
+        return None  # not so when the extension found it; the whole body parsed then
+    del body["prompt"]
+    keys = _keyed(body, adapters, tenant)
+    if max_tokens is not None and len(tokens) > max_tokens:
+        raise too_many(len(tokens), max_tokens)
+    return body, None if block_size is None else ids_of(tokens, block_size, hashed, keys)
 
 
 def _parse_apart(
@@ -290,6 +336,10 @@ def _parse_apart(
     routing needs; the raw body is what is forwarded): in the helper process it stays
     there; on the loop, a list of hundreds of ids held by a request in flight is what the
     garbage collector would walk at every young collection."""
+    if not chat:
+        found = _token_body(raw, max_tokens, block_size, hashed, adapters, tenant)
+        if found is not None:
+            return found
     body, ids = parse_body(raw, chat, max_tokens, block_size, hashed, adapters, tenant)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], str)):
@@ -740,7 +790,7 @@ def token_prompt(body: dict[str, Any]) -> list[int] | None:
 def _tokens(values: list[Any]) -> bool:
     """Whether every value is a token id (``_token``): checked in one C pass
     (``registry.core.hashing.token_ids``), not value by value."""
-    return token_ids(values, 2**31)
+    return token_ids(values, TOKEN_LIMIT)
 
 
 def text_prompt(body: dict[str, Any]) -> str | None:
@@ -752,7 +802,7 @@ def text_prompt(body: dict[str, Any]) -> str | None:
 
 
 def _token(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 2**31
+    return type(value) is int and 0 <= value < TOKEN_LIMIT
 
 
 async def prompt_tokens(

@@ -334,11 +334,164 @@ static PyObject *token_ids(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_RETURN_TRUE;
 }
 
+/* ---- a prompt of token ids read straight from a request's body ---------------- */
+
+#define SCAN_MAX_DEPTH 512 /* deeper nesting in another member: the caller parses it all */
+
+static inline const uint8_t *skip_ws(const uint8_t *p, const uint8_t *end) {
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    return p;
+}
+
+/* `p` at a string's opening quote: the byte after its closing quote (NULL: unended);
+ * `*escaped` set where the string holds a backslash. */
+static const uint8_t *skip_string(const uint8_t *p, const uint8_t *end, int *escaped) {
+    for (p++; p < end; p++) {
+        if (*p == '"') return p + 1;
+        if (*p == '\\') {
+            *escaped = 1;
+            p++;
+        }
+    }
+    return NULL;
+}
+
+/* `p` at a value: the byte after it (a scalar ends at white space, ',', '}' or ']'),
+ * NULL where it does not end. Only strings and nesting are followed: the rest of the
+ * JSON grammar is checked by the parser the caller hands the body to. */
+static const uint8_t *skip_value(const uint8_t *p, const uint8_t *end) {
+    int depth = 0, escaped = 0;
+    while (p < end) {
+        uint8_t c = *p;
+        if (c == '"') {
+            p = skip_string(p, end, &escaped);
+            if (p == NULL || depth == 0) return p;
+        } else if (c == '{' || c == '[') {
+            if (++depth > SCAN_MAX_DEPTH) return NULL;
+            p++;
+        } else if (c == '}' || c == ']') {
+            if (depth == 0) return p;
+            p++;
+            if (--depth == 0) return p;
+        } else if (depth == 0 && (c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r')) {
+            return p;
+        } else {
+            p++;
+        }
+    }
+    return depth == 0 ? p : NULL;
+}
+
+/* `p` just past '[': the ids up to the matching ']' packed as int64 little-endian into
+ * `*out` (grown as needed), their count in `*count`; the byte after ']', or NULL where
+ * an item is not a plain JSON integer in [0, limit) (a sign, a fraction, an exponent,
+ * a leading zero, a nested list, a string) or the list is empty. */
+static const uint8_t *scan_ids(const uint8_t *p, const uint8_t *end, uint64_t limit,
+                               uint8_t **out, size_t *capacity, size_t *count) {
+    p = skip_ws(p, end);
+    if (p < end && *p == ']') return NULL;
+    for (;;) {
+        if (p >= end || *p < '0' || *p > '9') return NULL;
+        uint64_t v = (uint64_t)(*p++ - '0');
+        if (v == 0) {
+            if (p < end && *p >= '0' && *p <= '9') return NULL;
+        } else {
+            while (p < end && *p >= '0' && *p <= '9') {
+                v = v * 10 + (uint64_t)(*p++ - '0'); /* v < limit <= 2^62 before: no wrap */
+                if (v >= limit) return NULL;
+            }
+        }
+        if (v >= limit) return NULL;
+        if (*count == *capacity) {
+            size_t more = *capacity ? 2 * *capacity : 512;
+            uint8_t *grown = PyMem_Realloc(*out, 8 * more);
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                return NULL;
+            }
+            *out = grown;
+            *capacity = more;
+        }
+        store_le64(*out + 8 * (*count)++, v);
+        p = skip_ws(p, end);
+        if (p >= end) return NULL;
+        if (*p == ']') return p + 1;
+        if (*p != ',') return NULL;
+        p = skip_ws(p + 1, end);
+    }
+}
+
+/* prompt_ids(raw, limit) -> (start, end, packed) | None
+ *
+ * Where `raw` is a JSON object whose one member named "prompt" (no other member's name
+ * escaped: an escape could spell it) holds a non-empty list of plain integers, each in
+ * [0, limit): the list's span raw[start:end] and its ids packed as int64 little-endian
+ * (what chain() takes), no Python object made per id. None for anything else, and
+ * where the body is not JSON: the caller then parses the whole body. The span sits
+ * between ':' and ',' or '}', so raw with it replaced by another value is JSON exactly
+ * when raw is, with the same members (the caller parses that, and finds out). */
+static PyObject *prompt_ids(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "prompt_ids(raw: bytes, limit: int)");
+        return NULL;
+    }
+    long long limit = PyLong_AsLongLong(args[1]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    if (limit < 1 || limit > (1LL << 59)) {
+        PyErr_SetString(PyExc_ValueError, "limit must be in [1, 2**59]");
+        return NULL;
+    }
+    const uint8_t *base = (const uint8_t *)PyBytes_AS_STRING(args[0]);
+    const uint8_t *end = base + PyBytes_GET_SIZE(args[0]);
+    const uint8_t *p = skip_ws(base, end), *span = NULL, *span_end = NULL;
+    uint8_t *packed = NULL;
+    size_t capacity = 0, count = 0;
+    if (p >= end || *p != '{') goto none;
+    p = skip_ws(p + 1, end);
+    for (;;) {
+        if (p >= end || *p != '"') goto none;
+        int escaped = 0;
+        const uint8_t *name = p + 1;
+        p = skip_string(p, end, &escaped);
+        if (p == NULL || escaped) goto none;
+        int is_prompt = (p - 1 - name == 6 && memcmp(name, "prompt", 6) == 0);
+        p = skip_ws(p, end);
+        if (p >= end || *p != ':') goto none;
+        p = skip_ws(p + 1, end);
+        if (is_prompt) {
+            if (span != NULL || p >= end || *p != '[') goto none;
+            span = p;
+            p = scan_ids(p + 1, end, (uint64_t)limit, &packed, &capacity, &count);
+            span_end = p;
+        } else {
+            p = skip_value(p, end);
+        }
+        if (p == NULL) goto none;
+        p = skip_ws(p, end);
+        if (p >= end) goto none;
+        if (*p == '}') break;
+        if (*p != ',') goto none;
+        p = skip_ws(p + 1, end);
+    }
+    if (span == NULL || skip_ws(p + 1, end) != end) goto none;
+    PyObject *ids = PyBytes_FromStringAndSize((const char *)packed, (Py_ssize_t)(8 * count));
+    PyMem_Free(packed);
+    if (ids == NULL) return NULL;
+    return Py_BuildValue("(nnN)", (Py_ssize_t)(span - base), (Py_ssize_t)(span_end - base), ids);
+none:
+    PyMem_Free(packed);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL,
      "chain(parent, tokens, block_size, digests, portable): block hashes or digests."},
     {"token_ids", (PyCFunction)(void (*)(void))token_ids, METH_FASTCALL,
      "token_ids(values, limit): a non-empty list of ints (not bools), each in [0, limit)."},
+    {"prompt_ids", (PyCFunction)(void (*)(void))prompt_ids, METH_FASTCALL,
+     "prompt_ids(raw, limit): the span and packed ids of a JSON body's prompt of token ids."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {

@@ -219,6 +219,27 @@ def token_ids(values: list[Any], limit: int) -> bool:
     )
 
 
+def body_token_ids(raw: bytes, limit: int) -> tuple[int, int, array[int]] | None:
+    """Where ``raw`` is a JSON object whose member ``"prompt"`` is a non-empty list of
+    plain integers each in ``[0, limit)`` (``limit`` at most 2^59): the list's span in
+    ``raw`` (``start``, ``end``) and its ids, read from the bytes in C with no Python int
+    made per id. None for any other body (text, a list of lists, a sign, a fraction, a
+    repeated or escaped member name), for a body that is not JSON, and where the C
+    extension is not built: the caller parses the whole body then. The span lies
+    between ``:`` and ``,`` or ``}``, so ``raw`` with another value in its place is JSON
+    exactly when ``raw`` is, with the same other members."""
+    if _blockhash is None:
+        return None
+    found = _blockhash.prompt_ids(raw, limit)
+    if found is None:
+        return None
+    start, end, packed = found
+    ids = array("q", packed)  # packed int64 little-endian: as chain() takes it
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return start, end, ids
+
+
 def implementation() -> str:
     """Which code computes the chain here: ``"c (sha-ni)"`` (the C extension on the
     CPU's SHA extensions), ``"c (portable)"`` or ``"python"`` (built without it)."""
@@ -226,11 +247,16 @@ def implementation() -> str:
 
 
 def _native_chain(parent: bytes, tokens: Any, block_size: int, *, digests: bool) -> list[Any]:
-    """The chain in the C extension: a list or tuple of plain ints packed there, any
+    """The chain in the C extension: a list or tuple of plain ints packed there, an
+    ``array("q")`` on a little-endian machine taken as it is (``body_token_ids``), any
     other input (or a list holding bools, int subclasses, numpy scalars) packed and
     checked by :func:`_int64_bytes` first, so both paths accept and refuse alike."""
     assert _blockhash is not None
     done: list[Any] | None
+    if type(tokens) is array and tokens.typecode == "q" and sys.byteorder == "little":
+        done = _blockhash.chain(parent, tokens.tobytes(), block_size, digests, False)
+        assert done is not None
+        return done
     if type(tokens) is list or type(tokens) is tuple:
         done = _blockhash.chain(parent, tokens, block_size, digests, False)
         if done is not None:

@@ -27,6 +27,11 @@ class _PortableOnly:
         assert NATIVE is not None
         return NATIVE.chain(parent, tokens, block_size, digests, True)
 
+    @staticmethod
+    def prompt_ids(raw: bytes, limit: int) -> Any:
+        assert NATIVE is not None
+        return NATIVE.prompt_ids(raw, limit)
+
 
 _NO_EXTENSION = pytest.mark.skipif(NATIVE is None, reason="C extension not built")
 CHAIN_PATHS = [
