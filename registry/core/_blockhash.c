@@ -6,7 +6,9 @@
  * module is the specification and the fallback; this file computes the same numbers:
  * tokens packed straight from a list or tuple of exact ints (no intermediate array),
  * one SHA-256 compression per 64 bytes without an object or a call per block, the
- * hashing done without the GIL on large prompts.
+ * hashing done without the GIL on large prompts, the digests of blocks hashed before
+ * after the same parent remembered (compared byte for byte); a prompt of token ids
+ * read straight from a request's JSON body.
  *
  * SHA-256 runs on the CPU's SHA extensions (x86-64 SHA-NI, chosen at run time by
  * CPUID) and otherwise on a portable C implementation (FIPS 180-4), the same digests.
@@ -14,6 +16,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pythread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -194,21 +197,121 @@ static int pack_exact_ints(PyObject *seq, Py_ssize_t n, uint8_t *out) {
 
 /* ---- the chain ----------------------------------------------------------------- */
 
+/* ---- digests remembered ---------------------------------------------------------
+ *
+ * Prompts share their first blocks (a system prompt, a conversation's earlier turns),
+ * so a block is mostly hashed after the same parent again and again. The last digests
+ * computed are remembered in a table of slots, each holding a parent digest, the block's
+ * bytes and the digest of both: a block found there with the same parent and bytes
+ * (compared in full, never by a hash of them) takes the digest remembered, the same
+ * one SHA-256 gives. Two slots side by side are found by the parent's first 8 bytes (a
+ * digest: random) and the block's first token; a block not there takes the one of the
+ * two used least recently. The table is allocated at
+ * the first chain (MEMO_BYTES at most, for one block size at a time: another size
+ * starts it again) and guarded by a lock only ever tried: a thread that finds it held
+ * (another hashing a long prompt without the GIL) hashes without it. */
+
+#define MEMO_BYTES (4u << 20)
+#define MEMO_MAX_STEP 512 /* block sizes up to 64 tokens */
+
+static PyThread_type_lock memo_lock = NULL;
+static int memo_on = 1;
+static uint8_t *memo_table = NULL;
+static size_t memo_step = 0, memo_slots = 0, memo_slot_bytes = 0;
+static uint64_t memo_tick = 0; /* counts lookups: a slot's last use */
+
+/* The table for blocks of `step` bytes (the memo lock held), NULL where it cannot be. */
+static uint8_t *memo_for(size_t step) {
+    if (!memo_on || step > MEMO_MAX_STEP) return NULL;
+    if (memo_table != NULL && memo_step == step) return memo_table;
+    PyMem_RawFree(memo_table);
+    memo_table = NULL;
+    size_t slot_bytes = 8 + 2 * DIGEST_BYTES + step, slots = 2;
+    while (2 * slots * slot_bytes <= MEMO_BYTES) slots *= 2;
+    memo_table = PyMem_RawCalloc(slots, slot_bytes);
+    if (memo_table == NULL) return NULL;
+    memo_step = step;
+    memo_slots = slots;
+    memo_slot_bytes = slot_bytes;
+    return memo_table;
+}
+
 /* Hashes `nblocks` blocks of `step` bytes from `data`, chained from `parent`, writing
- * each block's 32-byte digest to `digests`. `message` holds one padded message. */
+ * each block's 32-byte digest to `digests`. `message` holds one padded message.
+ * `remember`: digests are looked up and kept in the memo table where its lock is free.
+ * Takes no Python object and never the GIL: called with or without it. */
 static void chain_blocks(digest_fn digest, const uint8_t *parent, const uint8_t *data,
                          size_t step, size_t nblocks, uint8_t *message, size_t message_blocks,
-                         uint8_t *digests) {
+                         uint8_t *digests, int remember) {
     size_t length = DIGEST_BYTES + step;
     memset(message + length, 0, 64 * message_blocks - length);
     message[length] = 0x80;
     uint64_t bits = (uint64_t)length * 8;
     for (int i = 0; i < 8; i++) message[64 * message_blocks - 1 - i] = (uint8_t)(bits >> (8 * i));
+    int locked = remember && memo_lock != NULL && PyThread_acquire_lock(memo_lock, NOWAIT_LOCK);
+    uint8_t *table = locked ? memo_for(step) : NULL;
     for (size_t k = 0; k < nblocks; k++) {
-        memcpy(message, k ? digests + DIGEST_BYTES * (k - 1) : parent, DIGEST_BYTES);
-        memcpy(message + DIGEST_BYTES, data + step * k, step);
-        digest(message, message_blocks, digests + DIGEST_BYTES * k);
+        const uint8_t *prior = k ? digests + DIGEST_BYTES * (k - 1) : parent;
+        const uint8_t *block = data + step * k;
+        uint8_t *out = digests + DIGEST_BYTES * k, *slot = NULL;
+        if (table != NULL) {
+            /* two slots side by side, each with the tick of its last use (0: empty) */
+            uint64_t a, b, used[2];
+            memcpy(&a, prior, 8);
+            memcpy(&b, block, 8);
+            uint64_t at = a ^ (b * 0x9e3779b97f4a7c15ULL);
+            uint8_t *pair = table + ((at ^ (at >> 29)) & (memo_slots - 2)) * memo_slot_bytes;
+            for (int w = 0; w < 2; w++) {
+                uint8_t *one = pair + w * memo_slot_bytes;
+                memcpy(&used[w], one, 8);
+                if (used[w] && memcmp(one + 8, prior, DIGEST_BYTES) == 0 &&
+                    memcmp(one + 8 + 2 * DIGEST_BYTES, block, step) == 0) {
+                    slot = one;
+                    break;
+                }
+            }
+            memo_tick++;
+            if (slot != NULL) {
+                memcpy(slot, &memo_tick, 8);
+                memcpy(out, slot + 8 + DIGEST_BYTES, DIGEST_BYTES);
+                continue;
+            }
+            slot = used[0] <= used[1] ? pair : pair + memo_slot_bytes; /* the older one */
+        }
+        memcpy(message, prior, DIGEST_BYTES);
+        memcpy(message + DIGEST_BYTES, block, step);
+        digest(message, message_blocks, out);
+        if (slot != NULL) {
+            memcpy(slot, &memo_tick, 8);
+            memcpy(slot + 8, prior, DIGEST_BYTES);
+            memcpy(slot + 8 + DIGEST_BYTES, out, DIGEST_BYTES);
+            memcpy(slot + 8 + 2 * DIGEST_BYTES, block, step);
+        }
     }
+    if (locked) PyThread_release_lock(memo_lock);
+}
+
+/* memo(on) -> bool: digests remembered from now on (True: the table kept meanwhile,
+ * it is used again) or not (False); None: the table dropped, whatever is remembered
+ * forgotten. Answers whether they were remembered. For measuring the chain itself. */
+static PyObject *memo(PyObject *module, PyObject *arg) {
+    (void)module;
+    int on = arg == Py_None ? -1 : PyObject_IsTrue(arg);
+    if (on == -1 && arg != Py_None) return NULL;
+    if (memo_lock == NULL) Py_RETURN_FALSE;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(memo_lock, WAIT_LOCK);
+    Py_END_ALLOW_THREADS
+    int was = memo_on;
+    if (on >= 0) {
+        memo_on = on;
+    } else {
+        PyMem_RawFree(memo_table);
+        memo_table = NULL;
+        memo_step = memo_slots = memo_slot_bytes = 0;
+    }
+    PyThread_release_lock(memo_lock);
+    return PyBool_FromLong(was);
 }
 
 /* chain(parent, tokens, block_size, digests, portable) -> list | None
@@ -287,10 +390,12 @@ static PyObject *chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (step * nblocks >= NOGIL_BYTES) {
         /* Only memory this call owns, and immutable bytes it holds references to. */
         Py_BEGIN_ALLOW_THREADS
-        chain_blocks(digest, start, data, step, nblocks, message, message_blocks, digests);
+        chain_blocks(digest, start, data, step, nblocks, message, message_blocks, digests,
+                     !portable);
         Py_END_ALLOW_THREADS
     } else {
-        chain_blocks(digest, start, data, step, nblocks, message, message_blocks, digests);
+        chain_blocks(digest, start, data, step, nblocks, message, message_blocks, digests,
+                     !portable);
     }
     PyMem_Free(message);
     PyMem_Free(packed);
@@ -490,6 +595,8 @@ static PyMethodDef methods[] = {
      "chain(parent, tokens, block_size, digests, portable): block hashes or digests."},
     {"token_ids", (PyCFunction)(void (*)(void))token_ids, METH_FASTCALL,
      "token_ids(values, limit): a non-empty list of ints (not bools), each in [0, limit)."},
+    {"memo", (PyCFunction)memo, METH_O,
+     "memo(on): digests of blocks remembered (True) or not; None forgets them."},
     {"prompt_ids", (PyCFunction)(void (*)(void))prompt_ids, METH_FASTCALL,
      "prompt_ids(raw, limit): the span and packed ids of a JSON body's prompt of token ids."},
     {NULL, NULL, 0, NULL}};
@@ -502,6 +609,7 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__blockhash(void) {
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL) return NULL;
+    if (memo_lock == NULL) memo_lock = PyThread_allocate_lock(); /* none: never remembered */
     const char *sha = "portable";
 #if PCR_HAVE_SHANI
     if (cpu_has_shani()) {

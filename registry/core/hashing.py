@@ -240,6 +240,19 @@ def body_token_ids(raw: bytes, limit: int) -> tuple[int, int, array[int]] | None
     return start, end, ids
 
 
+def remember_digests(on: bool | None) -> bool:
+    """Whether the C extension remembers the digests of blocks it hashed, to give them
+    again for the same block after the same parent (prompts share their first blocks:
+    a system prompt, a conversation's earlier turns), byte for byte compared, so the
+    same hashes either way: ``True`` (the default) or ``False`` from now on, ``None``
+    to forget what it remembered. Answers whether it remembered before (False without
+    the extension). For measuring the chain itself."""
+    if _blockhash is None:
+        return False
+    was: bool = _blockhash.memo(on)
+    return was
+
+
 def implementation() -> str:
     """Which code computes the chain here: ``"c (sha-ni)"`` (the C extension on the
     CPU's SHA extensions), ``"c (portable)"`` or ``"python"`` (built without it)."""

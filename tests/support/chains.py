@@ -28,6 +28,11 @@ class _PortableOnly:
         return NATIVE.chain(parent, tokens, block_size, digests, True)
 
     @staticmethod
+    def memo(on: bool | None) -> Any:
+        assert NATIVE is not None
+        return NATIVE.memo(on)
+
+    @staticmethod
     def prompt_ids(raw: bytes, limit: int) -> Any:
         assert NATIVE is not None
         return NATIVE.prompt_ids(raw, limit)
