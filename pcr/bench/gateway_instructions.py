@@ -11,9 +11,13 @@ sent one after another on one kept-alive connection, then off. Every thread of t
 gateway is counted (its view's follower and its background loops too, a small share).
 One connection means a wake-up of the event loop per request: the figure is higher than
 under load, where one wake-up serves several; compare checkouts with it, not routers.
-Valgrind hides the CPU's SHA extensions, so the block hashes are counted on the C
-extension's portable SHA-256 (about 28% of a token-id request's figure, where they cost
-a few percent of the CPU with SHA-NI); cache misses and the kernel's time are not counted.
+Valgrind hides the CPU's SHA extensions, so the blocks hashed are counted on the C
+extension's portable SHA-256, about 5x their cost on a CPU with SHA-NI: a token-id
+request's 25 blocks were about 28% of its figure, where they cost a few percent of the
+CPU, until the chain remembered the digests of blocks hashed before (a shared system
+prompt's blocks are then looked up, not hashed: only a prompt's own blocks count). A
+change to how much is hashed reads here 5x larger than on the CPU. Cache misses and the
+kernel's time are not counted.
 
 ``python -m pcr.bench.gateway_instructions --baseline DIR`` counts this checkout's gateway
 and DIR's (another checkout, its C extensions built in place) in turns, ``--rounds``
