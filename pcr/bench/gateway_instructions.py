@@ -44,7 +44,7 @@ from pcr.bench import gateway_load as load
 from pcr.bench.servers import RedisServer, free_port
 from pcr.tables import format_table
 
-PATHS = {"chat": "/v1/chat/completions", "ids": "/v1/completions"}
+PATHS = load.PATHS
 START_S = 600.0
 """Seconds a gateway under valgrind may take to say it is ready (its imports run ~10x
 slower there)."""
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             checkouts.append((f"gateway at {args.baseline.name}", args.baseline))
         rows = []
         for shape in args.shapes.split(","):
-            bodies = workload.chat if shape == "chat" else workload.ids
+            bodies = workload.bodies(shape)
             counted: dict[str, list[float]] = {label: [] for label, _ in checkouts}
             for turn in range(args.rounds):
                 for label, checkout in checkouts if turn % 2 == 0 else checkouts[::-1]:

@@ -23,7 +23,10 @@ requests through each router in turn, alternating within one run:
 
 Two shapes: chat bodies (``/v1/chat/completions``, rendered and tokenized by the gateway
 with a byte-level BPE tokenizer trained here, ChatML template) and completions whose
-prompt is token ids; both about 408 tokens, on 8 shared system prompts. Each router is
+prompt is token ids; both about 408 tokens, on 8 shared system prompts taken in turn.
+A third, ``--shapes long``: completions of 4,096 token ids from a 152,000-token
+vocabulary, 3,968 of them one of 8 system prompts picked by Zipf popularity (each cached
+on one engine), 128 the request's own. Each router is
 pinned to one core (``taskset``, core 0), the stubs, Redis and the load generator to the
 other (``--router-cores`` and ``--load-cores`` move them: routers on two cores or more
 let two processes run at once, and "vs 1 proc", requests/s against one process, reads
@@ -74,7 +77,14 @@ USER_TOKENS = 24
 BLOCK_SIZE = 16
 FILLER_BLOCKS = 4_096
 CONNECTIONS = (16, 64, 256)
+PATHS = {"chat": "/v1/chat/completions", "ids": "/v1/completions", "long": "/v1/completions"}
+"""Each shape's route."""
 SHAPES = ("chat", "ids")
+"""The shapes run unless ``--shapes`` says otherwise."""
+ALL_SHAPES = (*SHAPES, "long")
+LONG_TOKENS = 4_096
+LONG_USER_TOKENS = 128
+LONG_VOCABULARY = 152_000
 PACED_RATE = 200.0
 IDLE_SETTLE_S = 5.0
 """Seconds after the last measured traffic before each router's idle CPU is read."""
@@ -316,6 +326,17 @@ ROUTERS = ("gateway", "round-robin", "replicas", "workers", *FLOORS, "vllm-route
 """What ``--routers`` can name."""
 
 
+def shape_names(text: str) -> str:
+    """``--shapes``: names of ``ALL_SHAPES``, comma-separated, each once."""
+    shapes = text.split(",")
+    unknown = [s for s in shapes if s not in ALL_SHAPES]
+    if unknown or len(set(shapes)) != len(shapes):
+        raise argparse.ArgumentTypeError(
+            f"shapes are {', '.join(ALL_SHAPES)}, comma-separated, each once"
+        )
+    return text
+
+
 def router_names(text: str) -> set[str]:
     """``--routers``: names of ``ROUTERS``, comma-separated."""
     names = {part.strip() for part in text.split(",")}
@@ -521,6 +542,12 @@ class Workload:
     ids: list[bytes]
     chat_systems: list[list[int]]
     id_systems: list[list[int]]
+    long: list[bytes] = field(default_factory=list)
+    long_systems: list[list[int]] = field(default_factory=list)
+
+    def bodies(self, shape: str) -> list[bytes]:
+        """The request bodies of ``shape`` (one of ``ALL_SHAPES``)."""
+        return {"chat": self.chat, "ids": self.ids, "long": self.long}[shape]
 
 
 def _request(path: str, port: int, body: dict[str, Any]) -> bytes:
@@ -553,11 +580,25 @@ def build_workload(tokenizer: Any, variants: int = 64) -> Workload:
         chat.append({"model": "tiny", "messages": messages, "max_tokens": 1})
         prompt = id_systems[s] + [rng.randrange(4, 3_999) for _ in range(USER_TOKENS)]
         ids.append({"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    # long: 4,096 token ids from a large vocabulary, 3,968 of them one of 8 system
+    # prompts picked by Zipf popularity (the first most often), 128 the request's own
+    long_systems = [
+        [rng.randrange(LONG_VOCABULARY) for _ in range(LONG_TOKENS - LONG_USER_TOKENS)]
+        for _ in range(SYSTEM_PROMPTS)
+    ]
+    weights = [1.0 / (k + 1) ** 1.1 for k in range(SYSTEM_PROMPTS)]
+    long = []
+    for _ in range(variants):
+        (s,) = rng.choices(range(SYSTEM_PROMPTS), weights)
+        own = [rng.randrange(LONG_VOCABULARY) for _ in range(LONG_USER_TOKENS)]
+        long.append({"model": "tiny", "prompt": long_systems[s] + own, "max_tokens": 1})
     return Workload(
         [json.dumps(b).encode() for b in chat],
         [json.dumps(b).encode() for b in ids],
         chat_systems,
         id_systems,
+        [json.dumps(b).encode() for b in long],
+        long_systems,
     )
 
 
@@ -575,7 +616,9 @@ def fill(url: str, namespaces: Sequence[str], workload: Workload) -> None:
             registry.register_kv(list(range(FILLER_BLOCKS)), filler)
             block = FILLER_BLOCKS
             for s in range(i, SYSTEM_PROMPTS, len(namespaces)):
-                for tokens in (workload.chat_systems[s], workload.id_systems[s]):
+                systems = [workload.chat_systems[s], workload.id_systems[s]]
+                systems += workload.long_systems[s : s + 1]
+                for tokens in systems:
                     hashes = block_hashes(tokens, BLOCK_SIZE)
                     registry.register_kv(list(range(block, block + len(hashes))), hashes)
                     block += len(hashes)
@@ -745,8 +788,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             routers.append(router.start(log_dir))
         say(f"routers: {', '.join(r.label for r in routers)}; logs in {log_dir}")
         shapes = {
-            "chat": [_request("/v1/chat/completions", 0, json.loads(b)) for b in workload.chat],
-            "ids": [_request("/v1/completions", 0, json.loads(b)) for b in workload.ids],
+            shape: [_request(PATHS[shape], 0, json.loads(b)) for b in workload.bodies(shape)]
+            for shape in args.shapes.split(",")
         }
         rows: list[dict[str, Any]] = []
         for shape in args.shapes.split(","):
@@ -821,7 +864,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcr.bench.gateway_load", description=__doc__)
     parser.add_argument("--engines", type=positive_count, default=ENGINES)
     parser.add_argument("--connections", type=connection_counts, default=list(CONNECTIONS))
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument(
+        "--shapes",
+        type=shape_names,
+        default=",".join(SHAPES),
+        help=f"comma-separated, of {', '.join(ALL_SHAPES)} (default {','.join(SHAPES)})",
+    )
     parser.add_argument(
         "--routers",
         type=router_names,

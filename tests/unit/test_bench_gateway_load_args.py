@@ -5,6 +5,7 @@ read as taskset reads them, connection counts as positive whole numbers, and a b
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -12,11 +13,16 @@ import sys
 import pytest
 
 from pcr.bench.gateway_load import (
+    LONG_TOKENS,
+    SYSTEM_PROMPTS,
+    Workload,
+    build_workload,
     connection_counts,
     cores,
     positive_count,
     positive_seconds,
     router_names,
+    shape_names,
 )
 from tests.support import REPO_ROOT
 
@@ -96,3 +102,39 @@ def test_router_names_are_the_benchs_own() -> None:
         with pytest.raises(argparse.ArgumentTypeError, match="not a router here"):
             router_names(text)
     assert "not a router here" in _refused("--routers", "floor-direct,nope")
+
+
+def test_shape_names_are_the_benchs_own_each_once() -> None:
+    """An unknown shape once ended in a KeyError traceback after the routers started."""
+    assert shape_names("ids,long") == "ids,long"
+    for text in ("nope", "ids,nope", "", "ids,ids"):
+        with pytest.raises(argparse.ArgumentTypeError, match="shapes are chat, ids, long"):
+            shape_names(text)
+    assert "shapes are chat, ids, long" in _refused("--shapes", "ids,chats")
+
+
+class _Words:
+    """A stand-in tokenizer for the workload's chat part (not under test here)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [len(word) for word in text.split()]
+
+    def decode(self, tokens: list[int]) -> str:
+        return " ".join("w" * t for t in tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool) -> str:
+        return "".join(m["content"] for m in messages)
+
+
+def test_the_long_shape_is_long_prompts_on_popular_system_prompts() -> None:
+    workload: Workload = build_workload(_Words())
+    bodies = [json.loads(b) for b in workload.bodies("long")]
+    assert len(workload.long_systems) == SYSTEM_PROMPTS
+    assert all(len(b["prompt"]) == LONG_TOKENS for b in bodies)
+    first = workload.long_systems[0]
+    shared = [b for b in bodies if b["prompt"][: len(first)] == first]
+    systems = {tuple(b["prompt"][: len(first)]) for b in bodies}
+    assert len(shared) > len(bodies) / SYSTEM_PROMPTS  # the first is the most popular
+    assert len(systems) > 2
+    assert max(t for b in bodies for t in b["prompt"]) > 100_000  # a large vocabulary
+    assert workload.bodies("ids") == workload.ids
