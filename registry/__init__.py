@@ -31,7 +31,13 @@ from registry.core.errors import (
     RegistryWrongType,
     StaleEpochError,
 )
-from registry.core.hashing import ChainKeys, block_hashes, chain_root, request_chain_keys
+from registry.core.hashing import (
+    ChainKeys,
+    block_hashes,
+    chain_root,
+    remember_digests,
+    request_chain_keys,
+)
 from registry.core.keys import NamespaceKeys
 from registry.core.local import LocalPrefixCacheRegistry
 from registry.core.notices import EvictionNotice, parse_notice, parse_stream_entry
@@ -79,6 +85,7 @@ __all__ = [
     "live_nodes",
     "parse_notice",
     "parse_stream_entry",
+    "remember_digests",
     "request_chain_keys",
 ]
 __version__ = "0.1.0"
