@@ -314,6 +314,18 @@ static PyObject *memo(PyObject *module, PyObject *arg) {
     return PyBool_FromLong(was);
 }
 
+/* after_fork(): in a child process just forked, a new memo lock and nothing
+ * remembered: a thread of the parent that held the lock (hashing a long prompt without
+ * the GIL) does not exist in the child and would never release it. */
+static PyObject *after_fork(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    memo_lock = PyThread_allocate_lock(); /* the parent's is left: it may be held */
+    memo_table = NULL;                    /* the parent's memory, left to the child as is */
+    memo_step = memo_slots = memo_slot_bytes = 0;
+    Py_RETURN_NONE;
+}
+
 /* chain(parent, tokens, block_size, digests, portable) -> list | None
  *
  * parent: 32 bytes. tokens: a list or tuple (None back at an item that is not an
@@ -595,6 +607,8 @@ static PyMethodDef methods[] = {
      "chain(parent, tokens, block_size, digests, portable): block hashes or digests."},
     {"token_ids", (PyCFunction)(void (*)(void))token_ids, METH_FASTCALL,
      "token_ids(values, limit): a non-empty list of ints (not bools), each in [0, limit)."},
+    {"after_fork", (PyCFunction)after_fork, METH_NOARGS,
+     "after_fork(): a forked child's own memo lock and table (os.register_at_fork)."},
     {"memo", (PyCFunction)memo, METH_O,
      "memo(on): digests of blocks remembered (True) or not; None forgets them."},
     {"prompt_ids", (PyCFunction)(void (*)(void))prompt_ids, METH_FASTCALL,

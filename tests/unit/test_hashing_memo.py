@@ -151,3 +151,42 @@ def test_families_of_prompts_from_few_tokens_get_the_chain(
     for tail in tails * 2:
         prompt = shared + tail
         assert block_hashes(prompt, block_size) == specification(prompt, block_size)
+
+
+FORKS = """
+import os, signal, sys, threading
+from registry.core.hashing import block_hashes, remember_digests
+prompt = list(range(8192))  # hashed without the GIL: the table's lock held meanwhile
+want = block_hashes(prompt, 16)
+stop = False
+def hash_on():
+    while not stop:
+        block_hashes(prompt, 16)
+threading.Thread(target=hash_on, daemon=True).start()
+hung = 0
+for _ in range(40):
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a child stuck on its parent's lock is killed, not waited on
+        remember_digests(True)  # takes the lock: blocks for ever on one held at the fork
+        os._exit(0 if block_hashes(prompt, 16) == want else 3)
+    _, status = os.waitpid(pid, 0)
+    hung += status != 0
+stop = True
+print(hung)
+"""
+
+
+def test_a_child_forked_while_a_thread_hashes_has_its_own_lock() -> None:
+    """A thread of the parent holds the table's lock while it hashes a long prompt
+    without the GIL; a child forked then would wait on it for ever without its own."""
+    import subprocess
+    import sys
+
+    from tests.support import REPO_ROOT
+
+    ran = subprocess.run(
+        [sys.executable, "-c", FORKS], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "0"
