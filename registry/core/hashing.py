@@ -39,8 +39,8 @@ try:
     from registry.core import _blockhash
 except ImportError:  # installed without its C extension: the same chain in Python
     _blockhash = None
-else:  # a forked child must not wait on a lock a thread of its parent held at the fork
-    os.register_at_fork(after_in_child=_blockhash.after_fork)  # type: ignore[union-attr]
+if _blockhash is not None:  # a forked child must not wait on a lock its parent held
+    os.register_at_fork(after_in_child=_blockhash.after_fork)
 
 DIGEST_BYTES = 32
 ZERO_PARENT = bytes(DIGEST_BYTES)
