@@ -5,6 +5,8 @@ skipped, never passed silently: ``test_hashing_native`` checks CI built it."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +14,18 @@ from typing import Any
 import pytest
 
 from registry.core import hashing
+from registry.core.hashing import ZERO_PARENT
+
+
+def specification(tokens: list[int], block_size: int, parent: bytes = ZERO_PARENT) -> list[int]:
+    """Megatron-Core's chain written out with hashlib and struct, block by block."""
+    hashes = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = struct.pack(f"<{block_size}q", *tokens[start : start + block_size])
+        parent = hashlib.sha256(parent + block).digest()
+        hashes.append(int.from_bytes(parent[:8], "little") % (2**63 - 1) + 1)
+    return hashes
+
 
 NATIVE = hashing._blockhash
 """The C extension as imported, or None where it was not built."""

@@ -18,18 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from registry.core.hashing import ZERO_PARENT, block_hashes, chain_digests, remember_digests
-from tests.support.chains import NATIVE
+from tests.support.chains import NATIVE, specification
 
 pytestmark = pytest.mark.skipif(NATIVE is None, reason="C extension not built")
-
-
-def specification(tokens: list[int], block_size: int, parent: bytes = ZERO_PARENT) -> list[int]:
-    hashes = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = struct.pack(f"<{block_size}q", *tokens[start : start + block_size])
-        parent = hashlib.sha256(parent + block).digest()
-        hashes.append(int.from_bytes(parent[:8], "little") % (2**63 - 1) + 1)
-    return hashes
 
 
 @pytest.fixture(autouse=True)

@@ -16,27 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from registry.core.hashing import (
-    ZERO_PARENT,
     block_hashes,
     chain_digests,
     chain_root,
     implementation,
 )
-from tests.support.chains import NATIVE, chain_path
+from tests.support.chains import NATIVE, chain_path, specification
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 PATHS = ("python", "c", "c-portable")
 needs_extension = pytest.mark.skipif(NATIVE is None, reason="C extension not built")
-
-
-def specification(tokens: list[int], block_size: int, parent: bytes = ZERO_PARENT) -> list[int]:
-    """Megatron-Core's chain written out with hashlib and struct, block by block."""
-    hashes = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = struct.pack(f"<{block_size}q", *tokens[start : start + block_size])
-        parent = hashlib.sha256(parent + block).digest()
-        hashes.append(int.from_bytes(parent[:8], "little") % (2**63 - 1) + 1)
-    return hashes
 
 
 def on_each_path(call: Any) -> dict[str, Any]:
