@@ -222,25 +222,24 @@ def token_ids(values: list[Any], limit: int) -> bool:
     )
 
 
-def body_token_ids(raw: bytes, limit: int) -> tuple[int, int, array[int]] | None:
+def body_token_ids(raw: bytes, limit: int) -> tuple[int, int, memoryview] | None:
     """Where ``raw`` is a JSON object whose member ``"prompt"`` is a non-empty list of
     plain integers each in ``[0, limit)`` (``limit`` at most 2^59): the list's span in
     ``raw`` (``start``, ``end``) and its ids, read from the bytes in C with no Python int
-    made per id. None for any other body (text, a list of lists, a sign, a fraction, a
-    repeated or escaped member name), for a body that is not JSON, and where the C
-    extension is not built: the caller parses the whole body then. The span lies
-    between ``:`` and ``,`` or ``}``, so ``raw`` with another value in its place is JSON
-    exactly when ``raw`` is, with the same other members."""
-    if _blockhash is None:
+    made per id (a sequence of ints over the packed int64s, which ``block_hashes``
+    hashes as they are, uncopied). None for any other body (text, a list of lists, a
+    sign, a fraction, a repeated or escaped member name), for a body that is not JSON,
+    on a big-endian machine and where the C extension is not built: the caller parses
+    the whole body then. The span lies between ``:`` and ``,`` or ``}``, so ``raw`` with
+    another value in its place is JSON exactly when ``raw`` is, with the same other
+    members."""
+    if _blockhash is None or sys.byteorder != "little":
         return None
     found = _blockhash.prompt_ids(raw, limit)
     if found is None:
         return None
     start, end, packed = found
-    ids = array("q", packed)  # packed int64 little-endian: as chain() takes it
-    if sys.byteorder == "big":
-        ids.byteswap()
-    return start, end, ids
+    return start, end, memoryview(packed).cast("q")  # int64 little-endian: native here
 
 
 def remember_digests(on: bool | None) -> bool:
@@ -263,14 +262,14 @@ def implementation() -> str:
 
 
 def _native_chain(parent: bytes, tokens: Any, block_size: int, *, digests: bool) -> list[Any]:
-    """The chain in the C extension: a list or tuple of plain ints packed there, an
-    ``array("q")`` on a little-endian machine taken as it is (``body_token_ids``), any
+    """The chain in the C extension: a list or tuple of plain ints packed there, the
+    ids of ``body_token_ids`` (int64s over whole packed bytes) hashed as they are, any
     other input (or a list holding bools, int subclasses, numpy scalars) packed and
     checked by :func:`_int64_bytes` first, so both paths accept and refuse alike."""
     assert _blockhash is not None
     done: list[Any] | None
-    if type(tokens) is array and tokens.typecode == "q" and sys.byteorder == "little":
-        done = _blockhash.chain(parent, tokens.tobytes(), block_size, digests, False)
+    if type(tokens) is memoryview and _whole_int64s(tokens):
+        done = _blockhash.chain(parent, tokens.obj, block_size, digests, False)
         assert done is not None
         return done
     if type(tokens) is list or type(tokens) is tuple:
@@ -280,6 +279,17 @@ def _native_chain(parent: bytes, tokens: Any, block_size: int, *, digests: bool)
     done = _blockhash.chain(parent, _int64_bytes(tokens), block_size, digests, False)
     assert done is not None  # only a list or tuple is handed back
     return done
+
+
+def _whole_int64s(view: memoryview) -> bool:
+    """Whether ``view`` is native int64s over the whole of a bytes object on a
+    little-endian machine: that object is then the chain's packed input as it is."""
+    return (
+        view.format == "q"
+        and type(view.obj) is bytes
+        and view.nbytes == len(view.obj)
+        and sys.byteorder == "little"
+    )
 
 
 def _python_digests(parent: bytes, tokens: Any, block_size: int) -> list[bytes]:

@@ -212,3 +212,18 @@ def test_a_long_prompt_and_a_large_body_are_read_whole() -> None:
     taken = same_either_way(raw, block_size=16)
     assert taken[3].count == 20_000
     assert len(taken[3].hashes) == 1_250
+
+
+@needs_extension
+def test_the_ids_read_hash_as_they_are_and_any_view_of_them_alike() -> None:
+    """The scan's ids (int64s over the packed bytes) are hashed without a copy; a view
+    over part of them, or of another format, goes the general way: the same hashes."""
+    ids = list(range(1, 70))
+    raw = json.dumps({"prompt": ids}).encode()
+    found = body_token_ids(raw, LIMIT)
+    assert found is not None
+    whole = found[2]
+    assert list(whole) == ids
+    assert block_hashes(whole, 16) == block_hashes(ids, 16)
+    assert block_hashes(whole[16:], 16) == block_hashes(ids[16:], 16)
+    assert block_hashes(memoryview(bytearray(whole.obj)).cast("q"), 16) == block_hashes(ids, 16)
