@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import importlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 ROUTING_OUTCOMES = ("prefix", "load", "registry_away")
@@ -33,6 +33,12 @@ REQUEST_RESULTS = ("ok", "error", "client_closed")
 passed on whole; ``error``, the backend failed (``ERROR_KINDS`` but ``cancelled``) or
 answered 5xx; ``client_closed``, the client went away before the reply's end (no fault
 of the backend; ``pcr_gateway_errors_total{kind="cancelled"}`` counts it too)."""
+
+VIEW_EVENTS = ("records", "loads", "gaps", "reconnects", "resyncs", "errors", "skipped")
+"""``pcr_gateway_view_events_total``'s ``event`` (``registry.fleet.holders.ViewCounts``):
+change records applied; namespaces loaded from their maps; records out of order or of a
+new incarnation (the namespace loaded again); subscriptions made again; rounds of loading
+every namespace again; Redis faults waited out; messages that were not records."""
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1)
@@ -127,10 +133,16 @@ class Family:
 class _Collector:
     """The families, in prometheus-client's shape when ``/metrics`` is read."""
 
-    def __init__(self, prometheus: Any, families: Sequence[Family]) -> None:
+    def __init__(
+        self,
+        prometheus: Any,
+        families: Sequence[Family],
+        before: Callable[[], None] | None = None,
+    ) -> None:
         self.core = importlib.import_module("prometheus_client.core")
         self.go_float = importlib.import_module("prometheus_client.utils").floatToGoString
         self.families = families
+        self.before = before  # fills what is read when collected
 
     def describe(self) -> Iterator[Any]:
         for family in self.families:
@@ -145,6 +157,8 @@ class _Collector:
         return make(family.name, family.documentation, labels=family.label_names)
 
     def collect(self) -> Iterator[Any]:
+        if self.before is not None:
+            self.before()
         for family in self.families:
             out = self._empty(family)
             for values, child in list(family.children.items()):
@@ -254,11 +268,31 @@ class GatewayMetrics:
             "without them, another backend would have come first)",
             "counter",
         )
+        view_entries = Family(
+            "pcr_gateway_view_entries",
+            "Entries the gateway's fleet view holds for a backend's namespace, by map (kv, "
+            "mamba): the registry's own counts once the view has caught up",
+            "gauge",
+            ["backend", "map"],
+        )
+        view_events = Family(
+            "pcr_gateway_view_events", "What the gateway's fleet view did, by event", "counter",
+            ["event"],
+        )  # fmt: skip
+        view_age = Family(
+            "pcr_gateway_view_age_seconds",
+            "Seconds since the fleet view last knew it followed Redis (past 3: not fresh, "
+            "routing by load)",
+            "gauge",
+        )
         families = [
             requests, errors, retries, routed, prompt_tokens, predicted, first_byte, latency,
             overhead, registry_up, backend_up, in_flight, pending_blocks, pending_changed,
+            view_entries, view_events, view_age,
         ]  # fmt: skip
-        prometheus.REGISTRY.register(_Collector(prometheus, families))
+        self.view_entries, self.view_events, self.view_age = view_entries, view_events, view_age
+        self.view: tuple[Any, Callable[[], Iterable[str]]] | None = None
+        prometheus.REGISTRY.register(_Collector(prometheus, families, self._read_view))
         self.requests, self.errors, self.retries = requests, errors, retries
         self.prompt_tokens, self.predicted = prompt_tokens, predicted
         self.first_byte, self.latency, self.in_flight = first_byte, latency, in_flight
@@ -272,6 +306,29 @@ class GatewayMetrics:
     def backend(self, name: str) -> BackendMetrics:
         """The collectors labelled with backend ``name``."""
         return BackendMetrics(self, name)
+
+    def follow_view(self, view: Any, namespaces: Callable[[], Iterable[str]]) -> None:
+        """Export ``view``'s counts (a ``registry.fleet.view.FleetView``) for the backends
+        ``namespaces()`` names, read each time ``/metrics`` is."""
+        if self.on:
+            self.view = (view, namespaces)
+
+    def _read_view(self) -> None:
+        """The view's figures into its families, as ``/metrics`` is read."""
+        if self.view is None:
+            return
+        view, namespaces = self.view
+        entries = self.view_entries
+        entries.children.clear()  # backends gone are dropped
+        for name in namespaces():
+            held = view.entries(name)
+            kv, mamba = held if held is not None else (0, 0)
+            entries.labels(name, "kv").set(kv)
+            entries.labels(name, "mamba").set(mamba)
+        counts = view.counts
+        for event in VIEW_EVENTS:
+            self.view_events.labels(event).value = float(getattr(counts, event))
+        self.view_age.plain().set(view.age())  # +Inf while it has not loaded
 
     @classmethod
     def get(cls) -> GatewayMetrics:

@@ -182,6 +182,7 @@ class GatewayState:
             self.view = FleetView(client, self.registry.key_prefix)
             if self.pending.on:  # confirmations, evictions and restarts seen
                 self.view.observe(self.pending.heard)
+            self.metrics.follow_view(self.view, lambda: list(self.backends))
             self.view.start(timeout=None)
             # Its first load before the first request (at most VIEW_START_S: with Redis
             # away the gateway starts anyway, routing by load until the view follows).

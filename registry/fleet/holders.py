@@ -162,6 +162,13 @@ class HolderTable:
             return None
         return frozenset(source.kv), frozenset(source.mamba)
 
+    def entries(self, namespace: str) -> tuple[int, int] | None:
+        """How many (KV, Mamba) hashes are held for ``namespace``, or None: no copies."""
+        source = self._sources.get(namespace)
+        if source is None:
+            return None
+        return len(source.kv), len(source.mamba)
+
     def reached(self, name: str, at: Position) -> bool:
         """Whether what is held of ``name`` includes every record up to ``at``."""
         source = self._sources.get(name)

@@ -175,7 +175,7 @@ class FleetView:
         or not): a view that has not may hold what the engines no longer do. Not fresh
         after a reconnect until what it held has loaded again. The routers and the
         gateway score from it only while it is fresh by the default ``STALE_S``."""
-        return self.ready.is_set() and time.monotonic() - self._follower.followed_at() <= max_age
+        return self.ready.is_set() and self.age() <= max_age
 
     def resync(self) -> None:
         """Load every namespace held again, in the background, as the timer does every
@@ -190,6 +190,18 @@ class FleetView:
     def held(self, namespace: str) -> tuple[frozenset[int], frozenset[int]] | None:
         """(KV hashes, Mamba hashes) the view holds for ``namespace``, or None."""
         return self._table.held(namespace)
+
+    def entries(self, namespace: str) -> tuple[int, int] | None:
+        """(KV entries, Mamba entries) the view holds for ``namespace``, or None where it
+        holds none: once it has caught up, what ``PrefixCacheRegistry.info()`` counts in
+        the namespace's maps (``kv_entries``, ``mamba_entries``). Counts only, no copy."""
+        return self._table.entries(namespace)
+
+    def age(self) -> float:
+        """Seconds since the view last knew it followed Redis (``fresh`` compares this
+        with ``STALE_S``); infinite before its first load, and after a reconnect until
+        what it held has loaded again (0 for a detached view)."""
+        return max(0.0, time.monotonic() - self._follower.followed_at())
 
     def memory(self) -> dict[str, int]:
         """Rough sizes: distinct hashes, (namespace, hash) pairs held."""

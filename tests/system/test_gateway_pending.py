@@ -227,3 +227,44 @@ def test_a_replica_counts_another_replicas_request_in_flight_as_cached_there(
             thread.join(120)
         for served in replicas:
             served.close()
+
+
+def test_the_view_exports_what_it_holds_of_each_backend(
+    redis_server: RedisServer, engines: list[FakeEngine], names: list[str]
+) -> None:
+    """``pcr_gateway_view_entries`` follows each backend's maps as they are written and
+    evicted (what ``info()`` counts in Redis), ``pcr_gateway_view_events_total`` counts
+    the records applied, and ``pcr_gateway_view_age_seconds`` stays under the staleness
+    limit while Redis answers."""
+    client = redis_server.client()
+    owners = {name: PrefixCacheRegistry(client, name) for name in names}
+    for registry in owners.values():
+        registry.claim(120)
+    first, second = names
+    proc = gateway(redis_server, engines, names).start()
+    try:
+        entries = lambda name, kind: metric(  # noqa: E731
+            proc.base, "pcr_gateway_view_entries", backend=name, map=kind
+        )
+        records = metric(proc.base, "pcr_gateway_view_events_total", event="records")
+        hashes = block_hashes(FIRST, BLOCK)
+        owners[first].register_kv(list(range(len(hashes))), hashes)
+        owners[second].register_kv([0, 1], hashes[:2])
+        owners[second].register_mamba([5], hashes[1:2])
+        wanted = {(first, "kv"): 10, (first, "mamba"): 0, (second, "kv"): 2, (second, "mamba"): 1}
+        counted = lambda: {key: entries(*key) for key in wanted}  # noqa: E731
+        wait_until(lambda: counted() == wanted, 60, "the view's entries exported")
+        owners[first].evict_kv(hashes[6:])
+        wanted[first, "kv"] = 6
+        wait_until(lambda: counted() == wanted, 60, "the eviction exported")
+        for name, registry in owners.items():
+            info = registry.info()
+            assert (info.kv_entries, info.mamba_entries) == (
+                wanted[name, "kv"],
+                wanted[name, "mamba"],
+            )
+        assert metric(proc.base, "pcr_gateway_view_events_total", event="records") >= records + 4
+        assert 0 <= metric(proc.base, "pcr_gateway_view_age_seconds") < 3
+    finally:
+        proc.stop()
+        client.close()

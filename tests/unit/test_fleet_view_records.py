@@ -120,6 +120,8 @@ def test_random_records_score_as_the_model() -> None:
                 assert view.match(prompt, some) == {n: s[2] for n, s in want.items() if n in some}
                 every = view.score(prompt, everyone=True)
                 assert set(every) == set(names)
+            for n in names:  # the counts, as the registry's own
+                assert view.entries(n) == (len(model.kv[n]), len(model.mamba[n])), step
     # Every hash held by no one is gone from the view; each value has the bits of
     # exactly its holders.
     table = view._table
@@ -163,6 +165,8 @@ def test_namespaces_asked_for_and_a_collected_namespace() -> None:
     view.apply(b"a 0 2 G")
     assert view.match(chain) == {"b": 2}
     assert view.held("a") is None
+    assert view.entries("a") is None
+    assert view.age() == 0.0  # a detached view follows nothing: always fresh
     assert view.live_nodes() == ["b", "c"]
 
 
