@@ -55,7 +55,7 @@ from tests.support.engines import (
     own_core,
 )
 from tests.support.servers import RedisServer
-from tests.support.serving import ServeProcess
+from tests.support.serving import ServeProcess, metric
 from tests.support.waiting import wait_until
 
 WAIT = 120.0
@@ -346,6 +346,26 @@ def trap(seed: int) -> tuple[list[int], list[int], list[int]]:
     return head + tail, head + words(rng, 4), head + tail[:32] + words(rng, 40)
 
 
+def decisions(gateway: ServeProcess) -> dict[str, float]:
+    """The gateway's routing decisions so far, by outcome: where one was not ``prefix``,
+    neither the registry nor the view answered for a prefix."""
+    name = "pcr_gateway_routing_decisions_total"
+    return {o: metric(gateway.base, name, outcome=o) for o in ("prefix", "load", "registry_away")}
+
+
+def view_caught_up(gateway: ServeProcess, nodes: list[Followed]) -> bool:
+    """Whether the gateway's fleet view holds as many KV and Mamba entries of every
+    node's namespace as Redis does (its view follows the change records: it may lag
+    them by the time a record takes to arrive and be applied)."""
+    for node in nodes:
+        info = node.registry.info()
+        for kind, count in (("kv", info.kv_entries), ("mamba", info.mamba_entries)):
+            name = "pcr_gateway_view_entries"
+            if metric(gateway.base, name, backend=node.namespace, map=kind) != count:
+                return False
+    return True
+
+
 def test_a_branch_goes_where_a_checkpoint_is_not_where_the_most_kv_is(
     routed: tuple[list[VllmEngine], list[Followed]], redis_server: RedisServer
 ) -> None:
@@ -355,6 +375,7 @@ def test_a_branch_goes_where_a_checkpoint_is_not_where_the_most_kv_is(
     second, where the engine serves 96 tokens from cache. Both engine orders."""
     engines, nodes = routed
     hits: dict[str, list[int]] = {}
+    seen: dict[str, list[tuple[str, dict[str, float]]]] = {}
     for policy, flags in (("KV-only", ("--no-hybrid",)), ("gateway", ())):
         gateway = ServeProcess(
             "--redis-url", redis_server.url, "--tokenizer", str(engines[0].model),
@@ -368,7 +389,7 @@ def test_a_branch_goes_where_a_checkpoint_is_not_where_the_most_kv_is(
                 WAIT,
                 "both engines found in Redis",
             )
-            hits[policy] = []
+            hits[policy], seen[policy] = [], []
             for trial, (longest, checkpointed) in enumerate(((0, 1), (1, 0))):
                 for node in nodes:
                     node.engine.reset_prefix_cache()
@@ -379,6 +400,7 @@ def test_a_branch_goes_where_a_checkpoint_is_not_where_the_most_kv_is(
                 nodes[checkpointed].send(opening)
                 assert nodes[longest].predict(branch) == (0, 128)
                 assert nodes[checkpointed].predict(branch) == (96, 96)
+                wait_until(lambda g=gateway: view_caught_up(g, nodes), WAIT, "the view caught up")
                 before = [n.engine.counters() for n in nodes]
                 reply = httpx.post(
                     f"{gateway.base}/v1/completions",
@@ -390,7 +412,11 @@ def test_a_branch_goes_where_a_checkpoint_is_not_where_the_most_kv_is(
                 hits[policy].append(
                     int(sum(a[1] - b[1] for a, b in zip(after, before, strict=True)))
                 )
+                served = [i for i in range(2) if after[i][0] > before[i][0]]
+                seen[policy].append(
+                    ("longest" if served == [longest] else "checkpointed", decisions(gateway))
+                )
         finally:
             gateway.stop()
-    print(f"\nbranch hit tokens, both engine orders: {hits}")
-    assert hits == {"KV-only": [0, 0], "gateway": [96, 96]}
+    print(f"\nbranch hit tokens, both engine orders: {hits}; served, decided: {seen}")
+    assert hits == {"KV-only": [0, 0], "gateway": [96, 96]}, seen
