@@ -55,7 +55,7 @@ from tests.support.engines import (
     own_core,
 )
 from tests.support.servers import RedisServer
-from tests.support.serving import ServeProcess, metric
+from tests.support.serving import ServeProcess, metric, view_caught_up
 from tests.support.waiting import wait_until
 
 WAIT = 120.0
@@ -353,19 +353,6 @@ def decisions(gateway: ServeProcess) -> dict[str, float]:
     return {o: metric(gateway.base, name, outcome=o) for o in ("prefix", "load", "registry_away")}
 
 
-def view_caught_up(gateway: ServeProcess, nodes: list[Followed]) -> bool:
-    """Whether the gateway's fleet view holds as many KV and Mamba entries of every
-    node's namespace as Redis does (its view follows the change records: it may lag
-    them by the time a record takes to arrive and be applied)."""
-    for node in nodes:
-        info = node.registry.info()
-        for kind, count in (("kv", info.kv_entries), ("mamba", info.mamba_entries)):
-            name = "pcr_gateway_view_entries"
-            if metric(gateway.base, name, backend=node.namespace, map=kind) != count:
-                return False
-    return True
-
-
 def test_a_branch_goes_where_a_checkpoint_is_not_where_the_most_kv_is(
     routed: tuple[list[VllmEngine], list[Followed]], redis_server: RedisServer
 ) -> None:
@@ -400,7 +387,9 @@ def test_a_branch_goes_where_a_checkpoint_is_not_where_the_most_kv_is(
                 nodes[checkpointed].send(opening)
                 assert nodes[longest].predict(branch) == (0, 128)
                 assert nodes[checkpointed].predict(branch) == (96, 96)
-                wait_until(lambda g=gateway: view_caught_up(g, nodes), WAIT, "the view caught up")
+                held = [n.registry for n in nodes]
+                caught_up = lambda g=gateway, r=held: view_caught_up(g.base, r)  # noqa: E731
+                wait_until(caught_up, WAIT, "the view caught up")
                 before = [n.engine.counters() for n in nodes]
                 reply = httpx.post(
                     f"{gateway.base}/v1/completions",

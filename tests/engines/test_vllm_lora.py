@@ -48,7 +48,7 @@ from registry import NodeIndex, PrefixCacheRegistry, block_hashes
 from tests.engines.conftest import BridgeProcess
 from tests.support.engines import BLOCK_SIZE, VllmEngine, own_core, predicted_hit_tokens
 from tests.support.servers import RedisServer
-from tests.support.serving import ServeProcess, metric
+from tests.support.serving import ServeProcess, metric, view_caught_up
 from tests.support.waiting import wait_until
 
 WAIT = 120.0
@@ -317,15 +317,21 @@ class Routed:
     actual: int
 
 
-def send(base: str, nodes: list[Node], model: str, tokens: list[int]) -> Routed:
+def send(
+    base: str, nodes: list[Node], model: str, tokens: list[int], prefix: bool = True
+) -> Routed:
     """One completion through the gateway at ``base``: the engine that served it (the one
     whose query counter moved), the tokens it queried, the tokens the gateway predicted
-    cached and the tokens the engine served from cache."""
+    cached and the tokens the engine served from cache. ``prefix``: the gateway routes by
+    prefix (with a fleet view, waited for until it has caught up with Redis)."""
     names = [n.namespace for n in nodes]
     lora = None if model == nodes[0].engine.served_model else model
     before = [n.listed(tokens, lora) for n in nodes]
     counters = [n.engine.counters() for n in nodes]
     predicted = sum(metric(base, PREDICTED, backend=n) for n in names)
+    if prefix:  # its view holds what Redis does (it may lag the last writes a moment)
+        caught_up = lambda: view_caught_up(base, [n.registry for n in nodes])  # noqa: E731
+        wait_until(caught_up, WAIT, "the view caught up")
     body = {"model": model, "prompt": tokens, "max_tokens": 1}
     reply = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
@@ -357,7 +363,9 @@ def test_adapter_conversations_route_by_the_adapters_blocks(
         try:
             for node in nodes:
                 node.reset()
-            runs[policy] = [send(gateway.base, nodes, m, t) for m, t in workload(base_model)]
+            runs[policy] = [
+                send(gateway.base, nodes, m, t, policy == "prefix") for m, t in workload(base_model)
+            ]
         finally:
             gateway.stop()
     print(

@@ -10,10 +10,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from typing import IO
 
 import httpx
 
+from registry import PrefixCacheRegistry
+from registry.fleet.view import STALE_S
 from tests.support import REPO_ROOT
 from tests.support.servers import free_port
 from tests.support.waiting import wait_until
@@ -164,3 +167,20 @@ def metric(base: str, name: str, **labels: str) -> float:
         ):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def view_caught_up(base: str, registries: Iterable[PrefixCacheRegistry]) -> bool:
+    """Whether the fleet view of the gateway at ``base`` is fresh, well inside
+    ``STALE_S`` (``pcr_gateway_view_age_seconds``), and holds as many KV and Mamba
+    entries of each of ``registries``' namespaces as Redis does
+    (``pcr_gateway_view_entries``): its view follows the change records and may lag the
+    last writes by the time a record takes to arrive and be applied."""
+    if not metric(base, "pcr_gateway_view_age_seconds") < STALE_S / 2:
+        return False
+    for registry in registries:
+        info = registry.info()
+        for kind, count in (("kv", info.kv_entries), ("mamba", info.mamba_entries)):
+            name = "pcr_gateway_view_entries"
+            if metric(base, name, backend=registry.namespace, map=kind) != count:
+                return False
+    return True
