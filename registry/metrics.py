@@ -20,6 +20,7 @@ given)::
     metrics.register_listener(listener)    # gpu.EvictionListener.counts()
     metrics.register_bridge(bridge)        # registry.bridge.bridge.Bridge.counts()
     metrics.register_mirror(mirrored)      # registry.MirroredRegistry.counts() and lease
+    metrics.register_view(view)            # registry.fleet.view.FleetView: counts, age
     prometheus_client.start_http_server(9100)
 
 Labels take bounded values only: ``operation`` (the script and read names of this
@@ -274,6 +275,15 @@ def register_mirror(mirror: Any) -> bool:
     return _register("mirror", mirror)
 
 
+def register_view(view: Any) -> bool:
+    """Report ``view`` (a ``registry.fleet.view.FleetView``: a router's copy of the
+    fleet) at every scrape: what it did (``counts``: records applied, loads, gaps,
+    reconnects, resyncs, errors), the distinct KV hashes it holds and its age (seconds
+    since it last knew it followed Redis: past ``STALE_S`` its router scores from Redis).
+    Whole views, never per namespace."""
+    return _register("view", view)
+
+
 def register_owner(registry: Any) -> bool:
     """Report the lease left of ``registry`` (a ``PrefixCacheRegistry``), read from
     Redis at every scrape while it holds an epoch (it claimed)."""
@@ -317,6 +327,7 @@ class ObjectCollector:
             "bridge": [],
             "owner": [],
             "mirror": [],
+            "view": [],
         }
 
     def add(self, kind: str, obj: Any) -> None:
@@ -339,6 +350,7 @@ class ObjectCollector:
         yield from self._pools(objects["pool"])
         yield from self._bridges(objects["bridge"])
         yield from self._mirrors(objects["mirror"])
+        yield from self._views(objects["view"])
         # A bridge's followers own their namespaces: their leases count too.
         followers = [f for b in objects["bridge"] for f in getattr(b, "followers", ())]
         owners = [*objects["owner"], *objects["mirror"], *(f.registry for f in followers)]
@@ -425,6 +437,27 @@ class ObjectCollector:
         for label, value in sorted(worst.items()):
             lag.add_metric([label] if self.namespace_labels else [], value)
         yield lag
+
+    def _views(self, views: list[Any]) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        if not views:
+            return
+        counts = [_as_dict(v.counts) for v in views]
+        for key in counts[0]:
+            total = CounterMetricFamily(f"pcr_view_{key}", f"Fleet views: {key} (total)", labels=[])
+            total.add_metric([], sum(c.get(key, 0) for c in counts))
+            yield total
+        hashes = GaugeMetricFamily("pcr_view_hashes", "Distinct KV block hashes the views hold")
+        hashes.add_metric([], sum(len(v.blocks) for v in views))
+        yield hashes
+        age = GaugeMetricFamily(
+            "pcr_view_age_seconds",
+            "Seconds since a fleet view last knew it followed Redis (the oldest; +Inf "
+            "before its first load)",
+        )
+        age.add_metric([], max(v.age() for v in views))
+        yield age
 
     def _leases(self, owners: list[Any]) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily

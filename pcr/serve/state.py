@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from registry import metrics
 from registry.core import observe
 from registry.core.errors import REDIS_ERRORS, RegistryError, RegistryUnavailable, translate
 from registry.fleet.view import FleetView
@@ -114,6 +115,7 @@ class State:
                 log.warning("the fleet view could not start: %s", exc)
             else:
                 self.view = FleetView(client, self.key_prefix).start(timeout=None)
+                metrics.register_view(self.view)  # where the metrics are on
         self.router = AsyncPrefixRouter(
             self.client, self.key_prefix, hybrid=self.hybrid, view=self.view
         )
@@ -142,6 +144,7 @@ class State:
 
     async def close(self) -> None:
         if self.view is not None:
+            metrics.unregister(self.view)
             await asyncio.to_thread(self.view.close)
         if self.client is not None:
             with contextlib.suppress(Exception):

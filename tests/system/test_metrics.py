@@ -32,6 +32,7 @@ from registry import (
 from registry.bridge.bridge import FollowerCounts
 from tests.support import REPO_ROOT as ROOT
 from tests.support.servers import RedisServer, free_port, refused_port
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -236,6 +237,37 @@ def test_collectors_per_namespace_and_leases(client: Any) -> None:
     assert list(target.collect()) == []  # everything unregistered
 
 
+def test_a_fleet_view_is_reported_whole(
+    collectors: CollectorRegistry, redis_server: RedisServer
+) -> None:
+    """A registered ``FleetView`` (a router's) reports the records it applied, the
+    namespaces it loaded, the KV hashes it holds and its age, read at each scrape, with
+    no namespace label; unregistered, nothing."""
+    from registry.fleet.view import STALE_S, FleetView
+
+    client = redis_server.client()
+    client.flushall()
+    owner = PrefixCacheRegistry(client, "viewed-a")
+    owner.claim(lease_ttl=30)
+    view = FleetView(client).start()
+    try:
+        assert metrics.register_view(view)
+        records = value(collectors, "pcr_view_records_total")
+        owner.register_kv([1, 2, 3, 4], H)
+        owner.evict_kv(H[3:])
+        applied = lambda: value(collectors, "pcr_view_records_total") >= records + 2  # noqa: E731
+        wait_until(applied, 30, "the records counted")
+        assert value(collectors, "pcr_view_hashes") == 3 == len(view.blocks)
+        assert value(collectors, "pcr_view_loads_total") >= 1
+        assert 0 <= value(collectors, "pcr_view_age_seconds") < STALE_S
+        assert not any(labels for (name, labels) in scraped(collectors) if "pcr_view" in name)
+        metrics.unregister(view)
+        assert not any("pcr_view" in name for (name, _labels) in scraped(collectors))
+    finally:
+        view.close()
+        client.close()
+
+
 def test_disabled_registers_nothing() -> None:
     """With the metrics off, the library's operations put nothing on the process'
     default registry (which may hold other collectors: ``pcr gateway``'s own, made by
@@ -383,6 +415,19 @@ def test_simulate_serves_metrics(mode: str) -> None:
     assert fetch(port) is None  # the server stops with the command
 
 
+class FakeView:
+    """What ``register_view`` reads of a ``FleetView``: its counts, hashes and age."""
+
+    def __init__(self) -> None:
+        from registry.fleet.holders import ViewCounts
+
+        self.counts = ViewCounts(records=5, loads=2, gaps=1)
+        self.blocks = {1: 1, 2: 1}
+
+    def age(self) -> float:
+        return 0.4
+
+
 def test_dashboard_queries_exist(collectors: CollectorRegistry, client: Any) -> None:
     """Every metric the Grafana dashboard queries is in a scrape after known operations
     (with the real count shapes of the listener, pool and bridge)."""
@@ -411,6 +456,7 @@ def test_dashboard_queries_exist(collectors: CollectorRegistry, client: Any) -> 
     metrics.register_pool(Pool())
     metrics.register_bridge(FakeBridge())
     metrics.register_owner(owner)
+    metrics.register_view(FakeView())
     names = {name for name, _ in scraped(collectors)}
 
     dashboard = json.loads((ROOT / "grafana" / "dashboard.json").read_text())

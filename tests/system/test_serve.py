@@ -508,6 +508,35 @@ def test_the_service_counts_every_score_by_outcome(own_server: RedisServer, pref
         client.close()
 
 
+def test_the_services_fleet_view_is_on_its_metrics(own_server: RedisServer, prefix: str) -> None:
+    """``pcr serve --view`` with the metrics on reports its view (``pcr_view_*``: the
+    records applied, the KV hashes held, its age) and stops when the app closes."""
+    pytest.importorskip("prometheus_client")
+    from registry import metrics
+
+    client = own_server.client()
+    nodes = fill(client, prefix)
+    metrics.enable_metrics()  # before the app starts: its view is registered then
+    served = Served(own_server.url, prefix, view=True)
+    try:
+        view = served.app.state.registry.view
+        assert view is not None
+        wait_until(view.ready.is_set, what="the view loaded")
+        nodes["node-d"].register_kv(range(12), H)
+        view.sync()
+        text = served.http.get("/metrics").text
+        assert _samples(text, "pcr_view_records_total")[()] == view.counts.records >= 1
+        assert _samples(text, "pcr_view_hashes")[()] == len(view.blocks) == len(H)
+        assert 0 <= _samples(text, "pcr_view_age_seconds")[()] < 3
+        served.close()
+        assert metrics.active is not None
+        assert not any(f.name.startswith("pcr_view") for f in metrics.active.objects.collect())
+    finally:
+        served.close()
+        metrics.disable_metrics()
+        client.close()
+
+
 # -- the OpenAPI schema states what the server checks -------------------------------------
 
 
