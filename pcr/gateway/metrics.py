@@ -318,13 +318,13 @@ class GatewayMetrics:
         if self.view is None:
             return
         view, namespaces = self.view
-        entries = self.view_entries
-        entries.children.clear()  # backends gone are dropped
+        children: dict[tuple[str, ...], Any] = {}
         for name in namespaces():
             held = view.entries(name)
-            kv, mamba = held if held is not None else (0, 0)
-            entries.labels(name, "kv").set(kv)
-            entries.labels(name, "mamba").set(mamba)
+            for kind, count in zip(("kv", "mamba"), held or (0, 0), strict=True):
+                children[name, kind] = level = Level()
+                level.set(count)
+        self.view_entries.children = children  # whole: backends gone are dropped
         counts = view.counts
         for event in VIEW_EVENTS:
             self.view_events.labels(event).value = float(getattr(counts, event))

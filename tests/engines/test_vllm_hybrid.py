@@ -278,17 +278,21 @@ def routed(
 
 
 def route(
-    gateway: ServeProcess, nodes: list[Followed], workload: list[list[int]]
+    gateway: ServeProcess, nodes: list[Followed], workload: list[list[int]], viewed: bool = True
 ) -> tuple[float, list[int]]:
     """Send the branching workload through ``gateway`` to emptied engines; their hit rate
-    (their own counters) and the requests each served."""
+    (their own counters) and the requests each served. ``viewed``: the gateway routes
+    from a fleet view, waited for before each request until it holds what Redis does."""
     for node in nodes:  # empty, and the clear applied before the first choice
         node.engine.reset_prefix_cache()
         node.engine.complete(marker())
         wait_until(lambda n=node: n.registry.info().kv_entries == 1, WAIT, "cleared")
     before = [n.engine.counters() for n in nodes]
     served = [0] * len(nodes)
+    held = [n.registry for n in nodes]
     for tokens in workload:
+        if viewed:
+            wait_until(lambda: view_caught_up(gateway.base, held), WAIT, "the view caught up")
         listed = [n.cached_blocks(tokens) == len(tokens) // BLOCK_SIZE for n in nodes]
         queried = [n.engine.counters()[0] for n in nodes]
         reply = httpx.post(
@@ -328,7 +332,8 @@ def test_the_gateway_beside_round_robin_and_kv_only_on_hybrid_engines(
                 WAIT,
                 "both engines found in Redis",
             )
-            rates[policy] = route(gateway, nodes, branching_prompts(11, FAMILIES))
+            workload = branching_prompts(11, FAMILIES)
+            rates[policy] = route(gateway, nodes, workload, policy != "round-robin")
         finally:
             gateway.stop()
     shown = ", ".join(f"{p} {rate:.1%} {served}" for p, (rate, served) in rates.items())
