@@ -282,12 +282,14 @@ def _native_chain(parent: bytes, tokens: Any, block_size: int, *, digests: bool)
 
 
 def _whole_int64s(view: memoryview) -> bool:
-    """Whether ``view`` is native int64s over the whole of a bytes object on a
-    little-endian machine: that object is then the chain's packed input as it is."""
+    """Whether ``view`` is native int64s over the whole of a bytes object, in its order
+    (a reversed view covers all of it too), on a little-endian machine: that object is
+    then the chain's packed input as it is."""
     return (
         view.format == "q"
         and type(view.obj) is bytes
         and view.nbytes == len(view.obj)
+        and view.c_contiguous
         and sys.byteorder == "little"
     )
 

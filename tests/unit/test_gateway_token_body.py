@@ -217,7 +217,8 @@ def test_a_long_prompt_and_a_large_body_are_read_whole() -> None:
 @needs_extension
 def test_the_ids_read_hash_as_they_are_and_any_view_of_them_alike() -> None:
     """The scan's ids (int64s over the packed bytes) are hashed without a copy; a view
-    over part of them, or of another format, goes the general way: the same hashes."""
+    over part of them, reversed, strided or of another format, goes the general way:
+    the same hashes."""
     ids = list(range(1, 70))
     raw = json.dumps({"prompt": ids}).encode()
     found = body_token_ids(raw, LIMIT)
@@ -227,3 +228,5 @@ def test_the_ids_read_hash_as_they_are_and_any_view_of_them_alike() -> None:
     assert block_hashes(whole, 16) == block_hashes(ids, 16)
     assert block_hashes(whole[16:], 16) == block_hashes(ids[16:], 16)
     assert block_hashes(memoryview(bytearray(whole.obj)).cast("q"), 16) == block_hashes(ids, 16)
+    assert block_hashes(whole[::-1], 16) == block_hashes(ids[::-1], 16)  # all of it, reversed
+    assert block_hashes(whole[::2], 16) == block_hashes(ids[::2], 16)
