@@ -292,7 +292,8 @@ class GatewayMetrics:
         ]  # fmt: skip
         self.view_entries, self.view_events, self.view_age = view_entries, view_events, view_age
         self.view: tuple[Any, Callable[[], Iterable[str]]] | None = None
-        prometheus.REGISTRY.register(_Collector(prometheus, families, self._read_view))
+        self.pending: tuple[Callable[[str], int], Callable[[], Iterable[str]]] | None = None
+        prometheus.REGISTRY.register(_Collector(prometheus, families, self._read_state))
         self.requests, self.errors, self.retries = requests, errors, retries
         self.prompt_tokens, self.predicted = prompt_tokens, predicted
         self.first_byte, self.latency, self.in_flight = first_byte, latency, in_flight
@@ -313,8 +314,26 @@ class GatewayMetrics:
         if self.on:
             self.view = (view, namespaces)
 
+    def follow_pending(
+        self, blocks: Callable[[str], int], namespaces: Callable[[], Iterable[str]]
+    ) -> None:
+        """Export ``blocks(name)`` (``PendingPrefixes.blocks``) as each backend's
+        ``pcr_gateway_pending_blocks``, read each time ``/metrics`` is: exact when read,
+        and nothing to set as each request starts and ends."""
+        if self.on:
+            self.pending = (blocks, namespaces)
+
+    def _read_state(self) -> None:
+        """What is read of the gateway's state, not counted as it goes, as ``/metrics``
+        is read: the pending blocks and the fleet view's figures."""
+        if self.pending is not None:
+            blocks, namespaces = self.pending
+            for name in namespaces():
+                self.pending_blocks.labels(name).set(blocks(name))
+        self._read_view()
+
     def _read_view(self) -> None:
-        """The view's figures into its families, as ``/metrics`` is read."""
+        """The view's figures into their families."""
         if self.view is None:
             return
         view, namespaces = self.view
@@ -352,4 +371,3 @@ class BackendMetrics:
         self.first_byte: Spread = metrics.first_byte.labels(name)
         self.latency: Spread = metrics.latency.labels(name)
         self.in_flight: Level = metrics.in_flight.labels(name)
-        self.pending_blocks: Level = metrics.pending_blocks.labels(name)

@@ -125,6 +125,8 @@ class GatewayState:
         # Requests in flight counted as cached where they were sent (prefix policy only)
         bounds = config.pending if config.policy == "prefix" else replace(config.pending, ttl=0)
         self.pending = PendingPrefixes(bounds)
+        if self.pending.on:
+            self.metrics.follow_pending(self.pending.blocks, lambda: list(self.backends))
         self.exchange = LoadExchange(
             self.replica,
             self.backends,
@@ -316,10 +318,6 @@ class GatewayState:
         self.registry_reachable()
         if self.pending.on:
             self.pending.expire(time.monotonic())
-            if self.metrics.on:
-                for backend in list(self.backends.values()):
-                    counted = backend.metrics(self.metrics).pending_blocks
-                    counted.set(self.pending.blocks(backend.namespace))
         await self.exchange.tick()
 
     # -- choosing ------------------------------------------------------------------------
@@ -363,7 +361,13 @@ class GatewayState:
         """``listed``'s prefixes in tokens: whole blocks, never the prompt's last token;
         the KV prefixes only where longer than the usable ones."""
         size = self.config.block_size
-        usable = {n: cached_tokens(b, size, count) for n, b in listed.usable.items()}
+        if count <= 0:
+            return dict.fromkeys(listed.usable, 0), {}
+        # ``cached_tokens`` inline (a call per backend per request costs more than it)
+        whole = (count - 1) // size
+        usable = {
+            n: (b if b < whole else whole) * size if b > 0 else 0 for n, b in listed.usable.items()
+        }
         if not listed.kv:
             return usable, {}
         kv = {
@@ -409,8 +413,8 @@ class GatewayState:
             return None
         hybrid = self.registry.hybrid
         matched = view.match(hashes, names, hybrid=hybrid)
-        self.health.mark(True)
-        listed = Listed(dict(matched.items()))
+        # registry_reachable left health up: marking it again would only set its gauge
+        listed = Listed(matched.usable)  # resolved for this call alone: nothing shares it
         if hybrid is not False and view.any_hybrid():
             usable = listed.usable
             for n, blocks in view.match(hashes, names, hybrid=False).items():
@@ -483,20 +487,14 @@ class GatewayState:
         size = self.config.block_size
         marks = checkpoints(True, ids.count, size, reach.kv, reach.usable) if reach.hybrid else ()
         name = backend.namespace
-        record = self.pending.sent(name, ids.hashes, reach.held, marks, time.monotonic())
-        if record is not None and self.metrics.on:
-            backend.metrics(self.metrics).pending_blocks.set(self.pending.blocks(name))
-        return record
+        # its pending_blocks gauge is read when /metrics is (``GatewayMetrics.follow_pending``)
+        return self.pending.sent(name, ids.hashes, reach.held, marks, time.monotonic())
 
     def unsent(self, backend: Backend, record: Sent | None, ok: bool) -> None:
         """``record``'s request ended (``ok``: a success; its blocks count ``grace``
         seconds more, for the engine's events to arrive)."""
-        if record is None:
-            return
-        self.pending.ended(record, ok, time.monotonic())
-        if self.metrics.on:
-            counted = backend.metrics(self.metrics).pending_blocks
-            counted.set(self.pending.blocks(backend.namespace))
+        if record is not None:
+            self.pending.ended(record, ok, time.monotonic())
 
 
 def _seconds(value: float | Callable[[], float]) -> float:
