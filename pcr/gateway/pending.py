@@ -296,6 +296,7 @@ class PendingPrefixes:
 
     def __init__(self, bounds: PendingBounds | None = None) -> None:
         self.bounds = bounds or PendingBounds()
+        self.on = self.bounds.on  # read several times a request: not a property
         self.counts = PendingCounts()
         self._backends: dict[str, _Backend] = {}
         self._live: OrderedDict[Sent, Sent] = OrderedDict()  # every live one, oldest first
@@ -305,10 +306,6 @@ class PendingPrefixes:
         self._far: dict[str, _Far] = {}
         self._told: list[Mapping[str, Any]] = []
         self._far_stale = False
-
-    @property
-    def on(self) -> bool:
-        return self.bounds.on
 
     # -- a request's start and end -------------------------------------------------------
 
@@ -327,7 +324,7 @@ class PendingPrefixes:
             return None
         held = max(0, min(held, len(chain)))
         end = min(len(chain), held + self.bounds.max_blocks)
-        wanted = [p for p in marks if 0 < p <= end]
+        wanted = [p for p in marks if 0 < p <= end] if marks else ()
         if end <= held and not wanted:
             return None
         if end < len(chain):
