@@ -214,7 +214,7 @@ def ids_of(
     (a salted or adapter prompt's kin are the prompts with the same keys too)."""
     hashes = block_hashes(tokens, block_size, salt=keys.salt, lora=keys.lora) if hashed else None
     root = prompt_root(tokens, block_size)
-    if keys != NO_KEYS and root is not None:
+    if root is not None and keys is not NO_KEYS and keys != NO_KEYS:  # is: no __eq__ call
         root = (keys.salt, keys.lora, root)
     return PromptIds(len(tokens), root, hashes)
 
