@@ -801,6 +801,28 @@ class SentinelSet:
         )
 
 
+SENTINEL_COMMANDS = frozenset(
+    {"hello", "info", "ping", "publish", "subscribe", "role", "client", "config", "replicaof",
+     "slaveof", "multi", "exec", "command", "auth", "select"}
+)  # fmt: skip
+"""What Sentinel and a client's handshake send a server: none of them reads or writes data."""
+
+
+def data_calls(server: RedisServer) -> int:
+    """Calls of commands other than ``SENTINEL_COMMANDS`` the server has answered: reads
+    and writes of the registry's data."""
+    client = server.client(socket_timeout=5)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(
+        int(entry["calls"])
+        for name, entry in stats.items()
+        if name.removeprefix("cmdstat_").split("|")[0] not in SENTINEL_COMMANDS
+    )
+
+
 def role(server: RedisServer) -> str | None:
     """What ``ROLE`` says the server is, or None when it does not answer."""
     client = server.client(socket_timeout=5)
@@ -932,6 +954,13 @@ def test_reads_blocked_across_a_kill_and_an_empty_restart_never_answer_empty(
                 harness.healthy.set()
                 harness.run_on(PHASE_OPS)
                 print(f"the empty server at the old address: {role(empty)}")
+                served = data_calls(empty)
+        if controls and not served:
+            # The control's readers retried only after Sentinel named the promoted
+            # replica (a busy machine's timing): nothing reached the empty server, so
+            # there is nothing for the checker to catch in this history.
+            judged(harness, "reads blocked across a kill and an empty restart", frozenset())
+            pytest.skip("the plain readers never reached the empty server in this run")
         judged(harness, "reads blocked across a kill and an empty restart", controls)
 
 
