@@ -551,6 +551,13 @@ class PendingPrefixes:
         merged.update(kv)
         return Listed(usable, merged, listed.hybrid)
 
+    def alone(self) -> Mapping[str, Any] | None:
+        """This replica's pending blocks per backend (each with its ``kv``: hash -> an
+        entry pending while its ``refs`` or ``until`` > the time of the last ``expire``),
+        where no other replica told of any: what ``extend`` reads in its usual case, for
+        the gateway's decision in C (``GatewayState.choose``); None where others did."""
+        return None if self._remote() else self._backends
+
     def blocks(self, backend: str) -> int:
         """``backend``'s pending blocks (this replica's; those whose grace ran out in the
         last ``SWEEP_S`` seconds too, until the sweep)."""

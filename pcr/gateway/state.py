@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from pcr.gateway.backends import Backend, engine_load
-from pcr.gateway.balance import Choice, Kin, Weighed, cached_tokens
+from pcr.gateway.balance import Choice, Kin, Reach, Weighed, cached_tokens
 from pcr.gateway.config import GatewayConfig
 from pcr.gateway.exchange import LoadExchange, RegistryHealth, discover
 from pcr.gateway.metrics import GatewayMetrics
@@ -31,6 +31,12 @@ from pcr.web.tls import client_context
 from registry.core.errors import RegistryError
 from registry.core.validation import prefix_hashes
 from registry.fleet.view import FleetView
+from registry.routing.balance import NATIVE, BackendLoad, Decayed
+
+DECIDE = getattr(NATIVE, "decide", None)
+"""The C extension's decision in one call (``registry/routing/_weigh.c``), or None where
+it was not built: ``GatewayState.choose`` then always takes its general path."""
+NOTHING_PENDING: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -454,6 +460,9 @@ class GatewayState:
         outcome = "load"
         found = None
         if self.config.policy == "prefix" and ids:
+            decided = self._decided(backends, names, ids)
+            if decided is not None:
+                return decided
             found = await self.cached(names, ids)
             if found is None:
                 outcome = "registry_away"
@@ -476,6 +485,47 @@ class GatewayState:
         for choice in order[:2]:  # what a request sent there leaves pending
             choice.reach = listed.reach(choice.namespace, registry)
         return order, outcome
+
+    def _decided(
+        self, backends: list[Backend], names: list[str], ids: PromptIds
+    ) -> tuple[list[Choice], str] | None:
+        """``choose``'s usual case in one C call (``DECIDE``): the fleet view following
+        Redis, no hybrid model's node in it, no other replica's chains pending. The same
+        order, costs, prefixes, ``reach`` and ``pending_changed`` count as the general
+        path, which runs instead (None) wherever one of those does not hold."""
+        view = self.view
+        if view is None or DECIDE is None or ids.hashes is None:
+            return None
+        now = time.monotonic()
+        health = self.health
+        if not health.up and now < health.retry_at:
+            return None
+        hybrid = self.registry.hybrid
+        if hybrid is True or (hybrid is None and view.any_hybrid()):
+            return None
+        if not self.registry_reachable():
+            return None
+        pending = self.pending
+        local: Mapping[str, Any] | None = NOTHING_PENDING
+        if pending.on:
+            pending.expire(now)
+            local = pending.alone()
+            if local is None:
+                return None
+        steps, slots = view.steps(ids.hashes, names)
+        kinned, sent = self.kin.sums(ids.root) or (None, None)
+        rule = self.config.rule
+        made = DECIDE(
+            backends, steps, slots, local, ids.hashes, now, ids.count, self.config.block_size,
+            time.monotonic(), rule, kinned, sent, self.metrics.on, BackendLoad, Decayed, Choice,
+            Reach,
+        )  # fmt: skip
+        if made is NotImplemented:
+            return None
+        order, prefix, moved = made
+        if moved:
+            self.metrics.pending_changed.inc()
+        return order, "prefix" if prefix else "load"
 
     def sent(self, backend: Backend, choice: Choice, ids: PromptIds | None) -> Sent | None:
         """The prompt's blocks counted as arriving at ``backend`` (``pcr.gateway.pending``),

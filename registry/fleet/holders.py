@@ -207,6 +207,15 @@ class HolderTable:
         steps, marks = self._walk(hashes, namespaces, bool(reuses))
         return Matches(steps, marks, reuses, naming)
 
+    def steps(
+        self, hashes: Sequence[int], namespaces: Iterable[str]
+    ) -> tuple[list[tuple[int, int]], dict[str, int]]:
+        """``match``'s KV prefixes unresolved (``FleetView.steps``): the walk's steps
+        over the live namespaces of ``namespaces``, and the slots they were read with."""
+        live = self._live
+        steps, _marks = self._walk(hashes, namespaces, False, live)
+        return steps, live.slots
+
     def score(
         self,
         hashes: Sequence[int],
@@ -249,22 +258,29 @@ class HolderTable:
         return scores
 
     def _walk(
-        self, hashes: Sequence[int], namespaces: Iterable[str] | None, checkpoints: bool
+        self,
+        hashes: Sequence[int],
+        namespaces: Iterable[str] | None,
+        checkpoints: bool,
+        live: _Live | None = None,
     ) -> tuple[list[tuple[int, int]], list[int]]:
-        """``walk`` over the prompt (which checks the hashes it read)."""
+        """``walk`` over the prompt (which checks the hashes it read); ``live``: the live
+        namespaces to mask with (those read last, by default)."""
         items = hashes if type(hashes) is list else list(_iterable(hashes))
         try:
             steps, marks, _read = walk(
-                self.kv, self.mamba, items, self._mask(namespaces), checkpoints, self._indexes
-            )
+                self.kv, self.mamba, items, self._mask(namespaces, live), checkpoints,
+                self._indexes,
+            )  # fmt: skip
         except TypeError:  # an unhashable "hash": the clear error
             prefix_hashes(items)
             raise
         return steps, marks
 
-    def _mask(self, namespaces: Iterable[str] | None) -> int:
+    def _mask(self, namespaces: Iterable[str] | None, live: _Live | None = None) -> int:
         """The bits of the live namespaces (all, or those of ``namespaces``)."""
-        live = self._live
+        if live is None:
+            live = self._live
         if namespaces is None:
             return live.mask
         chosen = 0

@@ -146,6 +146,15 @@ class FleetView:
         longest usable prefix and its holders without resolving the rest."""
         return self._table.match(hashes, namespaces, hybrid=hybrid)
 
+    def steps(
+        self, hashes: Sequence[int], namespaces: Iterable[str]
+    ) -> tuple[list[tuple[int, int]], dict[str, int]]:
+        """``match(hashes, namespaces, hybrid=False)`` unresolved, for a caller that
+        resolves it itself (the gateway's decision in C, ``registry.routing.balance``):
+        ``[(a KV prefix length in blocks, the bits of the slots whose prefix it is)]``,
+        longest last, and ``namespace -> slot`` of the live namespaces the walk read."""
+        return self._table.steps(hashes, namespaces)
+
     def any_hybrid(self) -> bool:
         """Whether any namespace the view holds is a hybrid model's (it held Mamba state
         since its owner's claim): where none is, a KV prefix is all a node reuses."""

@@ -13,6 +13,17 @@
  *   -> the rows costed and ordered, each as choice(name, cost, hit, queued, share) or,
  *      with choice None, as (cost, in_flight, name, hit, queued, share); with leader the
  *      first one's name alone | NotImplemented
+ * decide(backends, steps, slots, pending, hashes, at, prompt_tokens, block_size, now,
+ *        rule, kinned, sent, tell, load_type, decayed_type, choice, reach)
+ *   the gateway's usual decision in one call (pcr.gateway.state.GatewayState.choose with
+ *   the fleet view, no hybrid node, no other replica's chains): each backend's prefix
+ *   from the view's walk (steps: [(blocks, slot bits)], slots: namespace -> slot),
+ *   continued through its pending blocks (pending: namespace -> an object whose ``kv``
+ *   maps hash -> an entry pending while ``refs`` or ``until > at``), in whole blocks of
+ *   tokens never the last one, then rows and costed as above
+ *   -> (choices ranked, each with reach set on the two best; whether any backend has a
+ *      prefix; whether the pending blocks changed the leader, asked only with ``tell``)
+ *      | NotImplemented
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,7 +31,9 @@
 
 static PyObject *s_in_flight, *s_remote_in_flight, *s_pending, *s_remote_pending,
     *s_recent, *s_remote_recent, *s_remote_at, *s_engine_requests, *s_kv_usage, *s_value,
-    *s_at;
+    *s_at, *s_namespace, *s_load, *s_kv, *s_refs, *s_until, *s_reach, *s_half_life,
+    *s_request_tokens, *s_kv_usage_limit, *s_queue_weight, *s_affinity_bound,
+    *s_spread_weight, *s_affinity_weight, *s_checkpoint_weight;
 
 /* A number (exact float or int) as a double; 1 for anything else. */
 static int
@@ -471,11 +484,319 @@ weigh_costed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* Whether slot ``slot`` is set in ``bits`` (a non-negative exact int); -1 with an
+   exception. */
+static int
+has_slot(PyObject *bits, long long slot)
+{
+    if (slot < 64)
+        return (int)((PyLong_AsUnsignedLongLongMask(bits) >> slot) & 1ULL);
+    PyObject *shift = PyLong_FromLongLong(slot);
+    if (shift == NULL)
+        return -1;
+    PyObject *moved = PyNumber_Rshift(bits, shift);
+    Py_DECREF(shift);
+    if (moved == NULL)
+        return -1;
+    int set = (int)(PyLong_AsUnsignedLongLongMask(moved) & 1ULL);
+    Py_DECREF(moved);
+    return set;
+}
+
+/* How far ``hashes`` continues from ``start`` through the entries of ``table`` pending
+   as of ``at`` (pcr.gateway.pending's rule: ``refs`` or ``until > at``); -1 with an
+   exception, -2 for an input of another type. */
+static Py_ssize_t
+continued(PyObject *table, PyObject *hashes, Py_ssize_t start, double at)
+{
+    Py_ssize_t end = PyList_GET_SIZE(hashes), i = start;
+    for (; i < end; i++) {
+        PyObject *entry = PyDict_GetItemWithError(table, PyList_GET_ITEM(hashes, i));
+        if (entry == NULL)
+            return PyErr_Occurred() ? -1 : i;
+        long long refs;
+        int status = int_attr(entry, s_refs, &refs);
+        if (status)
+            return status < 0 ? -1 : -2;
+        if (refs != 0)
+            continue;
+        double until;
+        status = number_attr(entry, s_until, &until);
+        if (status)
+            return status < 0 ? -1 : -2;
+        if (!(until > at))
+            return i;
+    }
+    return i;
+}
+
+/* Name -> tokens for the blocks of ``blocks`` (whole blocks, never the last token). */
+static PyObject *
+tokens_of(PyObject *names, const Py_ssize_t *blocks, Py_ssize_t whole, long long size)
+{
+    Py_ssize_t count = PyList_GET_SIZE(names);
+    PyObject *out = PyDict_New();
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t b = blocks[i];
+        if (b <= 0)
+            continue;
+        PyObject *value = PyLong_FromLongLong((long long)(b < whole ? b : whole) * size);
+        if (value == NULL || PyDict_SetItem(out, PyList_GET_ITEM(names, i), value) < 0) {
+            Py_XDECREF(value);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(value);
+    }
+    return out;
+}
+
+static PyObject *
+weigh_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 17) {
+        PyErr_SetString(PyExc_TypeError, "decide takes 17 arguments");
+        return NULL;
+    }
+    PyObject *backends = args[0], *steps = args[1], *slots = args[2], *pending = args[3];
+    PyObject *hashes = args[4], *rule = args[9], *kinned = args[10], *sent = args[11];
+    PyObject *load_type = args[13], *decayed_type = args[14], *choice = args[15];
+    PyObject *reach_type = args[16];
+    double at, now;
+    long long prompt_tokens, size;
+    int tell = PyObject_IsTrue(args[12]);
+    if (tell < 0)
+        return NULL;
+    if (!PyList_CheckExact(backends) || !PyList_CheckExact(steps) || !PyDict_CheckExact(slots)
+        || !PyDict_CheckExact(pending) || !PyList_CheckExact(hashes))
+        Py_RETURN_NOTIMPLEMENTED;
+    if (as_double(args[5], &at) || as_long(args[6], &prompt_tokens)
+        || as_long(args[7], &size) || as_double(args[8], &now) || size <= 0
+        || prompt_tokens > (1LL << 40) || prompt_tokens < -(1LL << 40))
+        Py_RETURN_NOTIMPLEMENTED;
+    /* the rule's weights, as Weighed reads them */
+    PyObject *weights[8] = {s_half_life, s_request_tokens, s_kv_usage_limit, s_queue_weight,
+                            s_affinity_bound, s_spread_weight, s_affinity_weight,
+                            s_checkpoint_weight};
+    PyObject *rule_values[8] = {NULL};
+    for (int w = 0; w < 8; w++) {
+        rule_values[w] = PyObject_GetAttr(rule, weights[w]);
+        if (rule_values[w] == NULL) {
+            for (int v = 0; v < w; v++)
+                Py_DECREF(rule_values[v]);
+            return NULL;
+        }
+    }
+    PyObject *result = NULL, *names = NULL, *unique = NULL, *loads = NULL, *made = NULL;
+    PyObject *cached = NULL, *alone = NULL, *order = NULL, *leader = NULL;
+    Py_ssize_t *blocks = NULL;
+    Py_ssize_t count = PyList_GET_SIZE(backends);
+    int fallback = 0;
+    names = PyList_New(count);
+    unique = PyDict_New();
+    loads = PyDict_New();
+    blocks = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (count ? count : 1));
+    if (names == NULL || unique == NULL || loads == NULL || blocks == NULL) {
+        if (blocks == NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t *listed = blocks, *reached = blocks + count;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *backend = PyList_GET_ITEM(backends, i);
+        PyObject *name = PyObject_GetAttr(backend, s_namespace);
+        if (name == NULL)
+            goto done;
+        PyList_SET_ITEM(names, i, name);
+        if (!PyUnicode_CheckExact(name)) {
+            fallback = 1;
+            goto done;
+        }
+        PyObject *load = PyObject_GetAttr(backend, s_load);
+        if (load == NULL)
+            goto done;
+        int failed = PyDict_SetItem(loads, name, load) < 0 || PyDict_SetItem(unique, name, Py_None) < 0;
+        Py_DECREF(load);
+        if (failed)
+            goto done;
+        listed[i] = reached[i] = 0;
+    }
+    if (PyDict_GET_SIZE(unique) != count) {  /* a namespace twice: the general path */
+        fallback = 1;
+        goto done;
+    }
+    /* each one's prefix as the view lists it: the length of the step holding its slot */
+    Py_ssize_t nsteps = PyList_GET_SIZE(steps);
+    for (Py_ssize_t i = 0; i < count && nsteps; i++) {
+        PyObject *slot = PyDict_GetItemWithError(slots, PyList_GET_ITEM(names, i));
+        long long at_slot;
+        if (slot == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            continue;
+        }
+        if (as_long(slot, &at_slot) || at_slot < 0) {
+            fallback = 1;
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < nsteps; k++) {
+            PyObject *step = PyList_GET_ITEM(steps, k);
+            long long position;
+            if (!PyTuple_CheckExact(step) || PyTuple_GET_SIZE(step) != 2
+                || as_long(PyTuple_GET_ITEM(step, 0), &position)
+                || !PyLong_CheckExact(PyTuple_GET_ITEM(step, 1)) || position < 0
+                || position > PY_SSIZE_T_MAX) {
+                fallback = 1;
+                goto done;
+            }
+            int set = has_slot(PyTuple_GET_ITEM(step, 1), at_slot);
+            if (set < 0)
+                goto done;
+            if (set) {
+                listed[i] = reached[i] = (Py_ssize_t)position;
+                break;
+            }
+        }
+    }
+    /* continued through the blocks pending there */
+    int changed = 0;
+    if (PyDict_GET_SIZE(pending)) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *mine = PyDict_GetItemWithError(pending, PyList_GET_ITEM(names, i));
+            if (mine == NULL) {
+                if (PyErr_Occurred())
+                    goto done;
+                continue;
+            }
+            PyObject *table = PyObject_GetAttr(mine, s_kv);
+            if (table == NULL)
+                goto done;
+            if (!PyDict_CheckExact(table)) {
+                Py_DECREF(table);
+                fallback = 1;
+                goto done;
+            }
+            Py_ssize_t end = continued(table, hashes, listed[i], at);
+            Py_DECREF(table);
+            if (end == -1)
+                goto done;
+            if (end == -2) {
+                fallback = 1;
+                goto done;
+            }
+            reached[i] = end;
+            changed |= end != listed[i];
+        }
+    }
+    Py_ssize_t whole = prompt_tokens > 0 ? (Py_ssize_t)((prompt_tokens - 1) / size) : 0;
+    cached = tokens_of(names, reached, whole, size);
+    if (cached == NULL)
+        goto done;
+    PyObject *row_args[13] = {unique, args[6], loads, args[8], rule_values[0], rule_values[1],
+                              rule_values[2], rule_values[3], kinned, sent, rule_values[4],
+                              load_type, decayed_type};
+    made = weigh_rows(self, row_args, 13);
+    if (made == NULL)
+        goto done;
+    if (made == Py_NotImplemented) {
+        fallback = 1;
+        goto done;
+    }
+    PyObject *rows = PyTuple_GET_ITEM(made, 0), *terms = PyTuple_GET_ITEM(made, 1);
+    PyObject *cost_args[10] = {rows, terms, args[6], cached, Py_None, rule_values[5],
+                               rule_values[6], rule_values[7], Py_False, choice};
+    order = weigh_costed(self, cost_args, 10);
+    if (order == NULL)
+        goto done;
+    if (order == Py_NotImplemented) {
+        fallback = 1;
+        goto done;
+    }
+    int moved = 0;
+    if (changed && tell && PyList_GET_SIZE(order)) {
+        alone = tokens_of(names, listed, whole, size);
+        if (alone == NULL)
+            goto done;
+        cost_args[3] = alone;
+        cost_args[8] = Py_True;
+        leader = weigh_costed(self, cost_args, 10);
+        if (leader == NULL)
+            goto done;
+        if (leader == Py_NotImplemented) {
+            fallback = 1;
+            goto done;
+        }
+        PyObject *first = PyObject_GetAttr(PyList_GET_ITEM(order, 0), s_namespace);
+        if (first == NULL)
+            goto done;
+        moved = PyUnicode_Compare(first, leader) != 0;
+        Py_DECREF(first);
+        if (moved && PyErr_Occurred())
+            goto done;
+    }
+    /* the two best: what a request sent there leaves pending (Listed.reach) */
+    Py_ssize_t top = PyList_GET_SIZE(order) < 2 ? PyList_GET_SIZE(order) : 2;
+    for (Py_ssize_t t = 0; t < top; t++) {
+        PyObject *chosen = PyList_GET_ITEM(order, t);
+        PyObject *name = PyObject_GetAttr(chosen, s_namespace);
+        if (name == NULL)
+            goto done;
+        Py_ssize_t i = 0;
+        while (i < count && PyList_GET_ITEM(names, i) != name)
+            i++;
+        Py_DECREF(name);
+        if (i == count) {
+            fallback = 1;
+            goto done;
+        }
+        PyObject *held = PyLong_FromSsize_t(listed[i]), *kv = PyLong_FromSsize_t(reached[i]);
+        PyObject *reach = NULL;
+        if (held != NULL && kv != NULL) {
+            PyObject *parts[4] = {held, kv, kv, Py_False};
+            reach = PyObject_Vectorcall(reach_type, parts, 4, NULL);
+        }
+        Py_XDECREF(held);
+        Py_XDECREF(kv);
+        if (reach == NULL)
+            goto done;
+        int failed = PyObject_SetAttr(chosen, s_reach, reach);
+        Py_DECREF(reach);
+        if (failed < 0)
+            goto done;
+    }
+    int prefix = 0;
+    for (Py_ssize_t i = 0; i < count; i++)
+        prefix |= reached[i] > 0 && whole > 0;
+    result = Py_BuildValue("(OOO)", order, prefix ? Py_True : Py_False,
+                           moved ? Py_True : Py_False);
+done:
+    for (int w = 0; w < 8; w++)
+        Py_XDECREF(rule_values[w]);
+    Py_XDECREF(names);
+    Py_XDECREF(unique);
+    Py_XDECREF(loads);
+    Py_XDECREF(made);
+    Py_XDECREF(cached);
+    Py_XDECREF(alone);
+    Py_XDECREF(order);
+    Py_XDECREF(leader);
+    PyMem_Free(blocks);
+    if (fallback && result == NULL) {
+        PyErr_Clear();
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"rows", (PyCFunction)(void (*)(void))weigh_rows, METH_FASTCALL,
      "Each candidate's load as the rule weighs it, and the kin terms."},
     {"costed", (PyCFunction)(void (*)(void))weigh_costed, METH_FASTCALL,
      "The rows costed for these prefixes, in the rule's order (or its leader)."},
+    {"decide", (PyCFunction)(void (*)(void))weigh_decide, METH_FASTCALL,
+     "The gateway's usual decision: prefixes from a walk and pending blocks, ranked."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -499,6 +820,20 @@ PyInit__weigh(void)
     INTERN(s_kv_usage, "kv_usage");
     INTERN(s_value, "value");
     INTERN(s_at, "at");
+    INTERN(s_namespace, "namespace");
+    INTERN(s_load, "load");
+    INTERN(s_kv, "kv");
+    INTERN(s_refs, "refs");
+    INTERN(s_until, "until");
+    INTERN(s_reach, "reach");
+    INTERN(s_half_life, "half_life");
+    INTERN(s_request_tokens, "request_tokens");
+    INTERN(s_kv_usage_limit, "kv_usage_limit");
+    INTERN(s_queue_weight, "queue_weight");
+    INTERN(s_affinity_bound, "affinity_bound");
+    INTERN(s_spread_weight, "spread_weight");
+    INTERN(s_affinity_weight, "affinity_weight");
+    INTERN(s_checkpoint_weight, "checkpoint_weight");
 #undef INTERN
     return PyModule_Create(&module);
 }

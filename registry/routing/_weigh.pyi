@@ -33,3 +33,23 @@ def costed(
     choice: Any,
     /,
 ) -> Any: ...
+def decide(
+    backends: list[Any],
+    steps: list[tuple[int, int]],
+    slots: dict[str, int],
+    pending: Any,
+    hashes: list[int],
+    at: float,
+    prompt_tokens: int,
+    block_size: int,
+    now: float,
+    rule: Any,
+    kinned: Any,
+    sent: Any,
+    tell: bool,
+    load_type: type,
+    decayed_type: type,
+    choice: Any,
+    reach: Any,
+    /,
+) -> Any: ...
