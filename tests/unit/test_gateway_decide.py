@@ -239,6 +239,31 @@ def test_where_the_usual_case_does_not_hold_the_general_path_answers(
 
 
 @needs_extension
+def test_hybrid_false_ranks_a_hybrid_node_by_its_kv_prefix_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--hybrid false`` (the registry's ``hybrid=False``): a node that held Mamba state
+    is ranked by its KV prefix, by the C path as by the general one."""
+    rng = random.Random(9)
+    state = _gateway(rng, ["a", "b", "c"], ["a", "b", "c"])
+    assert state.view is not None
+    clock = _Clock()
+    monkeypatch.setattr(gateway_state.time, "monotonic", clock)
+    monkeypatch.setattr(_Registry, "hybrid", False)
+    prompts = _prompts(rng, state.config.block_size)
+    seq = _register(rng, state.view, prompts)
+    ids = next(p for p in prompts if p.hashes)
+    assert ids.hashes is not None
+    state.view.apply(f"b 0 {seq['b'] + 1} m+ {ids.hashes[0]}".encode())
+    assert state.view.any_hybrid()
+    spy = _Spy(gateway_state.DECIDE)
+    for ids in prompts:
+        general, quick, _order = _both(state, ids, spy, monkeypatch)
+        assert quick == general
+    assert spy.made == len(prompts)
+
+
+@needs_extension
 def test_an_input_the_c_does_not_read_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend's load of another type: ``decide`` declines, the general path (and
     its Python weighing) answers."""
