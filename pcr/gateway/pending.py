@@ -551,12 +551,13 @@ class PendingPrefixes:
         merged.update(kv)
         return Listed(usable, merged, listed.hybrid)
 
-    def alone(self) -> Mapping[str, Any] | None:
-        """This replica's pending blocks per backend (each with its ``kv``: hash -> an
-        entry pending while its ``refs`` or ``until`` > the time of the last ``expire``),
-        where no other replica told of any: what ``extend`` reads in its usual case, for
-        the gateway's decision in C (``GatewayState.choose``); None where others did."""
-        return None if self._remote() else self._backends
+    def tables(self) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """What ``extend`` reads, for the gateway's decision in C (``GatewayState.choose``):
+        per backend, this replica's pending blocks (a ``kv`` of hash -> an entry pending
+        while its ``refs`` or ``until`` is past the last ``expire``), and the other
+        replicas' chains (``positions``, farthest first, and ``anchors``: hash ->
+        (position, held offset, checkpoint))."""
+        return self._backends, self._remote()
 
     def blocks(self, backend: str) -> int:
         """``backend``'s pending blocks (this replica's; those whose grace ran out in the

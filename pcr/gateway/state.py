@@ -490,7 +490,8 @@ class GatewayState:
         self, backends: list[Backend], names: list[str], ids: PromptIds
     ) -> tuple[list[Choice], str] | None:
         """``choose``'s usual case in one C call (``DECIDE``): the fleet view following
-        Redis, no hybrid model's node in it, no other replica's chains pending. The same
+        Redis, no hybrid model's node in it (this replica's pending blocks and the other
+        replicas' chains counted as ``PendingPrefixes.extend`` counts them). The same
         order, costs, prefixes, ``reach`` and ``pending_changed`` count as the general
         path, which runs instead (None) wherever one of those does not hold."""
         view = self.view
@@ -506,19 +507,18 @@ class GatewayState:
         if not self.registry_reachable():
             return None
         pending = self.pending
-        local: Mapping[str, Any] | None = NOTHING_PENDING
+        local: Mapping[str, Any] = NOTHING_PENDING
+        far: Mapping[str, Any] = NOTHING_PENDING
         if pending.on:
             pending.expire(now)
-            local = pending.alone()
-            if local is None:
-                return None
+            local, far = pending.tables()
         steps, slots = view.steps(ids.hashes, names)
         kinned, sent = self.kin.sums(ids.root) or (None, None)
         rule = self.config.rule
         made = DECIDE(
-            backends, steps, slots, local, ids.hashes, now, ids.count, self.config.block_size,
-            time.monotonic(), rule, kinned, sent, self.metrics.on, BackendLoad, Decayed, Choice,
-            Reach,
+            backends, steps, slots, local, far, ids.hashes, now, ids.count,
+            self.config.block_size, time.monotonic(), rule, kinned, sent, self.metrics.on,
+            BackendLoad, Decayed, Choice, Reach,
         )  # fmt: skip
         if made is NotImplemented:
             return None

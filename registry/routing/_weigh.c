@@ -13,14 +13,16 @@
  *   -> the rows costed and ordered, each as choice(name, cost, hit, queued, share) or,
  *      with choice None, as (cost, in_flight, name, hit, queued, share); with leader the
  *      first one's name alone | NotImplemented
- * decide(backends, steps, slots, pending, hashes, at, prompt_tokens, block_size, now,
- *        rule, kinned, sent, tell, load_type, decayed_type, choice, reach)
+ * decide(backends, steps, slots, pending, far, hashes, at, prompt_tokens, block_size,
+ *        now, rule, kinned, sent, tell, load_type, decayed_type, choice, reach)
  *   the gateway's usual decision in one call (pcr.gateway.state.GatewayState.choose with
- *   the fleet view, no hybrid node, no other replica's chains): each backend's prefix
- *   from the view's walk (steps: [(blocks, slot bits)], slots: namespace -> slot),
- *   continued through its pending blocks (pending: namespace -> an object whose ``kv``
- *   maps hash -> an entry pending while ``refs`` or ``until > at``), in whole blocks of
- *   tokens never the last one, then rows and costed as above
+ *   the fleet view and no hybrid node): each backend's prefix from the view's walk
+ *   (steps: [(blocks, slot bits)], slots: namespace -> slot), continued through its
+ *   pending blocks (pending: namespace -> an object whose ``kv`` maps hash -> an entry
+ *   pending while ``refs`` or ``until > at``) and the other replicas' chains (far:
+ *   namespace -> an object with ``positions``, farthest first, and ``anchors``: hash ->
+ *   (position, held offset, checkpoint)), as pcr.gateway.pending's ``extend`` does, in
+ *   whole blocks of tokens never the last one, then rows and costed as above
  *   -> (choices ranked, each with reach set on the two best; whether any backend has a
  *      prefix; whether the pending blocks changed the leader, asked only with ``tell``)
  *      | NotImplemented
@@ -33,7 +35,7 @@ static PyObject *s_in_flight, *s_remote_in_flight, *s_pending, *s_remote_pending
     *s_recent, *s_remote_recent, *s_remote_at, *s_engine_requests, *s_kv_usage, *s_value,
     *s_at, *s_namespace, *s_load, *s_kv, *s_refs, *s_until, *s_reach, *s_half_life,
     *s_request_tokens, *s_kv_usage_limit, *s_queue_weight, *s_affinity_bound,
-    *s_spread_weight, *s_affinity_weight, *s_checkpoint_weight;
+    *s_spread_weight, *s_affinity_weight, *s_checkpoint_weight, *s_positions, *s_anchors;
 
 /* A number (exact float or int) as a double; 1 for anything else. */
 static int
@@ -530,6 +532,52 @@ continued(PyObject *table, PyObject *hashes, Py_ssize_t start, double at)
     return i;
 }
 
+/* The farthest anchor of the other replicas' chains at one backend (``told``: its
+   ``positions`` and ``anchors``) that ``hashes`` share, counting only chains whose held
+   part ``listed`` covers (pcr.gateway.pending's ``_Far.prefix`` without checkpoints);
+   0 for none, -1 with an exception, -2 for an input of another type. */
+static Py_ssize_t
+told_prefix(PyObject *told, PyObject *hashes, Py_ssize_t listed)
+{
+    PyObject *positions = PyObject_GetAttr(told, s_positions);
+    if (positions == NULL)
+        return -1;
+    PyObject *anchors = PyObject_GetAttr(told, s_anchors);
+    if (anchors == NULL) {
+        Py_DECREF(positions);
+        return -1;
+    }
+    Py_ssize_t found = 0, end = PyList_GET_SIZE(hashes);
+    if (!PyList_CheckExact(positions) || !PyDict_CheckExact(anchors))
+        found = -2;
+    for (Py_ssize_t k = 0; !found && k < PyList_GET_SIZE(positions); k++) {
+        long long position, at, offset;
+        if (as_long(PyList_GET_ITEM(positions, k), &position) || position < 1) {
+            found = -2;
+            break;
+        }
+        if (position > end)
+            continue;
+        PyObject *anchor = PyDict_GetItemWithError(anchors, PyList_GET_ITEM(hashes, position - 1));
+        if (anchor == NULL) {
+            if (PyErr_Occurred())
+                found = -1;
+            continue;
+        }
+        if (!PyTuple_CheckExact(anchor) || PyTuple_GET_SIZE(anchor) != 3
+            || as_long(PyTuple_GET_ITEM(anchor, 0), &at)
+            || as_long(PyTuple_GET_ITEM(anchor, 1), &offset)) {
+            found = -2;
+            break;
+        }
+        if (at == position && offset <= listed)
+            found = (Py_ssize_t)position;
+    }
+    Py_DECREF(positions);
+    Py_DECREF(anchors);
+    return found;
+}
+
 /* Name -> tokens for the blocks of ``blocks`` (whole blocks, never the last token). */
 static PyObject *
 tokens_of(PyObject *names, const Py_ssize_t *blocks, Py_ssize_t whole, long long size)
@@ -556,24 +604,25 @@ tokens_of(PyObject *names, const Py_ssize_t *blocks, Py_ssize_t whole, long long
 static PyObject *
 weigh_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 17) {
-        PyErr_SetString(PyExc_TypeError, "decide takes 17 arguments");
+    if (nargs != 18) {
+        PyErr_SetString(PyExc_TypeError, "decide takes 18 arguments");
         return NULL;
     }
     PyObject *backends = args[0], *steps = args[1], *slots = args[2], *pending = args[3];
-    PyObject *hashes = args[4], *rule = args[9], *kinned = args[10], *sent = args[11];
-    PyObject *load_type = args[13], *decayed_type = args[14], *choice = args[15];
-    PyObject *reach_type = args[16];
+    PyObject *far = args[4];
+    PyObject *hashes = args[5], *rule = args[10], *kinned = args[11], *sent = args[12];
+    PyObject *load_type = args[14], *decayed_type = args[15], *choice = args[16];
+    PyObject *reach_type = args[17];
     double at, now;
     long long prompt_tokens, size;
-    int tell = PyObject_IsTrue(args[12]);
+    int tell = PyObject_IsTrue(args[13]);
     if (tell < 0)
         return NULL;
     if (!PyList_CheckExact(backends) || !PyList_CheckExact(steps) || !PyDict_CheckExact(slots)
-        || !PyDict_CheckExact(pending) || !PyList_CheckExact(hashes))
+        || !PyDict_CheckExact(pending) || !PyDict_CheckExact(far) || !PyList_CheckExact(hashes))
         Py_RETURN_NOTIMPLEMENTED;
-    if (as_double(args[5], &at) || as_long(args[6], &prompt_tokens)
-        || as_long(args[7], &size) || as_double(args[8], &now) || size <= 0
+    if (as_double(args[6], &at) || as_long(args[7], &prompt_tokens)
+        || as_long(args[8], &size) || as_double(args[9], &now) || size <= 0
         || prompt_tokens > (1LL << 40) || prompt_tokens < -(1LL << 40))
         Py_RETURN_NOTIMPLEMENTED;
     /* the rule's weights, as Weighed reads them */
@@ -660,41 +709,56 @@ weigh_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
         }
     }
-    /* continued through the blocks pending there */
+    /* continued through the blocks pending there, this replica's and the others' */
     int changed = 0;
-    if (PyDict_GET_SIZE(pending)) {
+    if (PyDict_GET_SIZE(pending) || PyDict_GET_SIZE(far)) {
         for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *mine = PyDict_GetItemWithError(pending, PyList_GET_ITEM(names, i));
-            if (mine == NULL) {
-                if (PyErr_Occurred())
-                    goto done;
+            PyObject *name = PyList_GET_ITEM(names, i);
+            PyObject *mine = PyDict_GetItemWithError(pending, name);
+            if (mine == NULL && PyErr_Occurred())
+                goto done;
+            PyObject *theirs = PyDict_GetItemWithError(far, name);
+            if (theirs == NULL && PyErr_Occurred())
+                goto done;
+            if (mine == NULL && theirs == NULL)
                 continue;
+            PyObject *table = NULL;
+            if (mine != NULL) {
+                table = PyObject_GetAttr(mine, s_kv);
+                if (table == NULL)
+                    goto done;
+                if (!PyDict_CheckExact(table)) {
+                    Py_DECREF(table);
+                    fallback = 1;
+                    goto done;
+                }
             }
-            PyObject *table = PyObject_GetAttr(mine, s_kv);
-            if (table == NULL)
+            Py_ssize_t reach = listed[i];
+            if (table != NULL)
+                reach = continued(table, hashes, reach, at);
+            if (reach >= 0 && theirs != NULL) {
+                Py_ssize_t told = told_prefix(theirs, hashes, listed[i]);
+                if (told < 0)
+                    reach = told;
+                else if (told > reach)
+                    reach = table != NULL ? continued(table, hashes, told, at) : told;
+            }
+            Py_XDECREF(table);
+            if (reach == -1)
                 goto done;
-            if (!PyDict_CheckExact(table)) {
-                Py_DECREF(table);
+            if (reach == -2) {
                 fallback = 1;
                 goto done;
             }
-            Py_ssize_t end = continued(table, hashes, listed[i], at);
-            Py_DECREF(table);
-            if (end == -1)
-                goto done;
-            if (end == -2) {
-                fallback = 1;
-                goto done;
-            }
-            reached[i] = end;
-            changed |= end != listed[i];
+            reached[i] = reach;
+            changed |= reach != listed[i];
         }
     }
     Py_ssize_t whole = prompt_tokens > 0 ? (Py_ssize_t)((prompt_tokens - 1) / size) : 0;
     cached = tokens_of(names, reached, whole, size);
     if (cached == NULL)
         goto done;
-    PyObject *row_args[13] = {unique, args[6], loads, args[8], rule_values[0], rule_values[1],
+    PyObject *row_args[13] = {unique, args[7], loads, args[9], rule_values[0], rule_values[1],
                               rule_values[2], rule_values[3], kinned, sent, rule_values[4],
                               load_type, decayed_type};
     made = weigh_rows(self, row_args, 13);
@@ -705,7 +769,7 @@ weigh_decide(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     PyObject *rows = PyTuple_GET_ITEM(made, 0), *terms = PyTuple_GET_ITEM(made, 1);
-    PyObject *cost_args[10] = {rows, terms, args[6], cached, Py_None, rule_values[5],
+    PyObject *cost_args[10] = {rows, terms, args[7], cached, Py_None, rule_values[5],
                                rule_values[6], rule_values[7], Py_False, choice};
     order = weigh_costed(self, cost_args, 10);
     if (order == NULL)
@@ -834,6 +898,8 @@ PyInit__weigh(void)
     INTERN(s_spread_weight, "spread_weight");
     INTERN(s_affinity_weight, "affinity_weight");
     INTERN(s_checkpoint_weight, "checkpoint_weight");
+    INTERN(s_positions, "positions");
+    INTERN(s_anchors, "anchors");
 #undef INTERN
     return PyModule_Create(&module);
 }

@@ -38,6 +38,7 @@ def decide(
     steps: list[tuple[int, int]],
     slots: dict[str, int],
     pending: Any,
+    far: Any,
     hashes: list[int],
     at: float,
     prompt_tokens: int,

@@ -6,10 +6,10 @@ started and ended (successes in their grace, failures), time passing (pending bl
 expiring), engine queues and full caches, kin, block sizes 1 to 16 and empty prompts
 give the same outcome, the same choices to the bit (costs, hits, queues, shares), the
 same ``reach`` on the two best and the same ``pending_changed`` count, decision after
-decision; and the C path is what ran. Where the usual case does not hold (a hybrid
-model's node, another replica's chains, ``hybrid=True``, the view not following Redis,
-an input of another type) the general path answers, as before; slots past 64 bits are
-read right."""
+decision, with and without other replicas' chains told; and the C path is what ran.
+Where the usual case does not hold (a hybrid model's node, ``hybrid=True``, the view not
+following Redis, an input of another type) the general path answers, as before; slots
+past 64 bits are read right."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import pcr.gateway.state as gateway_state
 from pcr.gateway.balance import BackendLoad, Choice
 from pcr.gateway.config import GatewayConfig
 from pcr.gateway.outcomes import Ending, started
+from pcr.gateway.pending import _ladder
 from pcr.gateway.state import GatewayState
 from pcr.gateway.tokens import PromptIds, _parse_apart
 from registry.fleet.view import FleetView
@@ -119,6 +120,29 @@ def _register(rng: random.Random, view: FleetView, prompts: list[PromptIds]) -> 
     return seq
 
 
+def _told(rng: random.Random, names: list[str], prompts: list[PromptIds]) -> dict[str, Any]:
+    """Another replica's chains, as ``parse_wire`` gives them: per backend, prefixes of
+    the prompts (held in part where they were sent), their hashes at the ladder's
+    positions, and now and then a checkpoint."""
+    told: dict[str, Any] = {}
+    for name in names:
+        chains = []
+        for ids in rng.sample(prompts, rng.randint(0, 3)):
+            if not ids.hashes:
+                continue
+            length = rng.randint(1, len(ids.hashes))
+            values = [ids.hashes[p - 1] for p in _ladder(length)]
+            marks = (
+                [(p, ids.hashes[p - 1]) for p in {rng.randint(1, length)}]
+                if rng.random() < 0.3
+                else []
+            )
+            chains.append((rng.randint(0, length), length, values, marks))
+        if chains:
+            told[name] = chains
+    return told
+
+
 def _both(
     state: GatewayState, ids: PromptIds, spy: _Spy, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], list[Choice]]:
@@ -157,6 +181,9 @@ def test_the_c_decision_is_the_general_one(seed: int, monkeypatch: pytest.Monkey
         for backend in state.backends.values():
             backend.load.engine_requests = rng.choice([0, 0, 1, 4])
             backend.load.kv_usage = rng.choice([0.1, 0.1, 0.99])
+        if rng.random() < 0.2:  # the other replicas tell their chains, or none
+            told = _told(rng, names, prompts)
+            state.pending.set_remote([told] if told and rng.random() < 0.7 else [])
         ids = rng.choice(prompts)
         general, quick, order = _both(state, ids, spy, monkeypatch)
         assert quick == general
@@ -180,7 +207,8 @@ def test_pending_blocks_change_the_leader_and_are_counted_alike(
 ) -> None:
     """A prompt registered nowhere, sent to ``a``: the next of its kind is ranked with
     its blocks pending at ``a`` (the count says the pending blocks changed the leader
-    wherever load alone would pick another), by both paths alike."""
+    wherever load alone would pick another), by both paths alike; then the same with the
+    prompt pending at another replica alone (its chain told)."""
     rng = random.Random(7)
     state = _gateway(rng, ["a", "b", "c"], ["a", "b", "c"])
     clock = _Clock()
@@ -195,6 +223,16 @@ def test_pending_blocks_change_the_leader_and_are_counted_alike(
         backend = state.backends[order[0].namespace]
         started(state, backend, 0, order[0], ids)
     assert spy.made == 6
+    other = _gateway(rng, ["a", "b", "c"], ["a", "b", "c"])
+    assert ids.hashes is not None
+    length = len(ids.hashes)
+    chain = (0, length, [ids.hashes[p - 1] for p in _ladder(length)], [])
+    other.pending.set_remote([{"c": [chain]}])
+    general, quick, told = _both(other, ids, spy, monkeypatch)
+    assert quick == general
+    assert told[0].namespace == "c"
+    assert told[0].reach is not None
+    assert told[0].reach.kv == length
     assert order[0].reach is not None
     assert order[0].reach.kv > order[0].reach.held
     assert moved >= 1
@@ -218,10 +256,6 @@ def test_where_the_usual_case_does_not_hold_the_general_path_answers(
     monkeypatch.setattr(_Registry, "hybrid", True)
     _run(state.choose(ids))
     monkeypatch.setattr(_Registry, "hybrid", None)
-    # another replica's chains pending
-    state.pending.set_remote([{"a": [(0, 1, [ids.hashes[0]], [])]}])
-    _run(state.choose(ids))
-    state.pending.set_remote([])
     # a hybrid model's node in the view
     assert ids.hashes is not None
     state.view.apply(f"b 0 {seq['b'] + 1} m+ {ids.hashes[0]}".encode())
