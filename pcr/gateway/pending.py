@@ -497,26 +497,6 @@ class PendingPrefixes:
         usable: dict[str, int] | None = None
         kv: dict[str, int] = {}
         listed_usable, listed_kv = listed.usable, listed.kv
-        if not far and not listed_kv and not listed.hybrid:
-            # the usual case, the loop below with nothing but this replica's KV blocks
-            # (``_Backend.extend`` inline: one call per backend per request saved)
-            end = len(hashes)
-            for name in names:
-                mine = local.get(name)
-                if mine is None:
-                    continue
-                held = i = listed_usable.get(name, 0)
-                pending = mine.kv
-                while i < end:
-                    entry = pending.get(hashes[i])
-                    if entry is None or not (entry.refs or entry.until > at):
-                        break
-                    i += 1
-                if i != held:
-                    if usable is None:
-                        usable = dict(listed_usable)
-                    usable[name] = i
-            return None if usable is None else Listed(usable, {}, listed.hybrid)
         for name in dict.fromkeys(names):
             mine, theirs = local.get(name), far.get(name)
             if mine is None and theirs is None:

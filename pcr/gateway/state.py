@@ -344,7 +344,7 @@ class GatewayState:
         blocks of requests in flight counted where they were sent (``Scored``); None
         when Redis is away (or slower than ``registry_timeout``)."""
         now = time.monotonic()
-        if not self.health.up and now < self.health.retry_at:
+        if self._held_off(now):
             return None
         assert ids.hashes is not None
         if self.view is not None:
@@ -429,6 +429,11 @@ class GatewayState:
             listed.hybrid = frozenset(names) if hybrid else view.hybrid_nodes()
         return listed
 
+    def _held_off(self, now: float) -> bool:
+        """Whether routing leaves the registry alone now: found away, not yet due for
+        another try (``RegistryHealth.retry_at``)."""
+        return not self.health.up and now < self.health.retry_at
+
     def registry_reachable(self) -> bool:
         """Whether routing can use the registry now (with the fleet view: whether it is
         following Redis; else: whether the last routing call reached it)."""
@@ -498,8 +503,7 @@ class GatewayState:
         if view is None or DECIDE is None or ids.hashes is None:
             return None
         now = time.monotonic()
-        health = self.health
-        if not health.up and now < health.retry_at:
+        if self._held_off(now):
             return None
         hybrid = self.registry.hybrid
         if hybrid is True or (hybrid is None and view.any_hybrid()):
