@@ -238,8 +238,8 @@ class GatewayMetrics:
         )
         overhead = Family(
             "pcr_gateway_overhead_seconds",
-            "The gateway's own time before it sends a request upstream (parse, tokenize, "
-            "score, choose)",
+            "The gateway's own time before it sends a request upstream, from its head's "
+            "arrival (HTTP parse, body, tokenize, score, choose)",
             "histogram",
             buckets=OVERHEAD_BUCKETS,
         )

@@ -46,7 +46,7 @@ from pcr.gateway.tokens import (
 )
 from pcr.gateway.upstream import Reply, UpstreamError
 from pcr.web.auth import model_allowed, routable, salted_tenant
-from pcr.web.server import WHOLE, leaving
+from pcr.web.server import ARRIVED, WHOLE, leaving
 
 NONE: dict[str, Any] = {}
 
@@ -74,7 +74,8 @@ class Proxy:
         function this calls: each frame between the task and the upstream's wait is
         passed through at every wake-up of the request)."""
         chat = PROXIED[scope["path"]]
-        arrived = time.perf_counter()
+        # from the head's arrival where the server says (its parse counted), else now
+        arrived = scope.get(ARRIVED) or time.perf_counter()
         state = self.gateway
         state.arrived()  # after a pause: the engines' figures and the tick at once
         if not json_body(scope["headers"]):

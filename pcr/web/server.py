@@ -221,6 +221,11 @@ WHOLE = "pcr.whole"
 ``http.response.start`` with its ``body`` (the whole of it; ``content-length`` is the
 server's to write), head and body then going out in one write."""
 _WHOLE_EXTENSIONS: dict[str, dict[str, Any]] = {WHOLE: {}}
+ARRIVED = "pcr.arrived"
+"""A ``Direct`` request's scope key: ``time.perf_counter()`` as the bytes that completed
+its head came off the connection, before the server parsed them: where the app's
+"time since the request arrived" starts (the gateway's ``pcr_gateway_overhead_seconds``
+and request durations), so the server's own part of a request is counted too."""
 
 
 class _Signal:
@@ -477,6 +482,7 @@ class _Deadlines(_HttpToolsProtocol):
     _began = False  # a message began in the data being read
     _fed = 0  # bytes of the data being read known to precede the current head (about)
     _head_from = 0  # ``_fed`` when the current message began
+    _arrived = 0.0  # time.perf_counter() as the data being read came (``ARRIVED``)
     high_water = 65536  # uvicorn's HIGH_WATER_LIMIT (``_protocol_class``)
     _too_large = False
     _lingering = False
@@ -497,6 +503,7 @@ class _Deadlines(_HttpToolsProtocol):
             return  # after the last answer: read and drop until the client closes
         self._began = False
         self._fed = 0
+        self._arrived = time.perf_counter()  # a Direct request's ARRIVED
         super().data_received(data)
         if self._lingering or self.transport.is_closing():
             return  # answered and ended by the parser's callbacks (400, 431)
@@ -581,6 +588,7 @@ class _Deadlines(_HttpToolsProtocol):
         scope["raw_path"] = path
         scope["query_string"] = query
         scope["extensions"] = _WHOLE_EXTENSIONS  # type: ignore[typeddict-item]
+        scope[ARRIVED] = self._arrived  # type: ignore[literal-required]
         previous = self.cycle
         self.cycle = self.direct_cycle(self, scope, version != "1.0" and parser.should_keep_alive())
         if previous is None or previous.response_complete:

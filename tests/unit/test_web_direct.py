@@ -44,6 +44,7 @@ async def _main(scope: Any, receive: Any, send: Any) -> None:
         await lifespan(receive, send)
         return
     assert web.leaving(receive) is None  # not a Direct request: no cycle of that kind
+    assert web.ARRIVED not in scope  # nor its head's time
     await _read(receive)
     body = json.dumps({"app": "main", "path": scope["path"], "client": scope["client"][0]})
     await send({"type": "http.response.start", "status": 200,
@@ -53,8 +54,11 @@ async def _main(scope: Any, receive: Any, send: Any) -> None:
 
 async def _direct(scope: Any, receive: Any, send: Any) -> None:
     """The direct app: the query string says how to answer."""
+    began = time.perf_counter()
     body = await _read(receive)
     seen = {
+        "arrived": scope.get(web.ARRIVED),
+        "began": began,
         "app": "direct",
         "path": scope["path"],
         "query": scope["query_string"].decode(),
@@ -241,6 +245,37 @@ def test_a_post_to_a_direct_path_reaches_the_direct_app_with_no_proxy_headers_la
     status, _, body = _exchange(port, _request(b"/v1/other", extra=forwarded))
     assert status == 200
     assert json.loads(body) == {"app": "main", "path": "/v1/other", "client": "203.0.113.9"}
+
+
+def test_a_direct_request_carries_when_its_head_arrived_before_the_server_parsed_it(
+    port: int,
+) -> None:
+    """``ARRIVED``: a reading of the same clock taken as the head came off the
+    connection, after the client sent it and before the app began; a body sent later
+    does not move it; pipelined requests read in one piece share their reading."""
+    with _connect(port) as sock:
+        reader = _Reader(sock)
+        before = time.perf_counter()
+        sock.sendall(_request(PATH, b"1"))
+        seen = json.loads(reader.response()[2])
+        assert before <= seen["arrived"] <= seen["began"]
+        # the head now, the body once the app has begun: the head's time is kept
+        head, _, body = _request(PATH, b'{"late":1}').partition(b"\r\n\r\n")
+        sock.sendall(head + b"\r\n\r\n")
+        time.sleep(0.2)
+        body_sent = time.perf_counter()
+        sock.sendall(body)
+        late = json.loads(reader.response()[2])
+        assert late["body"] == '{"late":1}'
+        assert seen["began"] < late["arrived"] < body_sent
+        sock.sendall(_request(PATH + b"?one", b"1") + _request(PATH + b"?two", b"2"))
+        first, second = json.loads(reader.response()[2]), json.loads(reader.response()[2])
+        assert body_sent < first["arrived"] <= first["began"]
+        assert second["arrived"] >= first["arrived"]
+    # the whole app's requests (uvicorn's way) carry none (``_main`` asserts it)
+    status, _, body = _exchange(port, _request(b"/v1/other"))
+    assert status == 200
+    assert json.loads(body)["app"] == "main"
 
 
 @pytest.mark.parametrize(
