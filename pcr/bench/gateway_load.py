@@ -32,11 +32,12 @@ other (``--router-cores`` and ``--load-cores`` move them: routers on two cores o
 let two processes run at once, and "vs 1 proc", requests/s against one process, reads
 how they scale). Per row: requests/s, the router's CPU seconds per request (``/proc`` of its process
 tree, user + system), requests per router-CPU-second and its ratio to vllm-router's; then
-p50/p99 latency added over the stubs at a paced 200 requests/s (``--rounds`` turns, the
-stubs alone measured in each: the median of the turns, each turn's p50 shown, and the
-router's CPU per request at that rate, where a request arrives alone and pays for a
-wake-up and cold memory), and each router's CPU per second idle (read last, once the
-traffic has settled).
+p50/p99 latency added over the stubs at a paced 200 requests/s, or a row per rate of
+``--paced-rates`` (``--rounds`` turns, the stubs alone measured in each: the median of
+the turns, each turn's p50 shown, and the router's CPU per request at that rate, where a
+request arrives alone and pays for a wake-up and cold memory: the further apart the
+requests, the more each costs), and each router's CPU per second idle (read last, once
+the traffic has settled).
 
 Run it as ``python -m pcr.bench.gateway_load`` or ``make bench-gateway-load``.
 """
@@ -86,6 +87,7 @@ LONG_TOKENS = 4_096
 LONG_USER_TOKENS = 128
 LONG_VOCABULARY = 152_000
 PACED_RATE = 200.0
+"""The paced rate of the latency rows unless ``--paced-rates`` says otherwise."""
 IDLE_SETTLE_S = 5.0
 """Seconds after the last measured traffic before each router's idle CPU is read."""
 FLOORS = {
@@ -353,6 +355,23 @@ def positive_count(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
     return int(text)
+
+
+def paced_rates(text: str) -> list[float]:
+    """``--paced-rates``: requests a second above 0, comma-separated, each once."""
+    rates = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf or value in rates:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: rates are numbers of requests a second above 0, comma-separated, "
+                "each once"
+            )
+        rates.append(value)
+    return rates
 
 
 def positive_seconds(text: str) -> float:
@@ -809,19 +828,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"{row['cpu_us']:.0f} us CPU/req, failed {row['failed']}")  # fmt: skip
         latency = []
         direct = Router("stubs direct", [], ports[:1])
-        for shape in args.shapes.split(","):
+        for shape, rate in ((s, r) for s in args.shapes.split(",") for r in args.paced_rates):
             added: dict[str, list[dict[str, float]]] = {r.label: [] for r in routers}
             for turn in range(args.rounds):  # the stubs alone, then each router, in turns
-                base = _measure(direct, shapes[shape], 8, 1.0, args.seconds, PACED_RATE)
+                base = _measure(direct, shapes[shape], 8, 1.0, args.seconds, rate)
                 for router in routers if turn % 2 == 0 else routers[::-1]:
-                    got = _measure(router, shapes[shape], 8, 1.0, args.seconds, PACED_RATE)
+                    got = _measure(router, shapes[shape], 8, 1.0, args.seconds, rate)
                     added[router.label].append(
                         {"p50": got["p50_ms"] - base["p50_ms"],
                          "p99": got["p99_ms"] - base["p99_ms"], "cpu_us": got["cpu_us"]}
                     )  # fmt: skip
             for label, runs in added.items():
                 latency.append(
-                    {"shape": shape, "router": label,
+                    {"shape": shape, "router": label, "rate": rate,
                      "added_p50_ms": statistics.median(r["p50"] for r in runs),
                      "added_p99_ms": statistics.median(r["p99"] for r in runs),
                      "paced_cpu_us": statistics.median(r["cpu_us"] for r in runs),
@@ -881,6 +900,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="another checkout of the project (C extensions built in place): its gateway "
         "measured in the same run, alternating with this one's",
     )
+    parser.add_argument(
+        "--paced-rates",
+        type=paced_rates,
+        default=[PACED_RATE],
+        help=f"requests a second of the latency rows, comma-separated (default {PACED_RATE:.0f})",
+    )
     parser.add_argument("--seconds", type=positive_seconds, default=5.0)
     parser.add_argument("--warmup", type=positive_seconds, default=1.5)
     parser.add_argument("--rounds", type=positive_count, default=2)
@@ -923,9 +948,10 @@ def main(argv: Sequence[str] | None = None) -> int:
          "vs 1 proc", "p50 ms", "p99 ms", "failed"], table))  # fmt: skip
     print()
     print(format_table(
-        ["shape", "router", f"added p50 ms @{PACED_RATE:.0f}/s", "added p99 ms",
+        ["shape", "router", "paced req/s", "added p50 ms", "added p99 ms",
          "CPU us/req", "p50 of each round"],
-        [[r["shape"], r["router"], f"{r['added_p50_ms']:.2f}", f"{r['added_p99_ms']:.2f}",
+        [[r["shape"], r["router"], f"{r['rate']:.0f}", f"{r['added_p50_ms']:.2f}",
+          f"{r['added_p99_ms']:.2f}",
           f"{r.get('paced_cpu_us', math.nan):.0f}",
           " ".join(f"{x:.2f}" for x in r.get("added_p50_ms_each", []))]
          for r in result["latency"]]))  # fmt: skip

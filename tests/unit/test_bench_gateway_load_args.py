@@ -19,6 +19,7 @@ from pcr.bench.gateway_load import (
     build_workload,
     connection_counts,
     cores,
+    paced_rates,
     positive_count,
     positive_seconds,
     router_names,
@@ -138,3 +139,18 @@ def test_the_long_shape_is_long_prompts_on_popular_system_prompts() -> None:
     assert len(systems) > 2
     assert max(t for b in bodies for t in b["prompt"]) > 100_000  # a large vocabulary
     assert workload.bodies("ids") == workload.ids
+
+
+def test_paced_rates_read_as_positive_numbers_each_once() -> None:
+    assert paced_rates("200") == [200.0]
+    assert paced_rates("50, 200,1000.5") == [50.0, 200.0, 1000.5]
+
+
+@pytest.mark.parametrize("text", ["", "0", "-5", "fast", "200,,400", "inf", "nan", "200,200"])
+def test_a_rate_list_that_is_not_positive_numbers_each_once_is_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="rates are numbers"):
+        paced_rates(text)
+
+
+def test_a_bad_rate_list_is_one_line_on_stderr() -> None:
+    assert "--paced-rates" in _refused("--paced-rates", "0,200")
