@@ -357,14 +357,19 @@ def positive_count(text: str) -> int:
     return int(text)
 
 
+def _number(text: str) -> float:
+    """``text`` as a float; NaN (refused by every range) where it is not one."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 def paced_rates(text: str) -> list[float]:
     """``--paced-rates``: requests a second above 0, comma-separated, each once."""
     rates = []
     for part in text.split(","):
-        try:
-            value = float(part)
-        except ValueError:
-            value = math.nan
+        value = _number(part)
         if not 0 < value < math.inf or value in rates:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: rates are numbers of requests a second above 0, comma-separated, "
@@ -376,10 +381,7 @@ def paced_rates(text: str) -> list[float]:
 
 def positive_seconds(text: str) -> float:
     """``--seconds``, ``--warmup`` and ``--idle``: a finite number of seconds above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds above 0")
     return value
